@@ -1,0 +1,35 @@
+"""flint_jax: Flint (Recursive's 40B mixture-of-experts LLM) in JAX, Flax NNX and Pallas.
+
+    import flint_jax
+    model = flint_jax.load("path/to/flint")            # HF dir, converted checkpoint or .gguf
+    text = flint_jax.generate(model, "Hello", max_new_tokens=32)
+    logits = flint_jax.forward(model, ids)             # fp32 [B, T, vocab]
+    reply = flint_jax.chat(model, [{"role": "user", "content": "Hi"}])
+"""
+
+from flint_jax.config import FlintConfig, preset
+from flint_jax.decode import GeneratedText, GenerationOutput, StreamEvent, forward, generate
+from flint_jax.engine import Flint
+from flint_jax.loading import from_module, load
+from flint_jax.sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Heavier or optional parts load on first use.
+    if name in ("chat", "expert_usage"):
+        from flint_jax import chat as _chat
+        return getattr(_chat, name)
+    if name == "parse_assistant":
+        from flint_jax.chat_format import parse_assistant
+        return parse_assistant
+    if name == "convert":
+        from flint_jax.convert import convert
+        return convert
+    raise AttributeError(f"module 'flint_jax' has no attribute {name!r}")
+
+
+__all__ = ["Flint", "FlintConfig", "GeneratedText", "GenerationOutput", "SamplingParams",
+           "StreamEvent", "chat", "convert", "expert_usage", "forward", "from_module", "generate",
+           "load", "parse_assistant", "preset"]

@@ -1,0 +1,113 @@
+"""The KV cache: full layers hold every position, sliding layers a ring of the last window.
+
+Layout (docs/design.md): `full_k/full_v [L_full, B, KVH, S, Dh]`, `ring_k/ring_v
+[L_slide, B, KVH, R, Dh]` with `R = round_up(window, 64)`, and `lengths [B]`, the tokens already
+written per row. A decode kernel for KV head `g` reads one contiguous `[S, Dh]` slab, shared by the
+query heads of its group: no transposes on the hot path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from flint_jax.config import FlintConfig, human_bytes, kv_cache_bytes
+
+
+class CacheTooLargeError(MemoryError):
+    """The requested KV cache does not fit in the device's free memory."""
+
+
+@struct.dataclass
+class KVCache:
+    full_k: jax.Array  # [L_full, B, KVH, S, Dh]
+    full_v: jax.Array  # [L_full, B, KVH, S, Dh]
+    ring_k: jax.Array  # [L_slide, B, KVH, R, Dh]
+    ring_v: jax.Array  # [L_slide, B, KVH, R, Dh]
+    lengths: jax.Array  # [B] int32: tokens written per row (= next position)
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        """Positions the full layers can hold."""
+        return self.full_k.shape[3]
+
+    @property
+    def ring_size(self) -> int:
+        return self.ring_k.shape[3]
+
+
+def cache_shapes(cfg: FlintConfig, batch: int, length: int, dtype=jnp.bfloat16) -> KVCache:
+    """Abstract shapes (jax.ShapeDtypeStruct leaves) of a cache: nothing is allocated."""
+    kvh, hd = cfg.num_key_value_heads, cfg.head_dim
+    full = jax.ShapeDtypeStruct((len(cfg.full_layers), batch, kvh, length, hd), dtype)
+    ring = jax.ShapeDtypeStruct((len(cfg.sliding_layers), batch, kvh, cfg.ring_size, hd), dtype)
+    return KVCache(full_k=full, full_v=full, ring_k=ring, ring_v=ring,
+                   lengths=jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+def device_free_bytes(device: jax.Device | None = None) -> int | None:
+    """Free memory of a device (None if unknown). On CPU: the host's available memory."""
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends do not implement it
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    if device.platform == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def check_cache_fits(cfg: FlintConfig, batch: int, length: int, dtype=jnp.bfloat16,
+                     num_devices: int = 1) -> dict[str, int]:
+    """Computes the cache's bytes and refuses, clearly, a cache that cannot fit.
+
+    The cache is checked against the first device's free memory times the devices it is sharded
+    over. Returns the byte counts (`full`, `sliding`, `total`).
+    """
+    sizes = kv_cache_bytes(cfg, batch, length, jnp.dtype(dtype).itemsize)
+    free = device_free_bytes()
+    if os.environ.get("FLINT_JAX_MAX_CACHE_BYTES"):  # lets tests and users set a budget
+        free = int(os.environ["FLINT_JAX_MAX_CACHE_BYTES"])
+    if free is not None and sizes["total"] > free * num_devices:
+        per_token = sizes["full"] // max(1, batch * length)
+        raise CacheTooLargeError(
+            f"KV cache for batch {batch} x {length} tokens needs {human_bytes(sizes['total'])} "
+            f"({human_bytes(sizes['full'])} for {len(cfg.full_layers)} full-attention layers at "
+            f"{human_bytes(per_token)} per token per sequence, plus "
+            f"{human_bytes(sizes['sliding'])} of sliding-window rings) but only "
+            f"{human_bytes(free * num_devices)} is free; lower max_length / max_new_tokens or the "
+            "batch size")
+    return sizes
+
+
+def init_cache(cfg: FlintConfig, batch: int, length: int, dtype=jnp.bfloat16,
+               shardings: KVCache | None = None) -> KVCache:
+    """Allocates a zeroed cache (zeros keep masked slots finite: 0 * garbage never makes NaN)."""
+    shapes = cache_shapes(cfg, batch, length, dtype)
+
+    def make():
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    if shardings is None:
+        return jax.jit(make)()
+    return jax.jit(make, out_shardings=shardings)()
+
+
+def with_lengths(cache: KVCache, lengths) -> KVCache:
+    return dataclasses.replace(cache, lengths=jnp.asarray(lengths, jnp.int32))

@@ -1,0 +1,372 @@
+"""Prefill, decoding and `generate`: the host loop around the jitted steps.
+
+- Prompts are right-padded into `[B, T]` with per-row lengths; each row's tokens sit at their true
+  positions, padding is never written to the sliding rings nor attended.
+- Prefill runs in chunks of `chunk_size` tokens (one compiled function for every chunk).
+- The cache length is bucketed (a power of two >= prompt + new tokens, at least 64) so
+  different prompt lengths reuse compiled steps; it is sized and checked before allocation.
+- Each decode step is one jitted call (model, sampling and the seen-token mask fused; the cache
+  donated). Tokens stream out as they are produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flint_jax import sampling
+from flint_jax.cache import check_cache_fits, init_cache
+from flint_jax.engine import Flint
+
+
+class PromptTooLongError(ValueError):
+    """A prompt (plus the tokens to generate) does not fit the model's maximum length."""
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    """One row's result: generated token ids, text (when a tokenizer is there), why it stopped
+    ("stop": a stop token or string, "length": max_new_tokens), and per-token logprobs."""
+    token_ids: np.ndarray
+    text: str | None
+    finish_reason: str
+    logprobs: np.ndarray | None = None
+    prompt_ids: np.ndarray | None = None
+
+
+class GeneratedText(str):
+    """The generated text, a `str`, carrying `.token_ids`, `.finish_reason` and `.logprobs`."""
+    token_ids: np.ndarray
+    finish_reason: str
+    logprobs: np.ndarray | None
+    output: GenerationOutput
+
+    @classmethod
+    def of(cls, out: GenerationOutput) -> "GeneratedText":
+        s = cls(out.text or "")
+        s.token_ids, s.finish_reason, s.logprobs, s.output = (
+            out.token_ids, out.finish_reason, out.logprobs, out)
+        return s
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    """A streamed token: the row it belongs to, its id, the new text it adds (may be empty while
+    a multi-byte character is incomplete), its logprob, and the finish reason once it ends."""
+    row: int
+    token_id: int
+    text: str
+    logprob: float | None = None
+    finish_reason: str | None = None
+
+
+def bucket_length(n: int, max_length: int, minimum: int = 64) -> int:
+    """A power of two >= n (at least `minimum`), capped at `max_length`."""
+    b = max(minimum, 1 << max(0, int(n - 1).bit_length()))
+    return min(b, max_length)
+
+
+def _as_rows(prompt, tokenizer) -> tuple[list[list[int]], bool, bool]:
+    """Normalises a prompt to token id rows. Returns (rows, is_text, single)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; this checkpoint has no tokenizer.json "
+                             "(pass token ids instead)")
+        return [tokenizer.encode(prompt)], True, True
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; this checkpoint has no tokenizer.json")
+        return [tokenizer.encode(p) for p in prompt], True, False
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple, np.ndarray)):
+        return [[int(t) for t in row] for row in prompt], False, False
+    arr = np.asarray(prompt)
+    if arr.ndim == 1 and arr.size and np.issubdtype(arr.dtype, np.integer):
+        return [arr.tolist()], False, True
+    if arr.ndim == 2 and np.issubdtype(arr.dtype, np.integer):
+        return [row.tolist() for row in arr], False, False
+    raise ValueError("prompt must be a string, a list of strings, or token ids [T] or [B, T] "
+                     f"(got {type(prompt).__name__} {getattr(arr, 'shape', '')})")
+
+
+def _check_rows(model: Flint, rows: list[list[int]], max_new_tokens: int):
+    vocab = model.config.vocab_size
+    for b, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"prompt row {b} is empty: at least one token is needed")
+        bad = [t for t in row if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt row {b} holds token id {bad[0]} outside the vocabulary "
+                             f"(0..{vocab - 1})")
+        if len(row) + max_new_tokens > model.max_length:
+            raise PromptTooLongError(
+                f"prompt row {b} has {len(row)} tokens; with max_new_tokens={max_new_tokens} it "
+                f"needs {len(row) + max_new_tokens} positions but the cache holds at most "
+                f"{model.max_length} (load(..., max_length=...) / the config's "
+                f"max_position_embeddings)")
+
+
+def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: int = 256):
+    """Allocates a cache and runs the prompts through it in chunks.
+
+    Returns (last-token logits f32 [B, V], cache). Rows may have different lengths.
+    """
+    cfg = model.config
+    b = len(rows)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    check_cache_fits(cfg, b, cache_length, model.dtype,
+                     num_devices=model.mesh.size if model.mesh is not None else 1)
+    cache = init_cache(cfg, b, cache_length, model.dtype, model.cache_sharding)
+    t_max = int(lengths.max())
+    chunk = min(chunk_size, bucket_length(t_max, cache_length, minimum=16))
+    n_chunks = -(-t_max // chunk)
+    tokens = np.zeros((b, n_chunks * chunk), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    fn = model.chunk_fn("last")
+    last = None
+    for c in range(n_chunks):
+        n = np.clip(lengths - c * chunk, 0, chunk).astype(np.int32)
+        logits, cache, _ = fn(model.state, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]), cache,
+                              jnp.asarray(n))
+        last = logits if last is None else jnp.where(jnp.asarray(n > 0)[:, None], logits, last)
+    return last, cache
+
+
+def _key_of(seed, key):
+    if key is not None:
+        return key
+    return jax.random.key(0 if seed is None else int(seed))
+
+
+class _TextTracker:
+    """Incremental detokenisation of one row; holds back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.text = tokenizer, [], ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        if self.tok is None:
+            return ""
+        full = self.tok.decode(self.ids)
+        if full.endswith("\ufffd"):
+            return ""
+        delta = full[len(self.text):] if full.startswith(self.text) else full
+        self.text = full
+        return delta
+
+
+def stream_generate(model: Flint, rows: list[list[int]], *, max_new_tokens: int = 256,
+                    params: sampling.SamplingParams | None = None, seed: int | None = None,
+                    key: jax.Array | None = None, stop_token_ids: Sequence[int] | None = None,
+                    stop: Sequence[str] | None = None, chunk_size: int = 256,
+                    ) -> Iterator[StreamEvent]:
+    """Yields a `StreamEvent` per generated token per live row, in step order."""
+    params = (params or sampling.SamplingParams()).validate()
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    _check_rows(model, rows, max_new_tokens)
+    b = len(rows)
+    stop_ids = set(int(t) for t in (stop_token_ids if stop_token_ids is not None else []))
+    stop = [s for s in (stop or []) if s]
+    if stop and model.tokenizer is None:
+        raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+    cache_len = bucket_length(max(len(r) for r in rows) + max_new_tokens, model.max_length)
+    logits, cache = prefill(model, rows, cache_len, chunk_size)
+    with_seen = params.repetition_penalty != 1.0
+    seen = None
+    if with_seen:
+        seen_np = np.zeros((b, model.config.vocab_size), bool)
+        for i, r in enumerate(rows):
+            seen_np[i, r] = True
+        seen = jnp.asarray(seen_np)
+    rng = _key_of(seed, key)
+    rng, step_rng = jax.random.split(rng)
+    nxt, lp, seen = model.sample_fn(params, with_seen)(logits, step_rng, seen)
+    step_fn = model.decode_fn(params, with_seen)
+    trackers = [_TextTracker(model.tokenizer) for _ in range(b)]
+    done = [False] * b
+    for step in range(max_new_tokens):
+        cur_tokens, cur_lp = nxt, lp
+        last_step = step == max_new_tokens - 1
+        if not last_step:  # dispatch the next step before the host looks at this one
+            rng, step_rng = jax.random.split(rng)
+            nxt, lp, cache, seen = step_fn(model.state, cache, nxt, step_rng, seen)
+        toks, lps = np.asarray(cur_tokens), np.asarray(cur_lp)
+        for i in range(b):
+            if done[i]:
+                continue
+            tid = int(toks[i])
+            reason = None
+            if tid in stop_ids:
+                reason, text = "stop", ""
+                trackers[i].ids.append(tid)
+            else:
+                text = trackers[i].add(tid)
+                for s in stop:
+                    cut = trackers[i].text.find(s)
+                    if cut >= 0:
+                        keep = cut - (len(trackers[i].text) - len(text))
+                        text = text[:max(0, keep)]
+                        trackers[i].text = trackers[i].text[:cut]
+                        reason = "stop"
+                        break
+            if reason is None and last_step:
+                reason = "length"
+            done[i] = reason is not None
+            yield StreamEvent(i, tid, text, float(lps[i]), reason)
+        if all(done):
+            break
+
+
+def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: float | None = None,
+             top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+             repetition_penalty: float | None = None, seed: int | None = None,
+             key: jax.Array | None = None, stop: str | Sequence[str] | None = None,
+             stop_token_ids: Sequence[int] | None = None, stream: bool = False,
+             logprobs: bool = False, return_details: bool = False, chunk_size: int = 256):
+    """Generates continuations of one or several prompts.
+
+    Args:
+      model: a handle from `flint_jax.load`.
+      prompt: a string, a list of strings, or token ids (`[T]` or `[B, T]`, or a list of rows of
+        different lengths).
+      max_new_tokens: tokens to generate per row at most (thinking counts).
+      temperature / top_k / top_p / min_p / repetition_penalty: sampling (fp32, HF order);
+        `temperature=0` is greedy. Unset values come from the checkpoint's generation_config.json,
+        else temperature 1.0, top-p 0.95, top-k 20.
+      seed / key: the PRNG seed or key (same seed, same output). Default seed 0.
+      stop: stop string(s): the text is cut before the first occurrence.
+      stop_token_ids: token ids that end a row (default: generation_config's eos list, else the
+        tokenizer's end-of-text, `<|user|>` and `<|observation|>`); the stop token is kept in
+        the ids, not in the text.
+      stream: return an iterator of `StreamEvent` instead.
+      logprobs: keep per-token logprobs (log-softmax of the raw logits).
+      return_details: return `GenerationOutput` objects.
+
+    Returns: for a string prompt a `GeneratedText` (a str with `.token_ids`, `.finish_reason`,
+    `.logprobs`); for a list of strings a list of them; for token ids `[T]` an int32 array of the
+    generated ids, for `[B, T]` a list of arrays (rows may differ in length).
+    """
+    rows, is_text, single = _as_rows(prompt, model.tokenizer)
+    overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                     repetition_penalty=repetition_penalty)
+    params = sampling.SamplingParams.from_generation_config(
+        model.generation_config, **{k: v for k, v in overrides.items() if v is not None})
+    if stop_token_ids is None:
+        stop_token_ids = default_stop_ids(model)
+    if isinstance(stop, str):
+        stop = [stop]
+    events = stream_generate(model, rows, max_new_tokens=max_new_tokens, params=params, seed=seed,
+                             key=key, stop_token_ids=stop_token_ids, stop=stop,
+                             chunk_size=chunk_size)
+    if stream:
+        return events
+    ids = [[] for _ in rows]
+    lps = [[] for _ in rows]
+    texts = [[] for _ in rows]
+    reasons = ["length"] * len(rows)
+    for ev in events:
+        ids[ev.row].append(ev.token_id)
+        lps[ev.row].append(ev.logprob)
+        texts[ev.row].append(ev.text)
+        if ev.finish_reason:
+            reasons[ev.row] = ev.finish_reason
+    outs = [GenerationOutput(token_ids=np.array(ids[i], np.int32),
+                             text="".join(texts[i]) if model.tokenizer is not None else None,
+                             finish_reason=reasons[i],
+                             logprobs=np.array(lps[i], np.float32) if logprobs else None,
+                             prompt_ids=np.array(rows[i], np.int32))
+            for i in range(len(rows))]
+    if return_details:
+        return outs[0] if single else outs
+    if is_text:
+        res = [GeneratedText.of(o) for o in outs]
+    else:
+        res = [o.token_ids for o in outs]
+    return res[0] if single else res
+
+
+def default_stop_ids(model: Flint) -> list[int]:
+    eos = model.generation_config.get("eos_token_id")
+    if eos is not None:
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if model.config.eos_token_id:
+        return list(model.config.eos_token_id)
+    if model.tokenizer is not None:
+        return model.tokenizer.stop_token_ids()
+    return []
+
+
+def forward(model: Flint, input_ids, *, lengths=None, capture: Sequence[str] = (),
+            params: Any = None, chunk_size: int = 512):
+    """fp32 logits `[B, T, V]` of whole sequences (chunked through a cache; XLA path).
+
+    Args:
+      input_ids: int `[T]` or `[B, T]`.
+      lengths: optional `[B]` valid tokens per row (right padding); logits past a row's length
+        are meaningless.
+      capture: any of "hidden_states", "router_scores", "router_ids", "router_weights",
+        "sink_mass"; when given the result is `(logits, captured)` with arrays stacked over
+        layers (hidden_states [L+1, B, T, D], router_* [L_moe, B, T, ...], sink_mass [L, B, T, H]).
+      params: a state pytree to use instead of `model.state` (e.g. under `jax.grad`); forward is
+        differentiable with respect to it.
+    """
+    from flint_jax.model import CAPTURABLE
+    ids = jnp.asarray(input_ids, jnp.int32)
+    squeeze = ids.ndim == 1
+    if squeeze:
+        ids = ids[None]
+    bad = [c for c in capture if c not in CAPTURABLE]
+    if bad:
+        raise ValueError(f"cannot capture {bad[0]!r}; choose from {CAPTURABLE}")
+    b, t = ids.shape
+    if t > model.max_length:
+        raise PromptTooLongError(f"input has {t} tokens but the model holds at most "
+                                 f"{model.max_length}")
+    lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    chunk = min(chunk_size, bucket_length(t, 1 << 30, minimum=16))
+    n_chunks = -(-t // chunk)
+    cache_len = bucket_length(n_chunks * chunk, 1 << 30)
+    check_cache_fits(model.config, b, cache_len, model.dtype)
+    fn = _forward_fn(model, chunk, n_chunks, cache_len, tuple(capture))
+    logits, captured = fn(model.state if params is None else params, ids, lengths)
+    logits = logits[:, :t]
+    captured = {k: v[:, :, :t] if v.ndim >= 3 else v for k, v in captured.items()}
+    if squeeze:
+        logits = logits[0]
+        captured = {k: v[:, 0] for k, v in captured.items()}
+    return (logits, captured) if capture else logits
+
+
+def _forward_fn(model: Flint, chunk: int, n_chunks: int, cache_len: int, capture):
+    key = ("forward", chunk, n_chunks, cache_len, capture)
+    if key not in model._jit_cache:
+        from flax import nnx
+        from flint_jax.cache import cache_shapes
+        graphdef, cfg, dtype = model.graphdef, model.config, model.dtype
+
+        def run(state, ids, lengths):
+            b, t = ids.shape
+            ids = jnp.pad(ids, ((0, 0), (0, n_chunks * chunk - t)))
+            cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                 cache_shapes(cfg, b, cache_len, dtype))
+            m = nnx.merge(graphdef, state)
+            outs, caps = [], []
+            for c in range(n_chunks):
+                n = jnp.clip(lengths - c * chunk, 0, chunk)
+                lo, cache, cap = m(ids[:, c * chunk:(c + 1) * chunk], cache, n, logits="all",
+                                   capture=capture)
+                outs.append(lo)
+                caps.append(cap)
+            logits = jnp.concatenate(outs, axis=1)
+            captured = {k: jnp.concatenate([cp[k] for cp in caps], axis=2) for k in caps[0]}
+            return logits, captured
+
+        model._jit_cache[key] = jax.jit(run)
+    return model._jit_cache[key]

@@ -1,0 +1,138 @@
+"""The model handle users get from `flint_jax.load`: config, tokenizer, split state, jitted steps.
+
+`nnx.split` happens once at load; every step is a `jax.jit` of a pure function of the state (with
+the cache donated), so a call costs about its compute instead of NNX's graph traversal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flint_jax import sampling
+from flint_jax.cache import KVCache
+from flint_jax.config import FlintConfig
+from flint_jax.tokenizer import Tokenizer
+
+KERNEL_CHOICES = ("auto", "pallas", "xla")
+
+
+def resolve_kernels(kernels: str) -> str:
+    """"auto" is the Pallas path on GPU and the XLA path elsewhere."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if kernels == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return kernels
+
+
+@dataclasses.dataclass(eq=False)
+class Flint:
+    """A loaded Flint model.
+
+    Attributes: `config` (FlintConfig), `tokenizer` (Tokenizer or None), `graphdef`/`state` (the
+    `nnx.split` of the module tree), `dtype`, `quant` (NVFP4 linear layers), `kernels` ("xla" or
+    "pallas"), `mesh` (or None), `max_length` (the longest sequence a cache may hold),
+    `generation_config` (dict from generation_config.json), `source` (path loaded).
+    """
+
+    config: FlintConfig
+    graphdef: Any
+    state: Any
+    dtype: Any = jnp.bfloat16
+    quant: bool = False
+    kernels: str = "xla"
+    tokenizer: Tokenizer | None = None
+    mesh: jax.sharding.Mesh | None = None
+    max_length: int = 0
+    generation_config: dict = dataclasses.field(default_factory=dict)
+    source: str = ""
+    cache_sharding: Any = None
+
+    def __post_init__(self):
+        if not self.max_length:
+            self.max_length = self.config.max_position_embeddings
+        self._jit_cache: dict = {}
+
+    @property
+    def module(self):
+        """The NNX module tree (a fresh merge: for research, not for the hot path)."""
+        return nnx.merge(self.graphdef, self.state)
+
+    def __repr__(self):
+        c = self.config
+        return (f"Flint({c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_experts} "
+                f"experts, dtype={jnp.dtype(self.dtype).name}, nvfp4={self.quant}, "
+                f"kernels={self.kernels!r}, source={self.source!r})")
+
+    # ---- jitted pure functions, built once per handle -------------------------------------
+    def chunk_fn(self, logits: str, capture: tuple[str, ...] = ()):
+        """jit(state, tokens [B,T], cache, n_tokens [B]) -> (logits, cache, captured); cache donated."""
+        key = ("chunk", logits, capture)
+        if key not in self._jit_cache:
+            graphdef = self.graphdef
+
+            def run(state, tokens, cache, n_tokens):
+                return nnx.merge(graphdef, state)(tokens, cache, n_tokens, logits=logits,
+                                                  capture=capture)
+
+            self._jit_cache[key] = jax.jit(run, donate_argnums=(2,))
+        return self._jit_cache[key]
+
+    def decode_fn(self, params: sampling.SamplingParams, with_seen: bool):
+        """jit(state, cache, tokens [B], key, seen) -> (next [B], logprob [B], cache, seen).
+
+        One decode step with sampling fused in: the cache (and the seen-token mask) are donated.
+        """
+        key = ("decode", params, with_seen, self.kernels)
+        if key not in self._jit_cache:
+            step = self.decode_logits_fn_raw()
+
+            def run(state, cache, tokens, rng, seen):
+                logits, cache = step(state, cache, tokens)
+                nxt = sampling.sample(logits, rng, params, seen if with_seen else None)
+                lp = sampling.token_logprobs(logits, nxt)
+                if with_seen:
+                    seen = seen.at[jnp.arange(nxt.shape[0]), nxt].set(True)
+                return nxt, lp, cache, seen
+
+            self._jit_cache[key] = jax.jit(run, donate_argnums=(1, 4))
+        return self._jit_cache[key]
+
+    def decode_logits_fn_raw(self):
+        """The un-jitted decode step `(state, cache, tokens [B]) -> (f32 logits [B, V], cache)`
+        of the chosen kernel path."""
+        graphdef, cfg = self.graphdef, self.config
+        if self.kernels == "pallas":
+            from flint_jax import fast_decode
+            return fast_decode.make_decode_step(graphdef, cfg, interpret=jax.default_backend() != "gpu")
+
+        def step(state, cache, tokens):
+            n = jnp.ones(tokens.shape, jnp.int32)
+            logits, cache, _ = nnx.merge(graphdef, state)(tokens[:, None], cache, n, logits="last")
+            return logits, cache
+
+        return step
+
+    def decode_logits_fn(self):
+        """jit(state, cache, tokens [B]) -> (f32 logits [B, V], cache), cache donated."""
+        key = ("decode_logits", self.kernels)
+        if key not in self._jit_cache:
+            self._jit_cache[key] = jax.jit(self.decode_logits_fn_raw(), donate_argnums=(1,))
+        return self._jit_cache[key]
+
+    def sample_fn(self, params: sampling.SamplingParams, with_seen: bool):
+        key = ("sample", params, with_seen)
+        if key not in self._jit_cache:
+            def run(logits, rng, seen):
+                nxt = sampling.sample(logits, rng, params, seen if with_seen else None)
+                lp = sampling.token_logprobs(logits, nxt)
+                if with_seen:
+                    seen = seen.at[jnp.arange(nxt.shape[0]), nxt].set(True)
+                return nxt, lp, seen
+            self._jit_cache[key] = jax.jit(run, donate_argnums=(2,))
+        return self._jit_cache[key]

@@ -1,0 +1,88 @@
+"""Flint's building blocks in plain jnp: the reference math every kernel is checked against.
+
+Rounding follows spec section 3: fp32 math for norms, RoPE, router, scores and softmax; one
+rounding to the activation dtype per op output; matmuls accumulate in fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """`cast(w * (x * rsqrt(mean(x^2) + eps)))`, the weight multiplied in fp32 before the cast.
+
+    x: [..., N] any float dtype; weight: [N]. Returns x.dtype.
+    """
+    xf = x.astype(F32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(F32) * normed).astype(x.dtype)
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of NeoX RoPE in fp32. positions: int [...]. Returns two [..., head_dim // 2] f32."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=F32) / head_dim)
+    angles = positions.astype(F32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """NeoX ("rotate_half") RoPE over all dims: `[x1 cos - x2 sin, x2 cos + x1 sin]`.
+
+    x: [B, T, N, Dh]; cos, sin: [B, T, Dh // 2] f32. Math in fp32, rounded once to x.dtype.
+    """
+    xf = x.astype(F32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """`silu(g) * u` in fp32, rounded once to the input dtype."""
+    g = gate.astype(F32)
+    return (g * jax.nn.sigmoid(g) * up.astype(F32)).astype(gate.dtype)
+
+
+def _operands(*xs):
+    # XLA:CPU has no bf16 x bf16 -> f32 dot thunk; upcasting is exact and accumulates the same.
+    if jax.default_backend() == "cpu":
+        return tuple(x.astype(F32) if x.dtype == jnp.bfloat16 else x for x in xs)
+    return xs
+
+
+def einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`jnp.einsum` with fp32 accumulation and an fp32 result."""
+    a, b = _operands(a, b)
+    return jnp.einsum(spec, a, b, preferred_element_type=F32)
+
+
+def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w^T` with fp32 accumulation. x: [..., K]; w: [N, K]. Returns f32 [..., N]."""
+    x, w = _operands(x, w.astype(x.dtype))
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """Grouped matmul `[N, K] x [G, K, M]` -> f32 `[N, M]` (rows grouped by `sizes`)."""
+    x, w = _operands(x, w)
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=F32)
+
+
+def router_topk(x: jax.Array, router_w: jax.Array, k: int, norm_topk_prob: bool = True):
+    """Flint's router: fp32 logits, sigmoid scores, top-k (no selection bias), renormalised.
+
+    x: [N, D]; router_w: [E, D] (fp32 in memory). Returns (scores f32 [N, E], weights f32 [N, k],
+    ids int32 [N, k]).
+    """
+    logits = jax.lax.dot_general(
+        x.astype(F32), router_w.astype(F32), (((1,), (1,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
+    scores = jax.nn.sigmoid(logits)
+    weights, ids = jax.lax.top_k(scores, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return scores, weights, ids.astype(jnp.int32)

@@ -1,0 +1,191 @@
+"""`flint_jax.load`: a HF directory, a converted flint_jax checkpoint, or an NVFP4 GGUF file.
+
+The module tree is built abstractly (`nnx.eval_shape`: nothing allocated), then each parameter
+is read, cast and placed on its device(s) one at a time, so the host never holds a full copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flint_jax.config import FlintConfig
+from flint_jax.engine import Flint, resolve_kernels
+from flint_jax.model import FlintForCausalLM
+from flint_jax.sharding import ShardingRules, cache_shardings, param_sharding
+from flint_jax.tokenizer import Tokenizer
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
+           "fp32": jnp.float32, "f32": jnp.float32}
+
+# Always fp32 in memory (spec section 3): the router and the sinks; NVFP4 tensor scales too.
+_FP32_SUFFIXES = ("mlp.gate.weight", "self_attn.sinks", "weight_scale_2")
+
+
+def parse_dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
+        return jnp.dtype(_DTYPES[dtype])
+    d = jnp.dtype(dtype)
+    if d not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"dtype must be bfloat16 or float32, got {d}")
+    return d
+
+
+def param_dtype(name: str, stored: np.dtype, dtype) -> np.dtype:
+    """The in-memory dtype of a parameter: packed/scale leaves keep theirs, fp32 leaves stay fp32."""
+    if name.endswith(("qweight", "weight_scale")):
+        return stored
+    if name.endswith(_FP32_SUFFIXES):
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype)
+
+
+def abstract_model(cfg: FlintConfig, dtype, quant: bool):
+    """(graphdef, abstract state, {dotted name: flat path}) of a model, without allocating."""
+    abs_model = nnx.eval_shape(lambda: FlintForCausalLM(cfg, dtype=dtype, quant=quant,
+                                                        rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abs_model)
+    names = {".".join(str(p) for p in path): (path, var)
+             for path, var in nnx.to_flat_state(state)}
+    return graphdef, state, names
+
+
+def build_state(cfg: FlintConfig, dtype, quant: bool, tensors: Iterable[tuple[str, np.ndarray]],
+                mesh=None, rules: ShardingRules | None = None, source: str = "checkpoint",
+                progress: bool = False):
+    """Places (name, array) pairs into a model state. Every parameter must come exactly once."""
+    graphdef, _, names = abstract_model(cfg, dtype, quant)
+    rules = rules or (ShardingRules.for_mesh(mesh) if mesh is not None else None)
+    filled: dict[str, jax.Array] = {}
+    it = tensors
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(tensors, total=len(names), desc="loading", unit="tensor")
+    for name, arr in it:
+        if name not in names:
+            raise ValueError(f"{source}: unexpected parameter {name!r}")
+        _, var = names[name]
+        want = var.get_value()
+        if tuple(arr.shape) != tuple(want.shape):
+            raise ValueError(f"{source}: parameter {name!r} has shape {list(arr.shape)}, expected "
+                             f"{list(want.shape)}")
+        target = param_dtype(name, np.dtype(want.dtype), dtype)
+        host = np.asarray(arr)
+        if host.dtype != target:
+            host = host.astype(np.float32).astype(target) if host.dtype.kind == "f" or \
+                str(host.dtype) == "bfloat16" else host.astype(target)
+        if mesh is not None:
+            filled[name] = jax.device_put(host, param_sharding(name, host.shape, mesh, rules))
+        else:
+            filled[name] = jax.device_put(host)
+    missing = [n for n in names if n not in filled]
+    if missing:
+        raise ValueError(f"{source}: missing parameter {missing[0]!r}")
+    pairs = [(path, var.replace(value=filled[n])) for n, (path, var) in names.items()]
+    return graphdef, nnx.from_flat_state(pairs)
+
+
+def _read_json(path):
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh | None = None,
+         kernels: str = "auto", max_length: int | None = None, hf_config: str | None = None,
+         rules: ShardingRules | None = None, progress: bool = False) -> Flint:
+    """Loads Flint for generation and research.
+
+    Args:
+      path: a HF directory (`config.json` + safetensors), a flint_jax checkpoint written by
+        `flint-jax convert`, or an NVFP4 `.gguf` file (then `hf_config=` names the directory with
+        `config.json` and the tokenizer files).
+      dtype: "bfloat16" (default) or "float32" (everything computed in fp32; parity tests).
+      mesh: a `jax.sharding.Mesh`; parameters and caches are sharded over it (heads and
+        intermediate dims over the tensor axis, experts over "expert" or the tensor axis).
+      kernels: "auto" (Pallas on GPU, XLA elsewhere), "pallas" (interpret mode on CPU), "xla".
+      max_length: the longest sequence (prompt + generation) a cache may hold; default the
+        config's max_position_embeddings.
+    Returns: a `Flint` handle with `.config`, `.tokenizer`, `.generation_config`.
+    """
+    path = os.fspath(path)
+    dtype = parse_dtype(dtype)
+    kernels = resolve_kernels(kernels)
+    if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
+        from flint_jax import convert
+        return convert.load_gguf(path, hf_config=hf_config, dtype=dtype, mesh=mesh,
+                                 kernels=kernels, max_length=max_length, rules=rules)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint directory or .gguf file")
+    if os.path.exists(os.path.join(path, "flint_jax.json")):
+        from flint_jax import convert
+        return convert.load_converted(path, dtype=dtype, mesh=mesh, kernels=kernels,
+                                      max_length=max_length, rules=rules)
+    from flint_jax import hf_io
+    cfg = FlintConfig.from_json(path)
+    ckpt = hf_io.HFCheckpoint(path)
+    sources = hf_io.plan(ckpt, cfg)
+    graphdef, state = build_state(cfg, dtype, False, hf_io.iter_params(ckpt, cfg, sources),
+                                  mesh=mesh, rules=rules, source=path, progress=progress)
+    return make_handle(cfg, graphdef, state, dtype=dtype, quant=False, kernels=kernels, mesh=mesh,
+                       rules=rules, max_length=max_length, meta_dir=path, source=path)
+
+
+def make_handle(cfg, graphdef, state, *, dtype, quant, kernels, mesh, rules, max_length,
+                meta_dir, source) -> Flint:
+    from flint_jax.cache import cache_shapes
+    cache_sh = None
+    if mesh is not None:
+        rules = rules or ShardingRules.for_mesh(mesh)
+        # The batch and length vary per call: shardings of a [.., B, KVH, S, Dh] cache only
+        # depend on divisibility, so resolve them per shape at allocation (see cache_sharding_for).
+        cache_sh = _CacheShardingFactory(cfg, mesh, rules, dtype)
+    if max_length is not None and max_length < 1:
+        raise ValueError(f"max_length must be positive, got {max_length}")
+    handle = Flint(config=cfg, graphdef=graphdef, state=state, dtype=dtype, quant=quant,
+                   kernels=kernels, tokenizer=Tokenizer.from_dir(meta_dir) if meta_dir else None,
+                   mesh=mesh, max_length=min(max_length or cfg.max_position_embeddings,
+                                             cfg.max_position_embeddings),
+                   generation_config=_read_json(os.path.join(meta_dir, "generation_config.json"))
+                   if meta_dir else {}, source=source)
+    handle.cache_sharding = cache_sh
+    return handle
+
+
+class _CacheShardingFactory:
+    """Builds cache shardings for a (batch, length) on demand."""
+
+    def __init__(self, cfg, mesh, rules, dtype):
+        self.cfg, self.mesh, self.rules, self.dtype = cfg, mesh, rules, dtype
+
+    def __call__(self, batch: int, length: int):
+        from flint_jax.cache import cache_shapes
+        return cache_shardings(cache_shapes(self.cfg, batch, length, self.dtype), self.mesh,
+                               self.rules)
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def from_module(module: FlintForCausalLM, *, tokenizer: Tokenizer | None = None,
+                kernels: str = "auto", max_length: int | None = None,
+                generation_config: dict | None = None) -> Flint:
+    """A handle around an in-memory module (random weights, research variants)."""
+    graphdef, state = nnx.split(module)
+    cfg = module.cfg
+    h = Flint(config=cfg, graphdef=graphdef, state=state, dtype=module.dtype, quant=module.quant,
+              kernels=resolve_kernels(kernels), tokenizer=tokenizer,
+              max_length=min(max_length or cfg.max_position_embeddings, cfg.max_position_embeddings),
+              generation_config=generation_config or {}, source="<module>")
+    return h

@@ -1,0 +1,38 @@
+"""Fused Pallas (Triton backend) kernels for Flint decode on NVIDIA GPUs (H200 target).
+
+One op per module, each beside its plain-jnp ``*_reference`` (same math-level signature, the
+numerical contract of the kernel and the XLA fallback):
+
+| module | op |
+|---|---|
+| ``gemv`` | ``gemv``, ``gemv_silu_mul``: bf16 small-batch GEMV, fused gate/up + SiLU |
+| ``nvfp4_gemv`` | ``nvfp4_gemv``, ``nvfp4_gemv_silu_mul``: W4A16 GEMV on the half-split layout |
+| ``moe`` | ``moe_route`` (XLA), ``moe_decode``, ``moe_block``: expert-indexed MoE decode |
+| ``decode_attention`` | ``decode_attention``: split-KV sink-softmax attention, full or ring cache |
+| ``qk_norm_rope`` | ``qk_norm_rope``: per-head q/k RMSNorm + NeoX RoPE + KV-cache write |
+| ``add_rms_norm`` | ``add_rms_norm``, ``rms_norm`` |
+
+Every wrapper is jitted with its tuning knobs static and takes ``interpret=True`` to run on CPU.
+Measurements and the tuning log live in ``docs/kernels.md``.
+"""
+
+from flint_jax.pallas.add_rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from flint_jax.pallas.decode_attention import decode_attention, decode_attention_reference
+from flint_jax.pallas.gemv import gemv, gemv_reference, gemv_silu_mul, gemv_silu_mul_reference
+from flint_jax.pallas.moe import (moe_block, moe_block_reference, moe_decode,
+                                  moe_decode_reference, moe_route, moe_slots)
+from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, dequantize_nvfp4_reference, nvfp4_gemv,
+                                         nvfp4_gemv_reference, nvfp4_gemv_silu_mul,
+                                         nvfp4_gemv_silu_mul_reference)
+from flint_jax.pallas.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+
+__all__ = [
+    "add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference",
+    "decode_attention", "decode_attention_reference",
+    "gemv", "gemv_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
+    "moe_block", "moe_block_reference", "moe_decode", "moe_decode_reference", "moe_route",
+    "moe_slots",
+    "NVFP4Weight", "dequantize_nvfp4_reference", "nvfp4_gemv", "nvfp4_gemv_reference",
+    "nvfp4_gemv_silu_mul", "nvfp4_gemv_silu_mul_reference",
+    "qk_norm_rope", "qk_norm_rope_reference",
+]

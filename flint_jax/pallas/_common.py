@@ -1,0 +1,104 @@
+"""Helpers shared by the Pallas (Triton backend) kernels of flint_jax.
+
+Rules these helpers encode (measured or read in jax 0.11.2, see ``shared/NOTES_PALLAS_GPU.md``):
+
+- Every loaded or stored block must have a power-of-two number of elements: small row counts
+  (M = 1..8 tokens, G = 1..8 query heads) are padded to ``Mp = max(16, next_pow2(M))`` rows
+  *inside* the kernel. Loads read the padded rows as duplicates of the last real row
+  (``row_load_index``: always in bounds, no mask needed); stores write only the real rows
+  (``row_store_index`` + mask). Duplicated indices must never be stored: interpret mode scatters
+  them in an undefined order.
+- ``dot_general`` operands share a dtype; M padded to 16 is the safe shape for ``tl.dot``.
+- Multi-axis reductions fail to lower under an abstract mesh: reduce one axis at a time.
+- Interpret mode cannot discharge a *store* that mixes array indices and slices: stores index
+  every dimension with arrays (or scalars).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+# A large finite negative logit: masked scores never produce inf - inf = NaN
+# (JAX:.../gpu/paged_attention.py DEFAULT_MASK_VALUE uses 0.7 * finfo.min the same way).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def pad_rows(m: int) -> int:
+  """Rows a small-batch operand is padded to inside a kernel (>= 16, power of two)."""
+  return max(16, next_pow2(m))
+
+
+def is_pow2(n: int) -> bool:
+  return n > 0 and (n & (n - 1)) == 0
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+  """Largest power of two <= cap that divides n (1 if n is odd)."""
+  b = 1
+  while b * 2 <= cap and n % (b * 2) == 0:
+    b *= 2
+  return b
+
+
+def row_load_index(m: int, mp: int, offset=0):
+  """[mp] int32 row indices offset + min(i, m - 1): padded rows repeat the last real row."""
+  return offset + jnp.minimum(jnp.arange(mp, dtype=jnp.int32), m - 1)
+
+
+def row_store_index(m: int, mp: int, offset=0):
+  """([mp] row indices, [mp] bool mask of the m real rows) for a masked store."""
+  i = jnp.arange(mp, dtype=jnp.int32)
+  return offset + i, i < m
+
+
+def dot_nt(a, b):
+  """a [M, K] @ b[N, K]^T with fp32 accumulation (b in HF [out, in] orientation)."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def dot_nn(a, b):
+  """a [M, K] @ b [K, N] with fp32 accumulation."""
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def silu_mul_f32(g, u):
+  """silu(g) * u in fp32 (g, u fp32): g / (1 + exp(-g)) * u."""
+  return g / (1.0 + jnp.exp(-g)) * u
+
+
+def compiler_params(num_warps: int, num_stages: int):
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def check(cond: bool, msg: str):
+  if not cond:
+    raise ValueError(msg)
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def as_index_array(x, name: str) -> jax.Array:
+  """A scalar (Python int or 0-d / 1-element array) as an int32 [1] array input."""
+  x = jnp.asarray(x, jnp.int32).reshape(-1)
+  check(x.shape == (1,), f"{name} must be a scalar, got shape {x.shape}")
+  return x
+
+
+__all__ = [
+    "MASK_VALUE", "next_pow2", "pad_rows", "is_pow2", "pow2_divisor", "row_load_index",
+    "row_store_index", "dot_nt", "dot_nn", "silu_mul_f32", "compiler_params", "check", "cdiv",
+    "as_index_array", "math",
+]

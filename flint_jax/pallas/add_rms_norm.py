@@ -1,0 +1,112 @@
+"""Fused residual add + RMSNorm, and plain RMSNorm, Pallas Triton backend.
+
+``add_rms_norm(h, y, w)``: ``s = h + y`` (bf16 add, as the reference model: one rounding of the
+fp32 sum), ``out = bf16(w * (f32(s) * rsqrt(mean(f32(s)^2) + eps)))`` with the weight multiplied
+in fp32 **before** the cast (Flint's RMSNorm, FLINT_SPEC section 3; not Llama's order). Returns
+``(s, out)``: the new residual stream and the normalised input of the next block. The norm is
+computed from the *rounded* ``s`` (what the reference's next layer sees).
+
+``rms_norm(x, w)``: the same without the add.
+
+One program per row; the row (D = 2048 for Flint) is one block, padded to a power of two with a
+masked load when D is not one. Shapes: h, y, x [M, D] (any M) bf16 or f32; w [D] (any float
+dtype, used in fp32); outputs have x's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flint_jax.pallas import _common as C
+
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
+
+
+def _normalize(s32, w32, d, eps):
+  """w * (s * rsqrt(mean(s^2) + eps)) in fp32; s32 padded entries are zero."""
+  ms = jnp.sum(s32 * s32, axis=0) / d
+  return w32 * (s32 * jax.lax.rsqrt(ms + eps))
+
+
+def _add_rms_norm_kernel(h_ref, y_ref, w_ref, s_ref, o_ref, *, d, dp, eps):
+  row = pl.program_id(0)
+  cols = jnp.arange(dp, dtype=jnp.int32)
+  mask = cols < d
+  h = plgpu.load(h_ref.at[row, cols], mask=mask, other=0)           # [Dp]
+  y = plgpu.load(y_ref.at[row, cols], mask=mask, other=0)
+  w = plgpu.load(w_ref.at[cols], mask=mask, other=0).astype(jnp.float32)
+  s = (h.astype(jnp.float32) + y.astype(jnp.float32)).astype(s_ref.dtype)
+  out = _normalize(s.astype(jnp.float32), w, d, eps)
+  plgpu.store(s_ref.at[row, cols], s, mask=mask)
+  plgpu.store(o_ref.at[row, cols], out.astype(o_ref.dtype), mask=mask)
+
+
+def _rms_norm_kernel(x_ref, w_ref, o_ref, *, d, dp, eps):
+  row = pl.program_id(0)
+  cols = jnp.arange(dp, dtype=jnp.int32)
+  mask = cols < d
+  x = plgpu.load(x_ref.at[row, cols], mask=mask, other=0).astype(jnp.float32)
+  w = plgpu.load(w_ref.at[cols], mask=mask, other=0).astype(jnp.float32)
+  plgpu.store(o_ref.at[row, cols], _normalize(x, w, d, eps).astype(o_ref.dtype), mask=mask)
+
+
+def _check(x, w, name):
+  C.check(x.ndim == 2, f"{name} must be [M, D], got {x.shape=}")
+  C.check(w.shape == (x.shape[1],), f"weight must be [D={x.shape[1]}], got {w.shape=}")
+
+
+def _num_warps(dp: int) -> int:
+  # One warp per 512 elements, 1..8 warps (Triton's layer-norm tutorial heuristic).
+  return max(1, min(8, dp // 512))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None,
+                 interpret: bool = False):
+  """(s, out) = (h + y, RMSNorm(h + y) * w); h, y [M, D], w [D]."""
+  _check(h, w, "h")
+  C.check(y.shape == h.shape and y.dtype == h.dtype,
+          f"y must match h, got {y.shape=} {y.dtype=} vs {h.shape=} {h.dtype=}")
+  m, d = h.shape
+  dp = C.next_pow2(d)
+  kernel = functools.partial(_add_rms_norm_kernel, d=d, dp=dp, eps=eps)
+  out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype))
+  return pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(m,),
+      compiler_params=C.compiler_params(num_warps or _num_warps(dp), 1),
+      interpret=interpret, name=f"flint_add_rms_norm_d{d}",
+  )(h, y, w)
+
+
+def add_rms_norm_reference(h, y, w, *, eps: float = 1e-6, **unused_tuning):
+  del unused_tuning
+  s = h + y
+  return s, rms_norm_reference(s, w, eps=eps)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def rms_norm(x, w, *, eps: float = 1e-6, num_warps: int | None = None,
+             interpret: bool = False):
+  """bf16(w * (x * rsqrt(mean(x^2) + eps))) row-wise, math in fp32; x [M, D], w [D]."""
+  _check(x, w, "x")
+  m, d = x.shape
+  dp = C.next_pow2(d)
+  kernel = functools.partial(_rms_norm_kernel, d=d, dp=dp, eps=eps)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(m,),
+      compiler_params=C.compiler_params(num_warps or _num_warps(dp), 1),
+      interpret=interpret, name=f"flint_rms_norm_d{d}",
+  )(x, w)
+
+
+def rms_norm_reference(x, w, *, eps: float = 1e-6, **unused_tuning):
+  """Plain jnp: x.dtype(w32 * (x32 * rsqrt(mean(x32^2) + eps)))."""
+  del unused_tuning
+  x32 = x.astype(jnp.float32)
+  ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+  return (w.astype(jnp.float32) * (x32 * jax.lax.rsqrt(ms + eps))).astype(x.dtype)

@@ -1,0 +1,188 @@
+"""Small-batch dense GEMV (decode-time linear layers), Pallas Triton backend.
+
+``gemv``: ``y[M, N] = x[M, K] @ w[N, K]^T`` for M = 1..16 tokens, bf16 (or fp32) weight in the HF
+``[out, in]`` orientation, fp32 accumulation, output dtype selectable (bf16 default, fp32 for the
+LM head). It fuses nothing beyond the padding of M: the kernel pads M to 16 rows internally
+(duplicated loads of the last row, masked stores), so the caller's ``[M, K]`` is used as is.
+
+``gemv_silu_mul``: the dense-MLP / shared-expert ``gate|up`` step,
+``h = bf16(silu(x @ Wg^T) * (x @ Wu^T))`` with the two fp32 accumulators combined in fp32 and
+rounded once (HF keeps separate ``gate_proj`` / ``up_proj`` ``[I, K]`` weights; both are read by
+the same program for the same ``I`` rows).
+
+Grid: one program per ``block_n`` output columns (and, with ``split_k > 1``, per K slice: the
+fp32 partials ``[split_k, M, N]`` are summed by XLA). Each program loops over K in ``block_k``
+steps: ``acc[16, BN] += x[16, BK] . w[BN, BK]^T`` on the tensor cores.
+
+Shapes / dtypes:
+  x: [M, K] bf16 (or f32), M <= 16; w, w_gate, w_up: [N, K] same dtype as x.
+  returns [M, N] ``out_dtype`` (gemv), [M, N] x.dtype (gemv_silu_mul).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flint_jax.pallas import _common as C
+
+__all__ = ["gemv", "gemv_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
+           "default_gemv_blocks"]
+
+MAX_ROWS = 16
+
+
+def default_gemv_blocks(n: int, k: int, *, n_mats: int = 1) -> tuple[int, int, int]:
+  """(block_n, block_k, split_k) heuristic for an [n, k] weight on an H200.
+
+  Origin: the measured 3.5 TB/s bf16 GEMV of 5120x2048 used BN=32, BK=256 (NOTES_PALLAS_GPU.md);
+  BN drops to 16 when that leaves fewer than 128 programs (132 SMs), and split-K kicks in when
+  even BN=16 gives fewer than 64 programs (k/v projections, N=512).
+  """
+  bk = C.pow2_divisor(k, 256)
+  bn = C.pow2_divisor(n, 32)
+  if n // bn < 128:
+    bn = C.pow2_divisor(n, 16)
+  split = 1
+  if n_mats == 1 and n // bn < 64:
+    split = 1
+    while (n // bn) * split * 2 <= 128 and k // (bk * split * 2) >= 2:
+      split *= 2
+  return bn, bk, split
+
+
+def _validate(x, ws, block_n, block_k, split_k):
+  C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
+  m, k = x.shape
+  C.check(1 <= m <= MAX_ROWS, f"gemv handles 1..{MAX_ROWS} rows, got {m=}")
+  for w in ws:
+    C.check(w.ndim == 2 and w.shape[1] == k, f"weight must be [N, K={k}], got {w.shape=}")
+    C.check(w.dtype == x.dtype, f"x and weight must share a dtype, got {x.dtype=} {w.dtype=}")
+    C.check(w.shape == ws[0].shape, f"gate/up weights differ: {ws[0].shape} vs {w.shape}")
+  n = ws[0].shape[0]
+  C.check(C.is_pow2(block_n) and block_n >= 16 and n % block_n == 0,
+          f"block_n must be a power of two >= 16 dividing N: {block_n=} {n=}")
+  C.check(C.is_pow2(block_k) and block_k >= 16 and k % (block_k * split_k) == 0,
+          f"block_k * split_k must divide K (block_k a power of two >= 16): "
+          f"{block_k=} {split_k=} {k=}")
+  return m, n, k
+
+
+def _gemv_kernel(x_ref, w_ref, o_ref, *, m, mp, bn, bk, k_len, split_k):
+  """One [Mp, BN] output tile over a K slice of length k_len.
+
+  x_ref: [M, K]; w_ref: [N, K]; o_ref: [M, N] (split_k == 1) or [split_k, M, N] f32.
+  """
+  pid_n = pl.program_id(0)
+  n0 = pl.multiple_of(pid_n * bn, bn)
+  kbase = pl.program_id(1) * k_len if split_k > 1 else 0
+  rows = C.row_load_index(m, mp)
+
+  def body(i, acc):
+    k0 = pl.multiple_of(kbase + i * bk, bk)
+    x = x_ref[rows, pl.ds(k0, bk)]                        # [Mp, BK]
+    w = w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]               # [BN, BK]
+    return acc + C.dot_nt(x, w)
+
+  acc = lax.fori_loop(0, k_len // bk, body, jnp.zeros((mp, bn), jnp.float32))
+  r, rmask = C.row_store_index(m, mp)
+  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
+  if split_k > 1:
+    idx = (pl.program_id(1), r[:, None], cols[None, :])
+  else:
+    idx = (r[:, None], cols[None, :])
+  plgpu.store(o_ref.at[idx], acc.astype(o_ref.dtype), mask=rmask[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "out_dtype", "block_n", "block_k", "split_k", "num_warps", "num_stages", "interpret"))
+def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
+         block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
+         num_stages: int = 3, interpret: bool = False):
+  """y[M, N] = x[M, K] @ w[N, K]^T, fp32 accumulation, rounded once to ``out_dtype``."""
+  n, k = w.shape
+  dbn, dbk, dsplit = default_gemv_blocks(n, k)
+  if split_k is None:
+    split_k = dsplit if (block_n or dbn, block_k or dbk) == (dbn, dbk) else 1
+  block_n = block_n or dbn
+  block_k = block_k or dbk
+  m, n, k = _validate(x, [w], block_n, block_k, split_k)
+  mp = C.pad_rows(m)
+  kernel = functools.partial(_gemv_kernel, m=m, mp=mp, bn=block_n, bk=block_k,
+                             k_len=k // split_k, split_k=split_k)
+  if split_k > 1:
+    out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
+    grid = (n // block_n, split_k)
+  else:
+    out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+    grid = (n // block_n,)
+  y = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=grid,
+      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      name=f"flint_gemv_bn{block_n}_bk{block_k}_sk{split_k}",
+  )(x, w)
+  if split_k > 1:
+    y = jnp.sum(y, axis=0).astype(out_dtype)
+  return y
+
+
+def gemv_reference(x, w, *, out_dtype=jnp.bfloat16, **unused_tuning):
+  """Plain jnp: (x @ w^T in fp32).astype(out_dtype)."""
+  del unused_tuning
+  y = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                      precision=lax.Precision.HIGHEST)
+  return y.astype(out_dtype)
+
+
+def _gemv_silu_mul_kernel(x_ref, wg_ref, wu_ref, o_ref, *, m, mp, bn, bk, k_len):
+  """h[Mp, BN] = silu(x Wg^T) * (x Wu^T) for one BN slice of the intermediate dim."""
+  n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
+  rows = C.row_load_index(m, mp)
+
+  def body(i, carry):
+    acc_g, acc_u = carry
+    k0 = pl.multiple_of(i * bk, bk)
+    x = x_ref[rows, pl.ds(k0, bk)]                        # [Mp, BK]
+    wg = wg_ref[pl.ds(n0, bn), pl.ds(k0, bk)]             # [BN, BK]
+    wu = wu_ref[pl.ds(n0, bn), pl.ds(k0, bk)]             # [BN, BK]
+    return acc_g + C.dot_nt(x, wg), acc_u + C.dot_nt(x, wu)
+
+  z = jnp.zeros((mp, bn), jnp.float32)
+  acc_g, acc_u = lax.fori_loop(0, k_len // bk, body, (z, z))
+  h = C.silu_mul_f32(acc_g, acc_u)
+  r, rmask = C.row_store_index(m, mp)
+  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
+  plgpu.store(o_ref.at[r[:, None], cols[None, :]], h.astype(o_ref.dtype), mask=rmask[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "block_n", "block_k", "num_warps", "num_stages", "interpret"))
+def gemv_silu_mul(x, w_gate, w_up, *, block_n: int | None = None, block_k: int | None = None,
+                  num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+  """h[M, I] = x.dtype(silu(x @ w_gate^T) * (x @ w_up^T)), gate/up in fp32, one rounding."""
+  n, k = w_gate.shape
+  dbn, dbk, _ = default_gemv_blocks(n, k, n_mats=2)
+  block_n = block_n or dbn
+  block_k = block_k or dbk
+  m, n, k = _validate(x, [w_gate, w_up], block_n, block_k, 1)
+  mp = C.pad_rows(m)
+  kernel = functools.partial(_gemv_silu_mul_kernel, m=m, mp=mp, bn=block_n, bk=block_k,
+                             k_len=k)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(n // block_n,),
+      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      name=f"flint_gemv_silu_mul_bn{block_n}_bk{block_k}",
+  )(x, w_gate, w_up)
+
+
+def gemv_silu_mul_reference(x, w_gate, w_up, **unused_tuning):
+  """Plain jnp: bf16(silu(g) * u) with g, u the fp32 products (one rounding)."""
+  del unused_tuning
+  g = gemv_reference(x, w_gate, out_dtype=jnp.float32)
+  u = gemv_reference(x, w_up, out_dtype=jnp.float32)
+  return C.silu_mul_f32(g, u).astype(x.dtype)

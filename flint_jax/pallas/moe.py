@@ -1,0 +1,424 @@
+"""Small-batch MoE decode (M <= 8 tokens): routing, expert-indexed grouped GEMVs, shared expert.
+
+``moe_block(x, router_w, experts, shared)`` = ``moe_route`` (XLA) + ``moe_decode`` (2 Pallas kernels):
+
+  out[t] = bf16( sum_k w[t,k] * y_k[t] + y_s[t] )          (fp32 sum, k in top-k order)
+  y_k[t] = bf16( down_e(h) * down_scale_2[e] )               e = ids[t, k]
+  h      = bf16( silu(g) * u ),  g/u = fp32 (x[t] . gate|up_e) * gate|up_scale_2[e]
+  y_s[t] = the shared expert (I_s = 1024) with the same rules, never gated
+
+(``*_scale_2`` only with NVFP4 weights; BF16 experts use 1.) This is the rounding rule of
+``moe_decode_reference``: the reference model's per-expert bf16 outputs, combined in fp32 and
+rounded once (vLLM rounds the routed sum to bf16 before adding the shared output; we do not).
+
+Routing (``moe_route``, XLA): ``logits = f32(x) f32(W_router)^T``, ``sigmoid``, ``top_k`` (6), weights
+renormalised to sum 1, in fp32. Triton cannot lower top_k; this is 3-4 small XLA kernels.
+
+Kernels (never ``ragged_dot``: it reads every expert):
+
+1. ``gate_up``: one program per (slot, ``block_n`` rows of the intermediate dim), plus programs
+   for the shared expert's gate/up. A slot is one expert: the program loads its id from an int32
+   input and indexes the stacked weight ``w[e]`` (dynamic ref indexing), so only the selected
+   experts' weights are read. Every program multiplies *all* M tokens (padded to 16 rows for the
+   tensor cores, free at decode) and writes ``h [slots, M, I]`` / ``h_s [M, I_s]``.
+2. ``down_combine``: one program per ``block_n`` output columns of D: the shared expert's down
+   GEMV, then the down GEMV of every slot with its per-token routing coefficient, summed in fp32
+   in the epilogue, one bf16 store. No atomics, no second reduction.
+
+Slots and de-duplication (``dedupe``): without it, slot ``t*k + j`` is token t's j-th expert and
+its coefficient row is ``w[t, j]`` for token t, 0 elsewhere (an expert picked by two tokens is read
+twice; the second read usually hits L2). With ``dedupe=True`` (default when M > 1) the slots are
+the *distinct* experts of the step (sorted; XLA sort + compaction of M*k ids), each read from HBM
+exactly once, and ``coef[slot, t]`` is token t's weight for that expert (0 if not chosen).
+Unused slots repeat the first expert with zero coefficients; kernel 1 skips them, kernel 2 stops
+at the number of distinct experts. De-duplicated sums run in slot (expert id) order instead of
+top-k order: the fp32 result can differ in the last bit, so ``dedupe=False`` is the bit-faithful
+mode.
+
+Expert weights (``experts`` dict), either
+  BF16:  ``gate_up_proj`` [E, 2I, D] (gate rows first), ``down_proj`` [E, D, I]
+  NVFP4: ``gate_up_qweight`` [E, 2I, D/2], ``gate_up_weight_scale`` [E, 2I, D/16],
+         ``gate_up_weight_scale_2`` [E, 2] (gate, up), ``down_qweight`` [E, D, I/2],
+         ``down_weight_scale`` [E, D, I/16], ``down_weight_scale_2`` [E]
+Shared expert (``shared`` dict): ``gate_proj``, ``up_proj`` [I_s, D], ``down_proj`` [D, I_s], each
+either a bf16 array or an ``NVFP4Weight`` / (qweight, weight_scale, weight_scale_2) triple.
+
+x [M, D] bf16, M <= 8 (up to 16 works); returns [M, D] bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flint_jax.pallas import _common as C
+from flint_jax.pallas import nvfp4_gemv as NV
+
+__all__ = ["moe_route", "moe_slots", "moe_decode", "moe_decode_reference", "moe_block",
+           "moe_block_reference", "expert_format"]
+
+MAX_ROWS = 16
+_UNROLL_SLOTS = 12   # down kernel: Python-unroll the slot loop up to this many slots
+
+
+# ------------------------------------------------------------------------------------------
+# Routing (XLA)
+
+
+def moe_route(x, router_w, *, top_k: int = 6):
+  """(ids [M, k] int32, weights [M, k] f32): sigmoid scores, top-k, renormalised (fp32)."""
+  logits = lax.dot_general(x.astype(jnp.float32), router_w.astype(jnp.float32),
+                           (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
+  scores = jax.nn.sigmoid(logits)
+  w, ids = lax.top_k(scores, top_k)
+  return ids.astype(jnp.int32), w / jnp.sum(w, axis=-1, keepdims=True)
+
+
+def moe_slots(ids, weights, *, dedupe: bool):
+  """(slot_expert [U] int32, coef [U, M] f32, n_slots [1] int32), U = M * k."""
+  m, k = ids.shape
+  u = m * k
+  flat = ids.reshape(u).astype(jnp.int32)
+  wf = weights.astype(jnp.float32)
+  if not dedupe:
+    owner = jnp.arange(u, dtype=jnp.int32) // k
+    coef = jnp.where(owner[:, None] == jnp.arange(m)[None, :], wf.reshape(u)[:, None], 0.0)
+    return flat, coef, jnp.full((1,), u, jnp.int32)
+  srt = jnp.sort(flat)
+  first = jnp.concatenate([jnp.ones((1,), bool), srt[1:] != srt[:-1]])
+  pos = jnp.cumsum(first.astype(jnp.int32)) - 1
+  n = pos[-1] + 1
+  slot_expert = jnp.full((u,), srt[0], jnp.int32).at[jnp.where(first, pos, u)].set(
+      srt, mode="drop")
+  hit = (ids[None, :, :] == slot_expert[:, None, None]) & (jnp.arange(u) < n)[:, None, None]
+  coef = jnp.sum(jnp.where(hit, wf[None], 0.0), axis=-1)             # [U, M]
+  return slot_expert, coef, n.reshape(1).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------------------
+# Weight formats
+
+
+def expert_format(experts) -> str:
+  if "gate_up_proj" in experts:
+    return "bf16"
+  if "gate_up_qweight" in experts:
+    return "nvfp4"
+  raise ValueError(f"unknown expert weights: keys {sorted(experts)}")
+
+
+def _lin_format(w) -> str:
+  if isinstance(w, (tuple, list)) and len(w) == 3:
+    return "nvfp4"
+  if isinstance(w, dict):
+    raise ValueError("pass an NVFP4 linear as NVFP4Weight(qweight, weight_scale, weight_scale_2)")
+  return "bf16"
+
+
+def _tile_dot(fmt, xs, x_idx, rows, ws, w_idx, n0, bn, i, bk, decode, layout):
+  """fp32 [Mp, BN] = x[.., rows, K step i] . W[.., n0:n0+bn, K step i]^T (decode factor incl.)."""
+  if fmt == "bf16":
+    x_ref, _ = xs
+    (w_ref,) = ws
+    k0 = pl.multiple_of(i * bk, bk)
+    x = x_ref[(*x_idx, rows, pl.ds(k0, bk))]                            # [Mp, BK]
+    w = w_ref[(*w_idx, pl.ds(n0, bn), pl.ds(k0, bk))]                   # [BN, BK]
+    return C.dot_nt(x, w)
+  _, x5_ref = xs
+  q_ref, s_ref = ws
+  nb = bk // 64
+  return NV.nvfp4_tile_dot(x5_ref, x_idx, rows, q_ref, s_ref, w_idx, n0, bn,
+                           pl.multiple_of(i * nb, nb), nb, decode=decode, layout=layout)
+
+
+def _factor(fmt, decode):
+  return 1.0 if fmt == "bf16" else NV.decode_factor(decode)
+
+
+def _weight_args(fmt, w, name):
+  """Kernel inputs for one weight: bf16 -> [w]; nvfp4 -> [codes view, scales view]."""
+  if fmt == "bf16":
+    return [w]
+  q4, s4 = NV.nvfp4_views(w[0], w[1])
+  return [q4, s4]
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels
+
+
+def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
+                    decode, layout):
+  r = dict(zip(names, refs))
+  pid = pl.program_id(0)
+  n_i = inter // bn
+  n_routed = n_slots_max * n_i
+  rows = C.row_load_index(m, mp)
+  xs = (r["x"], r["x5"])
+  ri, rmask = C.row_store_index(m, mp)
+
+  def gemv2(wg, wu, w_idx, ng, nu, fmt, step):
+    def body(i, carry):
+      ag, au = carry
+      ag = ag + _tile_dot(fmt, xs, (), rows, wg, w_idx, ng, bn, i, step, decode, layout)
+      au = au + _tile_dot(fmt, xs, (), rows, wu, w_idx, nu, bn, i, step, decode, layout)
+      return ag, au
+    z = jnp.zeros((mp, bn), jnp.float32)
+    return lax.fori_loop(0, d // step, body, (z, z))
+
+  def routed():
+    u = pid // n_i
+    j = pid % n_i
+
+    @pl.when(u < r["n_slots"][0])
+    def _():
+      e = r["slot_expert"][u]
+      wgu = [r["gu_w"]] if fe == "bf16" else [r["gu_q"], r["gu_s"]]
+      ag, au = gemv2(wgu, wgu, (e,), j * bn, inter + j * bn, fe, bk)
+      if fe == "nvfp4":
+        f = NV.decode_factor(decode)
+        ag = ag * (r["gu_s2"][e, 0] * f)
+        au = au * (r["gu_s2"][e, 1] * f)
+      h = C.silu_mul_f32(ag, au).astype(r["h"].dtype)
+      cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+      plgpu.store(r["h"].at[u, ri[:, None], cols[None, :]], h, mask=rmask[:, None])
+
+  def shared():
+    j = pid - n_routed
+    if fs == "bf16":
+      wg, wu = [r["sg_w"]], [r["su_w"]]
+    else:
+      wg, wu = [r["sg_q"], r["sg_s"]], [r["su_q"], r["su_s"]]
+    ag, au = gemv2(wg, wu, (), j * bn, j * bn, fs, bk_s)
+    if fs == "nvfp4":
+      f = NV.decode_factor(decode)
+      ag = ag * (r["s_s2"][0] * f)
+      au = au * (r["s_s2"][1] * f)
+    h = C.silu_mul_f32(ag, au).astype(r["hs"].dtype)
+    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+    plgpu.store(r["hs"].at[ri[:, None], cols[None, :]], h, mask=rmask[:, None])
+
+  lax.cond(pid < n_routed, routed, shared)
+
+
+def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
+                 decode, layout):
+  r = dict(zip(names, refs))
+  n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
+  rows = C.row_load_index(m, mp)
+
+  # Shared expert: y_s = bf16(hs . Wd^T * scale_2)
+  wsd = [r["sd_w"]] if fs == "bf16" else [r["sd_q"], r["sd_s"]]
+  hs = (r["hs"], r["hs5"])
+  acc = lax.fori_loop(
+      0, inter_s // bk_s,
+      lambda i, a: a + _tile_dot(fs, hs, (), rows, wsd, (), n0, bn, i, bk_s, decode, layout),
+      jnp.zeros((mp, bn), jnp.float32))
+  if fs == "nvfp4":
+    acc = acc * (r["s_s2"][2] * NV.decode_factor(decode))
+  y_s = acc.astype(r["out"].dtype).astype(jnp.float32)
+
+  wd = [r["dn_w"]] if fe == "bf16" else [r["dn_q"], r["dn_s"]]
+  h = (r["h"], r["h5"])
+
+  def slot(u, tot):
+    e = r["slot_expert"][u]
+    acc = lax.fori_loop(
+        0, inter // bk,
+        lambda i, a: a + _tile_dot(fe, h, (u,), rows, wd, (e,), n0, bn, i, bk, decode, layout),
+        jnp.zeros((mp, bn), jnp.float32))
+    if fe == "nvfp4":
+      acc = acc * (r["dn_s2"][e] * NV.decode_factor(decode))
+    y = acc.astype(r["out"].dtype).astype(jnp.float32)               # y_k = bf16(...)
+    c = r["coef"][u, rows][:, None]                                  # [Mp, 1]
+    return tot + jnp.where(c != 0.0, c * y, 0.0)
+
+  tot = jnp.zeros((mp, bn), jnp.float32)
+  if n_slots_max <= _UNROLL_SLOTS:
+    for u in range(n_slots_max):      # static: all slots' weight loads can be issued early
+      tot = slot(u, tot)
+  else:
+    tot = lax.fori_loop(0, r["n_slots"][0], slot, tot)
+  out = (tot + y_s).astype(r["out"].dtype)
+  ri, rmask = C.row_store_index(m, mp)
+  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
+  plgpu.store(r["out"].at[ri[:, None], cols[None, :]], out, mask=rmask[:, None])
+
+
+# ------------------------------------------------------------------------------------------
+# Wrapper
+
+
+def _shapes(x, experts, shared):
+  fe = expert_format(experts)
+  fs = _lin_format(shared["gate_proj"])
+  C.check(_lin_format(shared["up_proj"]) == fs == _lin_format(shared["down_proj"]),
+          "shared gate/up/down must share a format")
+  C.check(x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS,
+          f"x must be [M <= {MAX_ROWS}, D], got {x.shape=}")
+  m, d = x.shape
+  if fe == "bf16":
+    e, i2, dd = experts["gate_up_proj"].shape
+    C.check(experts["down_proj"].shape == (e, d, i2 // 2),
+            f"down_proj must be [E, D, I], got {experts['down_proj'].shape}")
+  else:
+    e, i2, dh = experts["gate_up_qweight"].shape
+    dd = dh * 2
+    C.check(experts["down_qweight"].shape == (e, d, i2 // 4),
+            f"down_qweight must be [E, D, I/2], got {experts['down_qweight'].shape}")
+    C.check(experts["gate_up_weight_scale_2"].shape == (e, 2),
+            "gate_up_weight_scale_2 must be [E, 2]")
+    C.check(experts["down_weight_scale_2"].shape == (e,), "down_weight_scale_2 must be [E]")
+  C.check(dd == d, f"expert input dim {dd} != D={d}")
+  sg = shared["gate_proj"] if fs == "bf16" else shared["gate_proj"][0]
+  inter_s = sg.shape[0]
+  return fe, fs, m, d, e, i2 // 2, inter_s
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "dedupe", "block_n", "block_k", "block_n_down", "decode", "layout", "num_warps",
+    "num_stages", "interpret"))
+def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
+               block_n: int = 32, block_k: int = 256, block_n_down: int = 16,
+               decode: str = "asm", layout: str = "tile", num_warps: int = 4,
+               num_stages: int = 3, interpret: bool = False):
+  """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring."""
+  fe, fs, m, d, _, inter, inter_s = _shapes(x, experts, shared)
+  C.check(ids.shape == weights.shape and ids.shape[0] == m,
+          f"ids/weights must be [M={m}, k], got {ids.shape=} {weights.shape=}")
+  if dedupe is None:
+    dedupe = m > 1
+  decode = NV.resolve_decode(decode, interpret)
+  C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}")
+  bk = min(block_k, C.pow2_divisor(d, block_k))
+  bk_dn = C.pow2_divisor(inter, 512)             # down: K = I (512 for Flint): one step
+  bk_s_dn = C.pow2_divisor(inter_s, 512)
+  bn = C.pow2_divisor(min(inter, inter_s), block_n)
+  bn_dn = C.pow2_divisor(d, block_n_down)
+  for name, v in [("block_n", bn), ("block_n_down", bn_dn)]:
+    C.check(v >= 16, f"{name} too small for the dims ({v}): I, I_s and D need 16 | dim")
+  if "nvfp4" in (fe, fs):
+    C.check(min(bk, bk_dn, bk_s_dn) >= 64 and d % 64 == 0 and inter % 64 == 0,
+            "NVFP4 needs D, I, I_s multiples of 64")
+  mp = C.pad_rows(m)
+  slot_expert, coef, n_slots = moe_slots(ids, weights, dedupe=dedupe)
+  u = slot_expert.shape[0]
+
+  # ---- kernel 1: gate_up (+ shared gate/up)
+  names, args = ["x", "x5", "slot_expert", "n_slots"], [x, NV.x_view(x) if d % 64 == 0 else x,
+                                                         slot_expert, n_slots]
+  if fe == "bf16":
+    names += ["gu_w"]
+    args += [experts["gate_up_proj"]]
+  else:
+    names += ["gu_q", "gu_s", "gu_s2"]
+    args += _weight_args(fe, (experts["gate_up_qweight"], experts["gate_up_weight_scale"]), "")
+    args += [experts["gate_up_weight_scale_2"].astype(jnp.float32)]
+  if fs == "bf16":
+    names += ["sg_w", "su_w"]
+    args += [shared["gate_proj"], shared["up_proj"]]
+  else:
+    names += ["sg_q", "sg_s", "su_q", "su_s", "s_s2"]
+    args += _weight_args(fs, shared["gate_proj"], "") + _weight_args(fs, shared["up_proj"], "")
+    args += [jnp.stack([jnp.asarray(shared[k][2], jnp.float32).reshape(())
+                        for k in ("gate_proj", "up_proj", "down_proj")])]
+  names += ["h", "hs"]
+  kernel = functools.partial(
+      _gate_up_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn, bk=bk,
+      bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout)
+  h, hs = pl.pallas_call(
+      kernel, grid=(u * (inter // bn) + inter_s // bn,),
+      out_shape=(jax.ShapeDtypeStruct((u, m, inter), x.dtype),
+                 jax.ShapeDtypeStruct((m, inter_s), x.dtype)),
+      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      name=f"flint_moe_gate_up_{fe}_{fs}_bn{bn}_bk{bk}",
+  )(*args)
+
+  # ---- kernel 2: down + routing-weighted combine + shared down
+  names = ["h", "h5", "hs", "hs5", "slot_expert", "n_slots", "coef"]
+  args = [h, NV.x_view(h) if inter % 64 == 0 else h, hs,
+          NV.x_view(hs) if inter_s % 64 == 0 else hs, slot_expert, n_slots, coef]
+  if fe == "bf16":
+    names += ["dn_w"]
+    args += [experts["down_proj"]]
+  else:
+    names += ["dn_q", "dn_s", "dn_s2"]
+    args += _weight_args(fe, (experts["down_qweight"], experts["down_weight_scale"]), "")
+    args += [experts["down_weight_scale_2"].astype(jnp.float32)]
+  if fs == "bf16":
+    names += ["sd_w"]
+    args += [shared["down_proj"]]
+  else:
+    names += ["sd_q", "sd_s", "s_s2"]
+    args += _weight_args(fs, shared["down_proj"], "")
+    args += [jnp.stack([jnp.asarray(shared[k][2], jnp.float32).reshape(())
+                        for k in ("gate_proj", "up_proj", "down_proj")])]
+  names += ["out"]
+  kernel = functools.partial(
+      _down_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn_dn,
+      bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs, decode=decode, layout=layout)
+  return pl.pallas_call(
+      kernel, grid=(d // bn_dn,), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
+      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      name=f"flint_moe_down_combine_{fe}_{fs}_bn{bn_dn}",
+  )(*args)
+
+
+# ------------------------------------------------------------------------------------------
+# Reference
+
+
+def _ref_linear(x, w, fmt):
+  """fp32 x . W^T (times scale_2 for NVFP4); w: bf16 [N, K] or (q, s, s2)."""
+  if fmt == "bf16":
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                           precision=lax.Precision.HIGHEST)
+  return NV.nvfp4_gemv_reference(x, *w, out_dtype=jnp.float32)
+
+
+def moe_decode_reference(x, ids, weights, experts, shared, **unused_tuning):
+  """Plain jnp, token by token and expert by expert, with the module docstring's rounding."""
+  del unused_tuning
+  fe, fs, m, d, _, inter, _ = _shapes(x, experts, shared)
+  dt = x.dtype
+
+  def swiglu(xt, g, u, dn, fmt):
+    h = C.silu_mul_f32(_ref_linear(xt, g, fmt), _ref_linear(xt, u, fmt)).astype(dt)
+    return _ref_linear(h, dn, fmt).astype(dt)
+
+  def expert(e):
+    if fe == "bf16":
+      gu, dn = experts["gate_up_proj"][e], experts["down_proj"][e]
+      return gu[:inter], gu[inter:], dn
+    q, s, s2 = (experts["gate_up_qweight"][e], experts["gate_up_weight_scale"][e],
+                experts["gate_up_weight_scale_2"][e])
+    dn = (experts["down_qweight"][e], experts["down_weight_scale"][e],
+          experts["down_weight_scale_2"][e])
+    return (q[:inter], s[:inter], s2[0]), (q[inter:], s[inter:], s2[1]), dn
+
+  outs = []
+  for t in range(m):
+    xt = x[t:t + 1]
+    tot = jnp.zeros((1, d), jnp.float32)
+    for j in range(ids.shape[1]):
+      y = swiglu(xt, *expert(ids[t, j]), fe)
+      tot = tot + weights[t, j].astype(jnp.float32) * y.astype(jnp.float32)
+    y_s = swiglu(xt, shared["gate_proj"], shared["up_proj"], shared["down_proj"], fs)
+    outs.append((tot + y_s.astype(jnp.float32)).astype(dt))
+  return jnp.concatenate(outs, axis=0)
+
+
+def moe_block(x, router_w, experts, shared, *, top_k: int = 6, **kw):
+  """Routing (XLA) + ``moe_decode`` (Pallas)."""
+  ids, w = moe_route(x, router_w, top_k=top_k)
+  return moe_decode(x, ids, w, experts, shared, **kw)
+
+
+def moe_block_reference(x, router_w, experts, shared, *, top_k: int = 6, **unused_tuning):
+  ids, w = moe_route(x, router_w, top_k=top_k)
+  return moe_decode_reference(x, ids, w, experts, shared)

@@ -1,0 +1,372 @@
+"""Small-batch NVFP4 (W4A16) GEMV, Pallas Triton backend.
+
+``nvfp4_gemv``: ``y[M, N] = out_dtype((x[M, K] @ dequant(W)[N, K]^T in fp32) * weight_scale_2)``
+for M = 1..16 tokens, with W in the flint_jax NVFP4 layout (docs/design.md):
+
+  qweight        uint8          [N, K/2]   E2M1 codes, half-split per 64-value block: byte
+                                           ``32b + j`` holds k = 64b + j (low nibble) and
+                                           k = 64b + 32 + j (high nibble)
+  weight_scale   float8_e4m3fn  [N, K/16]  block scale of values 16g .. 16g+15
+  weight_scale_2 float32        []         tensor scale, applied to the fp32 accumulator
+
+``nvfp4_gemv_silu_mul``: the fused gate|up step ``bf16(silu(g) * u)`` with ``g, u`` the fp32
+products times their tensor scales (one rounding).
+
+What the kernel fuses: the dequantization (never materialised in HBM), the GEMV on the tensor
+cores, the tensor scale and the output cast. Every ``e2m1 * e4m3`` product is exact in bf16, so
+the dot sees exactly the reference weights; only the summation order differs.
+
+Decode of a 16-byte weight chunk (knob ``decode``):
+
+- ``"fp8"`` (portable; the interpret-mode path): ``((c & 7) << 2) | ((c & 8) << 4)`` turns an
+  E2M1 code into the float8_e4m3fn byte of ``value * 2^-6`` exactly (subnormal code 1 = 0.5
+  included), the hardware fp8 -> bf16 conversion follows, then one bf16 multiply by the block
+  scale; ``2^6`` is folded into the epilogue.
+- ``"asm"`` (GPU only; falls back to ``"fp8"`` in interpret mode): inline PTX on packed 32-bit
+  words. One ``prmt`` spreads two bytes into the two bf16 lanes of a register, a shift and a mask
+  put ``e1 e0 m`` into the low exponent bits / top mantissa bit and the sign into bit 15
+  (``value * 2^-126``: Marlin's bit placement), and one ``mul.rn.bf16x2`` applies the block scale
+  pre-multiplied by ``2^119`` (exact, no overflow below 448 * 2^119); ``2^7`` goes to the
+  epilogue. About 2.25 integer/bf16 instructions per weight value instead of ~8.
+
+Layout of a K step (knob ``layout``): ``"tile"`` loads ``[BN, nb, 2, 16]`` code bytes (nb 64-value
+blocks), decodes them and reshapes to ``[BN, 32 nb]`` for one dot per nibble half; ``"chunk"``
+issues one ``[BN, 16]`` load and two K=16 dots per 16-byte chunk (no reshapes). The activation
+``x`` is read through a free ``[M, K/64, 2, 2, 16]`` view, so the low nibbles multiply
+``x[64b : 64b+32]`` and the high nibbles ``x[64b+32 : 64b+64]`` with no interleave.
+
+Shapes / dtypes: x [M, K] bf16, M <= 16, K % 64 == 0; returns [M, N] ``out_dtype`` (bf16 default,
+f32 for a logits head).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flint_jax.pallas import _common as C
+
+__all__ = [
+    "NVFP4Weight", "nvfp4_gemv", "nvfp4_gemv_reference", "nvfp4_gemv_silu_mul",
+    "nvfp4_gemv_silu_mul_reference", "dequantize_nvfp4_reference", "nvfp4_tile_dot",
+    "decode_factor", "nvfp4_views", "x_view", "DECODES", "LAYOUTS",
+]
+
+DECODES = ("fp8", "asm")
+LAYOUTS = ("tile", "chunk")
+MAX_ROWS = 16
+
+
+class NVFP4Weight(NamedTuple):
+  """One NVFP4 linear layer in the flint_jax kernel layout (leading expert dims allowed)."""
+  qweight: jax.Array          # uint8 [..., N, K/2]
+  weight_scale: jax.Array     # float8_e4m3fn [..., N, K/16]
+  weight_scale_2: jax.Array   # float32 [...]
+
+
+# ------------------------------------------------------------------------------------------
+# Reference decode (plain jnp, exact)
+
+
+def _e2m1_to_bf16(codes):
+  """uint8 codes 0..15 -> bf16 E2M1 values (0, .5, 1, 1.5, 2, 3, 4, 6 and negatives)."""
+  mag = jnp.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], jnp.float32)[codes & 7]
+  return jnp.where((codes & 8) != 0, -mag, mag).astype(jnp.bfloat16)
+
+
+def dequantize_nvfp4_reference(qweight, weight_scale):
+  """[..., N, K/2] codes + [..., N, K/16] e4m3 scales -> [..., N, K] bf16 (exact)."""
+  *lead, n, kh = qweight.shape
+  k = kh * 2
+  q = qweight.reshape(*lead, n, k // 64, 32)
+  lo = _e2m1_to_bf16(q & 15)                                # k = 64b + j
+  hi = _e2m1_to_bf16(q >> 4)                                # k = 64b + 32 + j
+  vals = jnp.concatenate([lo, hi], axis=-1).reshape(*lead, n, k // 16, 16)
+  scale = weight_scale.astype(jnp.float32)[..., None]
+  return (vals.astype(jnp.float32) * scale).astype(jnp.bfloat16).reshape(*lead, n, k)
+
+
+# ------------------------------------------------------------------------------------------
+# In-kernel decode
+
+
+def _fp8_decode(codes):
+  """uint8 codes 0..15 -> bf16 value * 2^-6 through the float8_e4m3fn bit pattern (exact)."""
+  e = ((codes & 7) << 2) | ((codes & 8) << 4)
+  return lax.bitcast_convert_type(e, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+
+
+# $0, $1: two bf16x2 outputs (elements 0,1 and 2,3); $2: four code bytes; $3, $4: bf16x2 scales.
+# prmt spreads bytes (b0, b1) / (b2, b3) into the low bytes of the two 16-bit lanes.
+_ASM_TEMPLATE = """{{
+.reg .b32 a, b, t0, t1, z;
+mov.b32 z, 0;
+prmt.b32 a, $2, z, 0x4140;
+prmt.b32 b, $2, z, 0x4342;
+shl.b32 t0, a, {sm};
+and.b32 t0, t0, 0x01C001C0;
+shl.b32 t1, a, {ss};
+and.b32 t1, t1, 0x80008000;
+or.b32 t0, t0, t1;
+mul.rn.bf16x2 $0, t0, $3;
+shl.b32 t0, b, {sm};
+and.b32 t0, t0, 0x01C001C0;
+shl.b32 t1, b, {ss};
+and.b32 t1, t1, 0x80008000;
+or.b32 t0, t0, t1;
+mul.rn.bf16x2 $1, t0, $4;
+}}"""
+_ASM_LO = _ASM_TEMPLATE.format(sm=6, ss=12)   # low nibble: bits 0-2 -> 6-8, bit 3 -> 15
+_ASM_HI = _ASM_TEMPLATE.format(sm=2, ss=8)    # high nibble: bits 4-6 -> 6-8, bit 7 -> 15
+
+
+def _asm_decode(q, scale_bf16, asm):
+  (w,) = plgpu.elementwise_inline_asm(
+      asm, args=[q, scale_bf16], constraints="=r,=r,r,r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)])
+  return w
+
+
+def decode_factor(decode: str) -> float:
+  """Power of two the in-kernel decode leaves on the weights (folded into the epilogue)."""
+  return {"fp8": 64.0, "asm": 128.0}[decode]
+
+
+def _decode_pair(q, s_lo, s_hi, decode):
+  """q uint8 [..., 16]; s_lo/s_hi f32 block scales broadcastable to q -> (w_lo, w_hi) bf16."""
+  if decode == "fp8":
+    w_lo = _fp8_decode(q & 15) * s_lo.astype(jnp.bfloat16)
+    w_hi = _fp8_decode(q >> 4) * s_hi.astype(jnp.bfloat16)
+    return w_lo, w_hi
+  big = 2.0 ** 119
+  s_lo = jnp.broadcast_to((s_lo * big).astype(jnp.bfloat16), q.shape)
+  s_hi = jnp.broadcast_to((s_hi * big).astype(jnp.bfloat16), q.shape)
+  return _asm_decode(q, s_lo, _ASM_LO), _asm_decode(q, s_hi, _ASM_HI)
+
+
+def nvfp4_views(qweight, weight_scale):
+  """Free reshapes used by the kernels: codes [..., N, K/64, 2, 16], scales [..., N, K/64, 2, 2].
+
+  Scale view index (half, h): half 0 = low nibbles (k = 64b + 16h + j), half 1 = high nibbles.
+  """
+  *lead, n, kh = qweight.shape
+  nb = kh // 32
+  return (qweight.reshape(*lead, n, nb, 2, 16), weight_scale.reshape(*lead, n, nb, 2, 2))
+
+
+def x_view(x):
+  """[..., M, K] -> [..., M, K/64, 2 (half), 2 (h), 16] (a free reshape)."""
+  *lead, m, k = x.shape
+  return x.reshape(*lead, m, k // 64, 2, 2, 16)
+
+
+def nvfp4_tile_dot(x_ref, x_idx, rows, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
+                   layout):
+  """fp32 [Mp, BN] partial x . W^T over the 64-value blocks b0 .. b0+nb of rows n0 .. n0+bn.
+
+  x_ref: view [..., M, K/64, 2, 2, 16] bf16, indexed by ``x_idx`` (leading indices) and the
+  [Mp] row indices ``rows``; q_ref / s_ref: views from ``nvfp4_views``, indexed by ``w_idx``.
+  The result carries the decode's power of two (``decode_factor``).
+  """
+  ds = slice(None)
+  nrow = pl.ds(n0, bn)
+  mp = rows.shape[0]
+  if layout == "tile":
+    blk = pl.ds(b0, nb)
+    q = q_ref[(*w_idx, nrow, blk, ds, ds)]                                # [BN, nb, 2, 16]
+    s_lo = s_ref[(*w_idx, nrow, blk, 0, ds)].astype(jnp.float32)[..., None]  # [BN, nb, 2, 1]
+    s_hi = s_ref[(*w_idx, nrow, blk, 1, ds)].astype(jnp.float32)[..., None]
+    w_lo, w_hi = _decode_pair(q, s_lo, s_hi, decode)
+    x_lo = x_ref[(*x_idx, rows, blk, 0, ds, ds)].reshape(mp, nb * 32)     # [Mp, 32 nb]
+    x_hi = x_ref[(*x_idx, rows, blk, 1, ds, ds)].reshape(mp, nb * 32)
+    return (C.dot_nt(x_lo, w_lo.reshape(bn, nb * 32))
+            + C.dot_nt(x_hi, w_hi.reshape(bn, nb * 32)))
+  acc = None
+  for bb in range(nb):
+    for h in range(2):
+      q = q_ref[(*w_idx, nrow, b0 + bb, h, ds)]                           # [BN, 16]
+      s_lo = s_ref[(*w_idx, nrow, b0 + bb, 0, h)].astype(jnp.float32)[:, None]   # [BN, 1]
+      s_hi = s_ref[(*w_idx, nrow, b0 + bb, 1, h)].astype(jnp.float32)[:, None]
+      w_lo, w_hi = _decode_pair(q, s_lo, s_hi, decode)
+      x_lo = x_ref[(*x_idx, rows, b0 + bb, 0, h, ds)]                     # [Mp, 16]
+      x_hi = x_ref[(*x_idx, rows, b0 + bb, 1, h, ds)]
+      part = C.dot_nt(x_lo, w_lo) + C.dot_nt(x_hi, w_hi)
+      acc = part if acc is None else acc + part
+  return acc
+
+
+def resolve_decode(decode: str, interpret: bool) -> str:
+  C.check(decode in DECODES, f"decode must be one of {DECODES}, got {decode=}")
+  return "fp8" if interpret else decode
+
+
+def default_nvfp4_blocks(n: int, k: int, *, n_mats: int = 1) -> tuple[int, int]:
+  """(block_n, block_k) heuristic: 32 rows x 256 values (4 KiB of codes per step), BN=16 when
+  that leaves fewer than 128 programs. Starting point from the bf16 GEMV measurements; tuned
+  by benchmarks/kernels.py (docs/kernels.md)."""
+  del n_mats
+  bk = C.pow2_divisor(k, 256)
+  bn = C.pow2_divisor(n, 32)
+  if n // bn < 128:
+    bn = C.pow2_divisor(n, 16)
+  return bn, bk
+
+
+# ------------------------------------------------------------------------------------------
+# GEMV
+
+
+def _validate(x, ws, block_n, block_k, split_k=1):
+  C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
+  m, k = x.shape
+  C.check(1 <= m <= MAX_ROWS, f"nvfp4 gemv handles 1..{MAX_ROWS} rows, got {m=}")
+  C.check(k % 64 == 0, f"K must be a multiple of 64, got {k=}")
+  for w in ws:
+    q, s, s2 = w
+    C.check(q.dtype == jnp.uint8 and q.ndim == 2 and q.shape[1] * 2 == k,
+            f"qweight must be uint8 [N, K/2={k // 2}], got {q.shape=} {q.dtype=}")
+    C.check(s.dtype == jnp.float8_e4m3fn and s.shape == (q.shape[0], k // 16),
+            f"weight_scale must be float8_e4m3fn [N, K/16], got {s.shape=} {s.dtype=}")
+    C.check(jnp.size(s2) == 1, f"weight_scale_2 must be a scalar, got {jnp.shape(s2)=}")
+    C.check(q.shape == ws[0][0].shape, "gate/up weights differ in shape")
+  n = ws[0][0].shape[0]
+  C.check(C.is_pow2(block_n) and block_n >= 16 and n % block_n == 0,
+          f"block_n must be a power of two >= 16 dividing N: {block_n=} {n=}")
+  C.check(C.is_pow2(block_k) and block_k >= 64 and k % (block_k * split_k) == 0,
+          f"block_k must be a power of two >= 64 and block_k * split_k must divide K: "
+          f"{block_k=} {split_k=} {k=}")
+  return m, n, k
+
+
+def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, o_ref, *, m, mp, bn, nb, n_iter, split_k,
+                       decode, layout):
+  n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
+  bbase = pl.program_id(1) * (n_iter * nb) if split_k > 1 else 0
+  rows = C.row_load_index(m, mp)
+
+  def body(i, acc):
+    b0 = pl.multiple_of(bbase + i * nb, nb)
+    return acc + nvfp4_tile_dot(x_ref, (), rows, q_ref, s_ref, (), n0, bn, b0, nb,
+                                decode=decode, layout=layout)
+
+  acc = lax.fori_loop(0, n_iter, body, jnp.zeros((mp, bn), jnp.float32))
+  acc = acc * (s2_ref[0] * decode_factor(decode))
+  r, rmask = C.row_store_index(m, mp)
+  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
+  idx = (r[:, None], cols[None, :])
+  if split_k > 1:
+    idx = (pl.program_id(1),) + idx
+  plgpu.store(o_ref.at[idx], acc.astype(o_ref.dtype), mask=rmask[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "out_dtype", "block_n", "block_k", "split_k", "decode", "layout", "num_warps", "num_stages",
+    "interpret"))
+def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat16,
+               block_n: int | None = None, block_k: int | None = None, split_k: int = 1,
+               decode: str = "asm", layout: str = "tile", num_warps: int = 4,
+               num_stages: int = 3, interpret: bool = False):
+  """y[M, N] = out_dtype((x @ dequant(qweight, weight_scale)^T) * weight_scale_2)."""
+  n, kh = qweight.shape
+  dbn, dbk = default_nvfp4_blocks(n, kh * 2)
+  block_n, block_k = block_n or dbn, block_k or dbk
+  w = (qweight, weight_scale, weight_scale_2)
+  m, n, k = _validate(x, [w], block_n, block_k, split_k)
+  C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
+  decode = resolve_decode(decode, interpret)
+  mp = C.pad_rows(m)
+  nb = block_k // 64
+  q4, s4 = nvfp4_views(qweight, weight_scale)
+  s2 = jnp.asarray(weight_scale_2, jnp.float32).reshape(1)
+  kernel = functools.partial(_nvfp4_gemv_kernel, m=m, mp=mp, bn=block_n, nb=nb,
+                             n_iter=k // block_k // split_k, split_k=split_k, decode=decode,
+                             layout=layout)
+  if split_k > 1:
+    out_shape, grid = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32), (n // block_n, split_k)
+  else:
+    out_shape, grid = jax.ShapeDtypeStruct((m, n), out_dtype), (n // block_n,)
+  y = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=grid,
+      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      name=f"flint_nvfp4_gemv_bn{block_n}_bk{block_k}_{decode}_{layout}",
+  )(x_view(x), q4, s4, s2)
+  if split_k > 1:
+    y = jnp.sum(y, axis=0).astype(out_dtype)
+  return y
+
+
+def nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat16,
+                         **unused_tuning):
+  """Plain jnp: exact bf16 dequantisation, fp32 dot, tensor scale on the fp32 result."""
+  del unused_tuning
+  w = dequantize_nvfp4_reference(qweight, weight_scale)
+  y = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                      precision=lax.Precision.HIGHEST)
+  return (y * jnp.asarray(weight_scale_2, jnp.float32)).astype(out_dtype)
+
+
+def _nvfp4_silu_mul_kernel(x_ref, qg_ref, sg_ref, qu_ref, su_ref, s2_ref, o_ref, *, m, mp, bn,
+                           nb, n_iter, decode, layout):
+  n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
+  rows = C.row_load_index(m, mp)
+
+  def body(i, carry):
+    acc_g, acc_u = carry
+    b0 = pl.multiple_of(i * nb, nb)
+    kw = dict(decode=decode, layout=layout)
+    acc_g = acc_g + nvfp4_tile_dot(x_ref, (), rows, qg_ref, sg_ref, (), n0, bn, b0, nb, **kw)
+    acc_u = acc_u + nvfp4_tile_dot(x_ref, (), rows, qu_ref, su_ref, (), n0, bn, b0, nb, **kw)
+    return acc_g, acc_u
+
+  z = jnp.zeros((mp, bn), jnp.float32)
+  acc_g, acc_u = lax.fori_loop(0, n_iter, body, (z, z))
+  f = decode_factor(decode)
+  h = C.silu_mul_f32(acc_g * (s2_ref[0] * f), acc_u * (s2_ref[1] * f))
+  r, rmask = C.row_store_index(m, mp)
+  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
+  plgpu.store(o_ref.at[r[:, None], cols[None, :]], h.astype(o_ref.dtype), mask=rmask[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "block_n", "block_k", "decode", "layout", "num_warps", "num_stages", "interpret"))
+def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int | None = None,
+                        decode: str = "asm", layout: str = "tile", num_warps: int = 4,
+                        num_stages: int = 3, interpret: bool = False):
+  """h[M, I] = bf16(silu(g) * u), g/u = (x @ dequant(gate|up)^T) * their weight_scale_2.
+
+  gate, up: ``NVFP4Weight`` (or (qweight, weight_scale, weight_scale_2)) of shape [I, K].
+  """
+  gate, up = NVFP4Weight(*gate), NVFP4Weight(*up)
+  n, kh = gate.qweight.shape
+  dbn, dbk = default_nvfp4_blocks(n, kh * 2, n_mats=2)
+  block_n, block_k = block_n or dbn, block_k or dbk
+  m, n, k = _validate(x, [gate, up], block_n, block_k)
+  C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
+  decode = resolve_decode(decode, interpret)
+  mp = C.pad_rows(m)
+  nb = block_k // 64
+  qg, sg = nvfp4_views(gate.qweight, gate.weight_scale)
+  qu, su = nvfp4_views(up.qweight, up.weight_scale)
+  s2 = jnp.stack([jnp.asarray(gate.weight_scale_2, jnp.float32).reshape(()),
+                  jnp.asarray(up.weight_scale_2, jnp.float32).reshape(())])
+  kernel = functools.partial(_nvfp4_silu_mul_kernel, m=m, mp=mp, bn=block_n, nb=nb,
+                             n_iter=k // block_k, decode=decode, layout=layout)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(n // block_n,),
+      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      name=f"flint_nvfp4_silu_mul_bn{block_n}_bk{block_k}_{decode}_{layout}",
+  )(x_view(x), qg, sg, qu, su, s2)
+
+
+def nvfp4_gemv_silu_mul_reference(x, gate, up, **unused_tuning):
+  """Plain jnp: bf16(silu(g) * u) from the fp32 products times their tensor scales."""
+  del unused_tuning
+  g = nvfp4_gemv_reference(x, *gate, out_dtype=jnp.float32)
+  u = nvfp4_gemv_reference(x, *up, out_dtype=jnp.float32)
+  return C.silu_mul_f32(g, u).astype(x.dtype)

@@ -1,0 +1,184 @@
+"""Fused per-head Q/K RMSNorm + NeoX RoPE + KV-cache write (decode, one token per row).
+
+``qk_norm_rope(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache)`` for one decode step:
+
+1. ``q`` [B, H, Dh] and ``k`` [B, KVH, Dh]: per-head RMSNorm over Dh with one weight vector each
+   (fp32 math, weight multiplied in fp32 before the cast), **rounded to bf16** (as the reference,
+   which feeds the rounded tensor to RoPE).
+2. Sliding layers only (static ``rope=True``): NeoX "rotate_half" RoPE over all Dh dims at the
+   row's position, angles in fp32 (``inv_freq[i] = theta^(-2i/Dh)``, computed by XLA with the
+   same expression as ``flint_jax.layers.rope_angles`` and constant-folded), cos/sin in fp32,
+   ``[x1 cos - x2 sin, x2 cos + x1 sin]`` rounded once to bf16.
+3. Writes the processed ``k`` and the raw ``v`` [B, KVH, Dh] into the row's cache slot: ``position``
+   for a full layer (the write is dropped if position >= S), ``position % S`` for a ring
+   (``ring=True``; S = R slots). The caches are aliased to the outputs
+   (``input_output_aliases``): under donation the update is in place and only B*KVH*Dh values
+   per cache are written.
+
+Caches are ``[B, KVH, S, Dh]``, or the layer-stacked ``[L, B, KVH, S, Dh]`` of
+``flint_jax.cache.KVCache`` with ``layer`` (a Python int or traced int32 scalar) selecting the
+layer *inside* the kernel, so no per-layer slice of the cache is ever copied.
+
+Returns ``(q_out [B, H, Dh], k_cache, v_cache)``. One program per row (grid (B,)): H*Dh = 4096
+values of q, tiny; the kernel is launch-bound by design (it replaces ~8 XLA ops).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flint_jax.pallas import _common as C
+
+__all__ = ["qk_norm_rope", "qk_norm_rope_reference", "rope_inv_freq"]
+
+
+def rope_inv_freq(head_dim: int, theta: float):
+  """[Dh/2] f32 theta^(-2i/Dh) (same expression as flint_jax.layers.rope_angles)."""
+  return theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+
+
+def _norm_rope_rows(ref, b, n, np_, half, w1, w2, eps, rope, cos, sin):
+  """Loads rows [n] of ref[b] as two halves, RMSNorm (rounded), optional RoPE -> f32 halves."""
+  rows = C.row_load_index(n, np_)
+  x1 = ref[b, rows, pl.ds(0, half)].astype(jnp.float32)        # [Np, Dh/2]
+  x2 = ref[b, rows, pl.ds(half, half)].astype(jnp.float32)
+  ms = (jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * half)
+  r = jax.lax.rsqrt(ms + eps)[:, None]                          # [Np, 1]
+  dt = ref.dtype
+  n1 = (w1[None, :] * (x1 * r)).astype(dt).astype(jnp.float32)
+  n2 = (w2[None, :] * (x2 * r)).astype(dt).astype(jnp.float32)
+  if rope:
+    n1, n2 = n1 * cos - n2 * sin, n2 * cos + n1 * sin
+  return n1.astype(dt), n2.astype(dt)
+
+
+def _kernel(*refs, h, hp, kvh, kvhp, dh, eps, rope, ring, stacked):
+  if stacked:
+    (q_ref, k_ref, v_ref, wq_ref, wk_ref, pos_ref, invf_ref, layer_ref, _kc_in, _vc_in,
+     qo_ref, kc_ref, vc_ref) = refs
+    lead = (layer_ref[0],)
+  else:
+    (q_ref, k_ref, v_ref, wq_ref, wk_ref, pos_ref, invf_ref, _kc_in, _vc_in,
+     qo_ref, kc_ref, vc_ref) = refs
+    lead = ()
+  b = pl.program_id(0)
+  half = dh // 2
+  s_len = kc_ref.shape[-2]
+  p = pos_ref[b]
+  cos = sin = None
+  if rope:
+    ang = p.astype(jnp.float32) * invf_ref[...]                 # [Dh/2]
+    cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
+  lo = jnp.arange(half, dtype=jnp.int32)
+  hi = half + lo
+  ld = lambda ref, c: ref[pl.ds(c, half)].astype(jnp.float32)  # noqa: E731
+
+  q1, q2 = _norm_rope_rows(q_ref, b, h, hp, half, ld(wq_ref, 0), ld(wq_ref, half), eps, rope,
+                           cos, sin)
+  rq, mq = C.row_store_index(h, hp)
+  plgpu.store(qo_ref.at[b, rq[:, None], lo[None, :]], q1, mask=mq[:, None])
+  plgpu.store(qo_ref.at[b, rq[:, None], hi[None, :]], q2, mask=mq[:, None])
+
+  k1, k2 = _norm_rope_rows(k_ref, b, kvh, kvhp, half, ld(wk_ref, 0), ld(wk_ref, half), eps,
+                           rope, cos, sin)
+  slot = p % s_len if ring else p
+  rk, mk = C.row_store_index(kvh, kvhp)
+  mk = (mk & (slot < s_len) & (slot >= 0))[:, None]
+  slot = jnp.clip(slot, 0, s_len - 1)
+  plgpu.store(kc_ref.at[(*lead, b, rk[:, None], slot, lo[None, :])], k1, mask=mk)
+  plgpu.store(kc_ref.at[(*lead, b, rk[:, None], slot, hi[None, :])], k2, mask=mk)
+  rows = C.row_load_index(kvh, kvhp)
+  v = v_ref[b, rows, :]                                         # [KVHp, Dh]
+  cols = jnp.arange(dh, dtype=jnp.int32)
+  plgpu.store(vc_ref.at[(*lead, b, rk[:, None], slot, cols[None, :])], v, mask=mk)
+
+
+def _validate(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer):
+  C.check(q.ndim == 3, f"q must be [B, H, Dh], got {q.shape=}")
+  b, h, dh = q.shape
+  C.check(k.ndim == 3 and k.shape[0] == b and k.shape[2] == dh,
+          f"k must be [B={b}, KVH, Dh={dh}], got {k.shape=}")
+  C.check(v.shape == k.shape, f"v must match k, got {v.shape=} vs {k.shape=}")
+  C.check(q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype,
+          "q, k, v and the caches must share a dtype")
+  C.check(dh % 2 == 0 and C.is_pow2(dh // 2), f"Dh/2 must be a power of two, got {dh=}")
+  C.check(q_norm_w.shape == (dh,) and k_norm_w.shape == (dh,), "norm weights must be [Dh]")
+  C.check(positions.shape == (b,), f"positions must be [B={b}], got {positions.shape=}")
+  kvh = k.shape[1]
+  want = 4 if layer is None else 5
+  C.check(k_cache.ndim == want and k_cache.shape == v_cache.shape,
+          f"caches must be {'[B, KVH, S, Dh]' if want == 4 else '[L, B, KVH, S, Dh]'} "
+          f"(layer={'None' if layer is None else 'given'}), got {k_cache.shape=} "
+          f"{v_cache.shape=}")
+  C.check(k_cache.shape[-4:-2] == (b, kvh) and k_cache.shape[-1] == dh,
+          f"cache {k_cache.shape=} does not match B={b}, KVH={kvh}, Dh={dh}")
+  return b, h, kvh, dh
+
+
+@functools.partial(jax.jit, static_argnames=("rope", "ring", "theta", "eps", "num_warps",
+                                             "interpret"))
+def qk_norm_rope(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer=None, *,
+                 rope: bool, ring: bool, theta: float = 10000.0, eps: float = 1e-6,
+                 num_warps: int = 4, interpret: bool = False):
+  """Returns (q_out [B, H, Dh], k_cache, v_cache) with row b's k/v written at its slot."""
+  b, h, dh = q.shape
+  _, h, kvh, dh = _validate(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer)
+  stacked = layer is not None
+  args = [q, k, v, q_norm_w, k_norm_w, positions.astype(jnp.int32), rope_inv_freq(dh, theta)]
+  if stacked:
+    args.append(C.as_index_array(layer, "layer"))
+  n_in = len(args)
+  args += [k_cache, v_cache]
+  kernel = functools.partial(_kernel, h=h, hp=C.pad_rows(h), kvh=kvh, kvhp=C.pad_rows(kvh),
+                             dh=dh, eps=eps, rope=rope, ring=ring, stacked=stacked)
+  out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+               jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+               jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+  return pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(b,),
+      input_output_aliases={n_in: 1, n_in + 1: 2},
+      compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,
+      name=f"flint_qk_norm{'_rope' if rope else ''}_{'ring' if ring else 'full'}",
+  )(*args)
+
+
+def qk_norm_rope_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache,
+                           layer=None, *, rope: bool, ring: bool, theta: float = 10000.0,
+                           eps: float = 1e-6, **unused_tuning):
+  """Plain jnp with the same rounding: norm -> bf16 -> RoPE in fp32 -> bf16; cache .at[].set."""
+  del unused_tuning
+
+  def norm(x, w):
+    x32 = x.astype(jnp.float32)
+    ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return (w.astype(jnp.float32) * (x32 * jax.lax.rsqrt(ms + eps))).astype(x.dtype)
+
+  def apply_rope(x):
+    dh = x.shape[-1]
+    ang = positions.astype(jnp.float32)[:, None] * rope_inv_freq(dh, theta)[None, :]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : dh // 2], xf[..., dh // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+  qn, kn = norm(q, q_norm_w), norm(k, k_norm_w)
+  if rope:
+    qn, kn = apply_rope(qn), apply_rope(kn)
+  s_len = k_cache.shape[-2]
+  pos = positions.astype(jnp.int32)
+  slot = pos % s_len if ring else pos
+  bidx = jnp.arange(q.shape[0])
+  # Out-of-range full-cache writes are dropped (mode="drop"), like the kernel's masked store.
+  slot = jnp.where((slot >= 0) & (slot < s_len), slot, s_len)
+  if layer is None:
+    k_cache = k_cache.at[bidx, :, slot].set(kn, mode="drop")
+    v_cache = v_cache.at[bidx, :, slot].set(v, mode="drop")
+  else:
+    k_cache = k_cache.at[layer, bidx, :, slot].set(kn, mode="drop")
+    v_cache = v_cache.at[layer, bidx, :, slot].set(v, mode="drop")
+  return qn, k_cache, v_cache

@@ -120,7 +120,8 @@ def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: 
     lengths = np.array([len(r) for r in rows], np.int32)
     check_cache_fits(cfg, b, cache_length, model.dtype,
                      num_devices=model.mesh.size if model.mesh is not None else 1)
-    cache = init_cache(cfg, b, cache_length, model.dtype, model.cache_sharding)
+    shardings = model.cache_sharding(b, cache_length) if model.cache_sharding else None
+    cache = init_cache(cfg, b, cache_length, model.dtype, shardings)
     t_max = int(lengths.max())
     chunk = min(chunk_size, bucket_length(t_max, cache_length, minimum=16))
     n_chunks = -(-t_max // chunk)

@@ -120,6 +120,7 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
     path = os.fspath(path)
     dtype = parse_dtype(dtype)
     kernels = resolve_kernels(kernels)
+    mesh = auto_mesh(mesh)
     if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
         from flint_jax import convert
         return convert.load_gguf(path, hf_config=hf_config, dtype=dtype, mesh=mesh,
@@ -138,6 +139,18 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
                                   mesh=mesh, rules=rules, source=path, progress=progress)
     return make_handle(cfg, graphdef, state, dtype=dtype, quant=False, kernels=kernels, mesh=mesh,
                        rules=rules, max_length=max_length, meta_dir=path, source=path)
+
+
+def auto_mesh(mesh):
+    """The same devices and axis names with Auto axis types: flint_jax places parameters and
+    caches itself and lets XLA partition the computation (`jax.make_mesh` defaults to Explicit
+    axes, under which every gather would need an explicit output sharding)."""
+    if mesh is None:
+        return None
+    from jax.sharding import AxisType, Mesh
+    if all(t == AxisType.Auto for t in getattr(mesh, "axis_types", ())):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def make_handle(cfg, graphdef, state, *, dtype, quant, kernels, mesh, rules, max_length,

@@ -294,3 +294,42 @@ def iter_params(ckpt: HFCheckpoint, cfg: FlintConfig,
 
 def param_nbytes(ckpt: HFCheckpoint) -> int:
     return sum(int(np.prod(ckpt.shape(n))) * ckpt.dtype(n).itemsize for n in ckpt.names())
+
+
+def hf_tensors_of_state(cfg: FlintConfig, named: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """flint_jax parameters -> HF checkpoint tensors (transformers' on-disk names: per-expert
+    weights, sinks as `self_attn.softmax_offset`)."""
+    mi = cfg.moe_intermediate_size
+    for name, arr in named.items():
+        if name.endswith(".self_attn.sinks"):
+            yield name[: -len("sinks")] + "softmax_offset", arr
+        elif name.endswith(".mlp.experts.gate_up_proj"):
+            stem = name[: -len("gate_up_proj")]
+            for e in range(arr.shape[0]):
+                yield f"{stem}{e}.gate_proj.weight", arr[e, :mi]
+                yield f"{stem}{e}.up_proj.weight", arr[e, mi:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            stem = name[: -len("down_proj")]
+            for e in range(arr.shape[0]):
+                yield f"{stem}{e}.down_proj.weight", arr[e]
+        else:
+            yield name, arr
+
+
+def save_hf_module(module, directory: str) -> None:
+    """Writes a bf16/fp32 flint_jax module as a HF checkpoint (`config.json`, `model.safetensors`)
+    that transformers' `FlintForCausalLM.from_pretrained` reads."""
+    from flax import nnx
+    if module.quant:
+        raise ValueError("save_hf_module writes BF16/FP32 models; NVFP4 models go to GGUF "
+                         "(flint-jax quantize)")
+    cfg = module.cfg
+    os.makedirs(directory, exist_ok=True)
+    named = {".".join(str(p) for p in path): np.asarray(var.get_value())
+             for path, var in nnx.to_flat_state(nnx.state(module))}
+    tensors = dict(hf_tensors_of_state(cfg, named))
+    write_safetensors(os.path.join(directory, "model.safetensors"), tensors, {"format": "pt"})
+    d = cfg.to_dict()
+    d["dtype"] = str(module.dtype)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(d, f, indent=2)

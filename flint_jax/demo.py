@@ -1,0 +1,97 @@
+"""The embedded default model: a small random-weight Flint, built on the fly, no download.
+
+`demo_checkpoint()` writes (once, into `~/.cache/flint_jax/demo-v1` or `$FLINT_JAX_DEMO_DIR`) a
+real HF-format Flint checkpoint: `config.json` (the `tiny` preset: 6 layers, hidden 128, 8
+experts, window 9), random weights in `model.safetensors` with transformers' tensor names, a
+byte-level BPE tokenizer with the GLM-4.7 special tokens trained on a paragraph embedded below, and
+the built-in GLM-4.7 chat template. Its weights are random: the text it generates is meaningless.
+It exists so that every code path (load, generate, chat, convert, research) runs anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+DEMO_VERSION = "demo-v1"
+DEMO_VOCAB = 512
+
+_CORPUS = """Flint is a mixture-of-experts language model. Each token is routed to six of 256
+experts, and a shared expert sees every token. Sliding-window layers attend to the last 512 tokens;
+full-attention layers see the whole context. This small model has random weights: it exercises the
+code, not the knowledge. The weather today is sunny with a chance of rain in the afternoon.
+What is the capital of France? Paris. Write a function that adds two numbers. def add(a, b):
+    return a + b
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Tools: get_weather(city="Paris", unit="celsius").
+"""
+
+
+def default_dir() -> str:
+    base = os.environ.get("FLINT_JAX_DEMO_DIR")
+    if base:
+        return base
+    return os.path.join(os.path.expanduser("~"), ".cache", "flint_jax", DEMO_VERSION)
+
+
+def build_tokenizer(vocab_size: int = DEMO_VOCAB):
+    """A byte-level BPE tokenizer with the GLM-4.7 special tokens (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from flint_jax.chat_format import SPECIAL_TOKENS
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tok
+
+
+def demo_checkpoint(directory: str | None = None, *, seed: int = 0, overwrite: bool = False) -> str:
+    """Writes the demo checkpoint (if absent) and returns its directory."""
+    directory = directory or default_dir()
+    if os.path.exists(os.path.join(directory, "model.safetensors")) and not overwrite:
+        return directory
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from flint_jax.chat_format import DEFAULT_CHAT_TEMPLATE, SPECIAL_TOKENS
+    from flint_jax.config import preset
+    from flint_jax.hf_io import save_hf_module
+
+    tok = build_tokenizer()
+    eos = [tok.token_to_id(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    cfg = preset("tiny", vocab_size=DEMO_VOCAB, eos_token_id=tuple(eos),
+                 pad_token_id=eos[0])
+    from flint_jax.model import FlintForCausalLM
+    module = FlintForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+    parent = os.path.dirname(os.path.abspath(directory)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".demo-", dir=parent)
+    save_hf_module(module, tmp)
+    tok.save(os.path.join(tmp, "tokenizer.json"))
+    with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                   "pad_token": "<|endoftext|>", "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+                   "model_max_length": cfg.max_position_embeddings}, f, indent=2)
+    with open(os.path.join(tmp, "chat_template.jinja"), "w") as f:
+        f.write(DEFAULT_CHAT_TEMPLATE)
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+        json.dump({"do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 20,
+                   "eos_token_id": eos, "pad_token_id": eos[0]}, f, indent=2)
+    with open(os.path.join(tmp, "README.md"), "w") as f:
+        f.write("# flint_jax demo checkpoint\n\nA small Flint (the `tiny` preset) with RANDOM "
+                "weights, written by `flint_jax.demo`. It generates meaningless text; it exists "
+                "to exercise the code.\n")
+    if os.path.exists(directory):
+        import shutil
+        shutil.rmtree(directory)
+    os.replace(tmp, directory)
+    return directory
+
+
+def demo_model(**load_kwargs):
+    """`flint_jax.load` of the demo checkpoint (written first if needed)."""
+    from flint_jax.loading import load
+    return load(demo_checkpoint(), **load_kwargs)

@@ -1,0 +1,595 @@
+"""`flint-jax convert`: a HF directory or an NVFP4 GGUF file -> a flint_jax (orbax) checkpoint.
+
+    flint_jax.convert("RecursiveSI/flint", "flint-jax-bf16")
+    flint_jax.convert("flint-nvfp4.gguf", "flint-jax-nvfp4", hf_config="RecursiveSI/flint")
+    model = flint_jax.load("flint-jax-nvfp4", mesh=mesh)
+
+The format is described in `flint_jax.checkpoint`. Conversion streams: every parameter is a
+`LazyTensor` read (and for GGUF, repacked) only when orbax writes it, a few at a time, so a 40B
+checkpoint converts with a few GiB of host memory. The result goes to a temporary directory beside
+DST, renamed at the end; on any error nothing is left behind.
+
+Sources:
+
+* **HF** (`hf_io`): single or sharded safetensors, per-expert or fused experts, either sink name,
+  router fp32 or bf16. Weights are stored as they are (`dtype="auto"`), or cast (`"bf16"`,
+  `"f32"`); the router, sinks and NVFP4 tensor scales are always fp32 in memory (spec section 3).
+* **NVFP4 GGUF** (`gguf_io`), with `hf_config=` naming the BF16 repo directory (config.json,
+  generation_config.json and tokenizer files are copied along). NVFP4 blocks are repacked
+  losslessly into the flint_jax layout (`nvfp4.gguf_to_kernel`); tensor scales (`<name>.scale`,
+  missing = 1.0) stay fp32: `[]` per linear layer, `[E]` for `down_proj`, `[E, 2]` (gate, up)
+  for the fused `gate_up`. BF16 and F32 tensors are carried as they are. A GGUF whose linear
+  layers are all NVFP4 gives a `quant=True` checkpoint (every linear layer NVFP4, lm_head
+  included, as in Flint's file); all BF16/F32 gives a `quant=False` one.
+
+  **Mixed files** (some linear layers NVFP4, others BF16 -- e.g. a BF16 `output.weight`): the
+  NNX model has one weight format for all linear layers, so `mixed=` decides:
+  `"refuse"` (default: a clear error naming the BF16 tensors), `"quantize"` (quant=True; the BF16
+  linear layers are quantized to NVFP4 with the ModelOpt recipe: lossy, reported), or
+  `"dequantize"` (quant=False; NVFP4 layers decoded exactly, `e2m1 * e4m3 * tensor_scale` in
+  fp32, stored fp32 with `dtype="auto"`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from flint_jax import checkpoint, hf_io
+from flint_jax.checkpoint import LazyTensor, TensorGroup
+from flint_jax.config import FlintConfig
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+F16 = np.dtype(np.float16)
+FLOAT8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+# Always fp32 in memory (spec section 3): the router, the sinks, NVFP4 tensor scales.
+FP32_SUFFIXES = ("mlp.gate.weight", "self_attn.sinks", "weight_scale_2")
+# Files copied along with the weights (the tokenizer and the generation defaults).
+META_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "chat_template.jinja", "special_tokens_map.json")
+DTYPES = ("auto", "bf16", "f32")
+MIXED = ("refuse", "quantize", "dequantize")
+
+
+class ConvertError(ValueError):
+    """A conversion flint_jax refuses (the message names the file and tensor)."""
+
+
+def _known_errors():
+    from flint_jax.config import ConfigError
+    from flint_jax.gguf_io import GGUFError
+    return (ConvertError, hf_io.CheckpointError, GGUFError, ConfigError,
+            checkpoint.CheckpointFormatError)
+
+
+# ---- the plan: every parameter as a LazyTensor -------------------------------------------------
+
+@dataclasses.dataclass
+class Plan:
+    """What a conversion writes: the config, the quant flag, one LazyTensor per parameter."""
+    cfg: FlintConfig
+    quant: bool
+    tensors: list[LazyTensor]
+    source: dict[str, Any]
+    meta_dir: str | None  # where config.json / tokenizer files come from
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _stored_dtype(name: str, src: np.dtype, dtype: str) -> np.dtype:
+    """The dtype a parameter is stored with: "auto" keeps floats as they are (f16 -> f32, so
+    nothing rounds), "bf16"/"f32" cast weights; fp32-always leaves become f32 when cast."""
+    src = np.dtype(src)
+    if src not in (BF16, F32, F16):  # uint8 codes, float8 block scales
+        return src
+    if dtype == "auto":
+        return F32 if src == F16 else src
+    if name.endswith(FP32_SUFFIXES) or dtype == "f32":
+        return F32
+    return BF16
+
+
+def _cast(arr: np.ndarray, dt: np.dtype) -> np.ndarray:
+    arr = np.asarray(arr)
+    if arr.dtype == dt:
+        return arr
+    if dt == BF16 and arr.dtype != F32:
+        arr = arr.astype(F32)
+    return arr.astype(dt)
+
+
+def _check_dtype_option(dtype: str):
+    if dtype not in DTYPES:
+        raise ConvertError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+def plan_hf(src: str, *, dtype: str = "auto") -> Plan:
+    """Validates a HF directory against its config.json and plans its parameters."""
+    _check_dtype_option(dtype)
+    cfg = FlintConfig.from_json(src)
+    ckpt = hf_io.HFCheckpoint(src)
+    sources = hf_io.plan(ckpt, cfg)
+    expected = hf_io.expected_params(cfg)
+    tensors = []
+    for target, srcs in sources.items():
+        src_dt = np.result_type(*[ckpt.dtype(n) for n, _ in srcs])
+        dt = _stored_dtype(target, src_dt, dtype)
+
+        def produce(target=target, srcs=srcs, dt=dt):
+            (_, arr), = hf_io.iter_params(ckpt, cfg, {target: srcs})
+            return _cast(arr, dt)
+
+        tensors.append(LazyTensor(target, expected[target], dt, produce))
+    return Plan(cfg, False, tensors, {"kind": "hf", "path": os.path.abspath(src)}, src)
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------
+
+def _param_of(hf_name: str) -> str:
+    """HF name (gguf_io's canonical one) -> flint_jax parameter name."""
+    return re.sub(r"self_attn\.softmax_offset$", "self_attn.sinks", hf_name)
+
+
+def gguf_expected(cfg: FlintConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF weight names of `cfg` (file order, `.scale` companions excluded) -> numpy element
+    shapes (`[E, out, in]` for the `*_exps` stacks)."""
+    from flint_jax import gguf_io
+    params = hf_io.expected_params(cfg)
+    out = {}
+    for g in gguf_io.flint_gguf_names(cfg.num_hidden_layers, cfg.dense_layers):
+        hf = gguf_io.gguf_to_hf_name(g)
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(gate|up|down)_proj\.weight", hf)
+        if m:
+            e, two_i, d = params[m.group(1) + ".gate_up_proj"]
+            out[g] = (e, d, two_i // 2) if m.group(2) == "down" else (e, two_i // 2, d)
+        else:
+            out[g] = params[_param_of(hf)]
+    return out
+
+
+def _gguf_elem_shape(t) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+
+
+def read_gguf_tensor(ck, name: str) -> np.ndarray:
+    """One GGUF tensor read into fresh memory (not through the file-wide memmap, whose touched
+    pages would stay resident and count as this process's memory for the whole conversion).
+    NVFP4: uint8 `[..., N, K/64*36]`; BF16: bfloat16 `[..., K]`; F32: float32."""
+    from flint_jax import gguf_io
+    t = ck.tensors[name]
+    raw = np.fromfile(ck.path, dtype=np.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
+    if raw.size != int(t.n_bytes):
+        raise gguf_io.GGUFError(f"{ck.path}: file is truncated: tensor {name!r} needs {t.n_bytes} "
+                                f"bytes from offset {t.data_offset}")
+    arr = raw.view(t.data.dtype).reshape(t.data.shape)
+    if t.tensor_type == gguf_io.BF16:
+        arr = arr.view(ml_dtypes.bfloat16)
+    return arr
+
+
+def _tensor_scale(ck, name: str, n_exp: int | None) -> np.ndarray:
+    """fp32 tensor scale: `[]` for one matrix, `[E]` for an expert stack (missing = 1.0)."""
+    s = ck.tensor_scale(name)
+    if n_exp is None:
+        return s.reshape(())
+    return np.broadcast_to(s, (n_exp,)).astype(np.float32) if s.size == 1 else s.astype(np.float32)
+
+
+def _validate_gguf(ck, cfg: FlintConfig, path: str) -> dict[str, Any]:
+    """Names, shapes and types of a Flint GGUF file against `cfg`. Returns {name: tensor}."""
+    from flint_jax import gguf_io
+    expected = gguf_expected(cfg)
+    weights = {n: t for n, t in ck.tensors.items() if not n.endswith(gguf_io.SCALE_SUFFIX)}
+    for name in weights:
+        if name not in expected:
+            hint = ""
+            m = re.match(r"blk\.(\d+)\.(.+)", name)
+            if m and int(m.group(1)) >= cfg.num_hidden_layers:
+                hint = f" (the config has {cfg.num_hidden_layers} layers)"
+            elif m and int(m.group(1)) in cfg.moe_layers and not re.search("exps|shexp|inp", name):
+                hint = f" (layer {m.group(1)} is a MoE layer in the config)"
+            elif m and int(m.group(1)) in cfg.dense_layers:
+                hint = f" (layer {m.group(1)} is a dense layer in the config)"
+            raise ConvertError(f"{path}: unexpected tensor {name!r}{hint}")
+    for name, shape in expected.items():
+        if name not in weights:
+            raise ConvertError(f"{path}: missing tensor {name!r}")
+        t = weights[name]
+        got = _gguf_elem_shape(t)
+        if got != tuple(shape):
+            hint = ""
+            if name.endswith("_exps.weight") and got[0] != shape[0]:
+                hint = f" (the config has {cfg.num_experts} experts)"
+            elif name in ("token_embd.weight", "output.weight") and got[0] != shape[0]:
+                hint = f" (the config has vocab_size {cfg.vocab_size})"
+            elif name.endswith("ffn_gate_inp.weight") and got[0] != shape[0]:
+                hint = f" (the config has {cfg.num_experts} experts)"
+            raise ConvertError(f"{path}: tensor {name!r} has shape {list(got)}, expected "
+                               f"{list(shape)} for this config{hint}")
+        if t.tensor_type == gguf_io.NVFP4 and not gguf_io.may_be_nvfp4(name):
+            raise ConvertError(f"{path}: tensor {name!r} is NVFP4; flint_jax keeps embeddings, the "
+                               "router, norms and sinks in BF16/F32")
+    return weights
+
+
+def plan_gguf(path: str, hf_config: str | None, *, dtype: str = "auto",
+              mixed: str = "refuse") -> Plan:
+    """Validates a Flint GGUF file against the config in `hf_config` and plans its parameters."""
+    from flint_jax import gguf_io, nvfp4
+    _check_dtype_option(dtype)
+    if mixed not in MIXED:
+        raise ConvertError(f"mixed must be one of {MIXED}, got {mixed!r}")
+    if hf_config is None:
+        raise ConvertError(f"{path}: a GGUF file holds no usable config; pass hf_config (--hf-config "
+                           "DIR) naming the BF16 repo directory with config.json and the tokenizer")
+    if not os.path.isdir(hf_config):
+        raise ConvertError(f"{hf_config}: hf_config must be a directory holding config.json")
+    cfg = FlintConfig.from_json(hf_config)
+    ck = gguf_io.open_gguf(path)
+    weights = _validate_gguf(ck, cfg, path)
+    linear = [n for n in weights if gguf_io.may_be_nvfp4(n)]
+    nv = [n for n in linear if weights[n].tensor_type == gguf_io.NVFP4]
+    other = [n for n in linear if weights[n].tensor_type != gguf_io.NVFP4]
+    notes = []
+    if nv and other:
+        if mixed == "refuse":
+            shown = ", ".join(repr(n) for n in other[:3]) + (" ..." if len(other) > 3 else "")
+            raise ConvertError(
+                f"{path}: mixed linear formats: {len(nv)} NVFP4 and {len(other)} BF16/F32 "
+                f"({shown}); flint_jax holds one format for every linear layer: pass mixed="
+                "'quantize' (--mixed quantize: NVFP4-quantize the BF16 layers, lossy) or "
+                "'dequantize' (--mixed dequantize: decode the NVFP4 layers exactly to fp32)")
+        notes.append(f"mixed file ({len(nv)} NVFP4, {len(other)} BF16/F32 linear tensors): "
+                     f"mixed={mixed!r}")
+    quant = bool(nv) and (not other or mixed == "quantize")
+
+    def read(name):
+        return read_gguf_tensor(ck, name)
+
+    def decode(name, n_exp):
+        """NVFP4 -> (qweight, weight_scale, ts); BF16/F32 with mixed=quantize -> quantized."""
+        t = weights[name]
+        try:
+            if t.tensor_type == gguf_io.NVFP4:
+                q, s = nvfp4.gguf_to_kernel(read(name), name)
+                return q, s, _tensor_scale(ck, name, n_exp)
+            w = read(name).astype(np.float32)
+            return nvfp4.quantize_nvfp4(w)
+        except gguf_io.GGUFError:
+            raise
+        except ValueError as e:
+            raise ConvertError(f"{path}: {e}") from None
+
+    def dense(name, n_exp, dt):
+        """Any linear tensor as a dense float array of dtype `dt` (NVFP4: exact decode x ts)."""
+        t = weights[name]
+        try:
+            if t.tensor_type == gguf_io.NVFP4:
+                w = nvfp4.dequantize_gguf_np(read(name), name, ck.tensor_scale(name))
+            else:
+                w = read(name)
+        except gguf_io.GGUFError:
+            raise
+        except ValueError as e:
+            raise ConvertError(f"{path}: {e}") from None
+        return _cast(w, dt)
+
+    def dense_dtype(name):
+        t = weights[name]
+        src = F32 if t.tensor_type in (gguf_io.NVFP4, gguf_io.F32) else BF16
+        return _stored_dtype("x.weight", src, dtype)
+
+    tensors: list[LazyTensor] = []
+
+    def add(name, shape, dt, produce):
+        tensors.append(LazyTensor(name, shape, dt, produce))
+
+    for g, shape in gguf_expected(cfg).items():
+        hf = gguf_io.gguf_to_hf_name(g)
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(gate|up|down)_proj\.weight", hf)
+        if m and m.group(2) == "up":
+            continue  # with gate
+        if m:
+            stem, e = m.group(1), shape[0]
+            if m.group(2) == "gate":
+                up = g.replace("ffn_gate_exps", "ffn_up_exps")
+                pre, gu_shape = stem + ".gate_up", (e, 2 * shape[1], shape[2])
+                if quant:
+                    def fn(g=g, up=up, e=e):
+                        q0, s0, t0 = decode(g, e)
+                        q1, s1, t1 = decode(up, e)
+                        return {"q": np.concatenate([q0, q1], axis=1),
+                                "s": np.concatenate([s0, s1], axis=1),
+                                "t": np.stack([t0, t1], axis=-1).astype(np.float32)}
+                    grp = TensorGroup(fn)
+                    add(pre + "_qweight", (*gu_shape[:2], gu_shape[2] // 2), np.uint8,
+                        lambda grp=grp: grp.take("q"))
+                    add(pre + "_weight_scale", (*gu_shape[:2], gu_shape[2] // 16), FLOAT8,
+                        lambda grp=grp: grp.take("s"))
+                    add(pre + "_weight_scale_2", (e, 2), F32, lambda grp=grp: grp.take("t"))
+                else:
+                    dt = np.result_type(dense_dtype(g), dense_dtype(up))
+                    add(stem + ".gate_up_proj", gu_shape, dt,
+                        lambda g=g, up=up, e=e, dt=dt: np.concatenate(
+                            [dense(g, e, dt), dense(up, e, dt)], axis=1))
+            else:
+                pre = stem + ".down"
+                if quant:
+                    grp = TensorGroup(lambda g=g, e=e: dict(zip("qst", decode(g, e))))
+                    add(pre + "_qweight", (*shape[:2], shape[2] // 2), np.uint8,
+                        lambda grp=grp: grp.take("q"))
+                    add(pre + "_weight_scale", (*shape[:2], shape[2] // 16), FLOAT8,
+                        lambda grp=grp: grp.take("s"))
+                    add(pre + "_weight_scale_2", (e,), F32, lambda grp=grp: grp.take("t"))
+                else:
+                    dt = dense_dtype(g)
+                    add(stem + ".down_proj", shape, dt, lambda g=g, e=e, dt=dt: dense(g, e, dt))
+            continue
+        param = _param_of(hf)
+        if gguf_io.may_be_nvfp4(g):
+            base = param[: -len(".weight")]
+            if quant:
+                grp = TensorGroup(lambda g=g: dict(zip("qst", decode(g, None))))
+                add(base + ".qweight", (shape[0], shape[1] // 2), np.uint8, lambda grp=grp: grp.take("q"))
+                add(base + ".weight_scale", (shape[0], shape[1] // 16), FLOAT8,
+                    lambda grp=grp: grp.take("s"))
+                add(base + ".weight_scale_2", (), F32, lambda grp=grp: grp.take("t"))
+            else:
+                dt = dense_dtype(g)
+                add(param, shape, dt, lambda g=g, dt=dt: dense(g, None, dt))
+            continue
+        src = F32 if weights[g].tensor_type == gguf_io.F32 else BF16
+        dt = _stored_dtype(param, src, dtype)
+        if param.endswith("mlp.gate.weight"):
+            dt = F32  # the router stays fp32 (exact from BF16)
+        add(param, shape, dt, lambda g=g, dt=dt: _cast(read(g), dt))
+    source = {"kind": "gguf", "path": os.path.abspath(path), "hf_config": os.path.abspath(hf_config),
+              "mixed": mixed if (nv and other) else None}
+    return Plan(cfg, quant, tensors, source, hf_config, notes)
+
+
+# ---- writing --------------------------------------------------------------------------------------
+
+def _is_gguf(path: str) -> bool:
+    if path.endswith(".gguf"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def make_plan(src: str, *, hf_config: str | None = None, dtype: str = "auto",
+              mixed: str = "refuse") -> Plan:
+    src = os.fspath(src)
+    if os.path.isfile(src) and _is_gguf(src):
+        return plan_gguf(src, hf_config, dtype=dtype, mixed=mixed)
+    if src.endswith(".gguf") and not os.path.exists(src):
+        raise FileNotFoundError(f"{src}: no such GGUF file")
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"{src}: no such HF directory or GGUF file")
+    if checkpoint.is_converted(src):
+        raise ConvertError(f"{src}: already a flint_jax checkpoint (load it with flint_jax.load)")
+    if hf_config is not None and os.path.abspath(hf_config) != os.path.abspath(src):
+        raise ConvertError(f"{src}: hf_config applies to GGUF sources; a HF directory brings its own "
+                           "config.json")
+    return plan_hf(src, dtype=dtype)
+
+
+def _weight_dtype(plan: Plan) -> str:
+    if plan.quant:
+        return "nvfp4"
+    dts = {str(t.dtype) for t in plan.tensors if not t.name.endswith(FP32_SUFFIXES)
+           and not t.name.endswith("norm.weight")}
+    return dts.pop() if len(dts) == 1 else "mixed"
+
+
+def _copy_meta(plan: Plan, out: str):
+    plan.cfg.to_json(os.path.join(out, "config.json"))
+    if plan.meta_dir:
+        for f in META_FILES:
+            p = os.path.join(plan.meta_dir, f)
+            if os.path.isfile(p):
+                shutil.copyfile(p, os.path.join(out, f))
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, hf_config: str | None = None,
+            overwrite: bool = False, progress: bool = True, dtype: str = "auto",
+            mixed: str = "refuse", workers: int | None = None) -> str:
+    """Converts a HF directory or an NVFP4 GGUF file into a flint_jax checkpoint at `dst`.
+
+    Args:
+      src: a HF directory, or a `.gguf` file (then `hf_config` names the BF16 repo directory).
+      dst: the output directory; refused if it exists unless `overwrite`.
+      dtype: "auto" (store weights as they are), "bf16" or "f32".
+      mixed: for a GGUF with both NVFP4 and BF16 linear layers: "refuse", "quantize",
+        "dequantize" (module docstring).
+      workers: tensors produced ahead in threads (default min(4, cores)); peak memory is about
+        `workers + 1` of the largest tensors (an expert stack).
+    Returns the path of the checkpoint. Raises ValueError subclasses (ConvertError,
+    hf_io.CheckpointError, gguf_io.GGUFError, ConfigError) naming file and tensor, with nothing
+    written, or FileExistsError / OSError.
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    dst = dst.rstrip("/") or dst
+    workers = workers or min(4, os.cpu_count() or 1)
+    if os.path.abspath(dst) == os.path.abspath(src):
+        raise ConvertError(f"{dst}: the destination is the source")
+    if os.path.lexists(dst) and not overwrite:
+        raise FileExistsError(f"{dst}: already exists (pass --overwrite / overwrite=True to "
+                              "replace it)")
+    plan = make_plan(src, hf_config=hf_config, dtype=dtype, mixed=mixed)
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"{dst}: parent directory {parent} does not exist")
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    bar = None
+    state = {"last": None, "done": 0}
+    try:
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024,
+                       desc=f"convert {os.path.basename(dst)}", dynamic_ncols=True)
+
+        def written(t: LazyTensor):
+            state["done"] += 1
+            state["last"] = t.name
+            if bar is not None:
+                bar.set_postfix_str(f"{state['done']}/{len(plan.tensors)} tensors", refresh=False)
+                bar.update(t.nbytes)
+
+        for t in plan.tensors:
+            t.on_written = written
+        t0 = time.time()
+        try:
+            checkpoint.write_params(os.path.join(tmp, checkpoint.PARAMS_DIR), plan.tensors,
+                                    workers=workers)
+        except _known_errors():
+            raise
+        except Exception as e:  # tensorstore / orbax / OS failures: one line naming DST
+            order = sorted(t.name for t in plan.tensors)
+            at = order[state["done"]] if state["done"] < len(order) else None
+            where = f" at tensor {at!r}" if at else ""
+            raise ConvertError(f"{dst}: writing the checkpoint failed{where}: "
+                               f"{type(e).__name__}: {e}") from e
+        _copy_meta(plan, tmp)
+        from flint_jax import __version__
+        checkpoint.write_manifest(tmp, {
+            "quant": plan.quant, "dtype": _weight_dtype(plan), "source": plan.source,
+            "num_params": len(plan.tensors), "nbytes": plan.nbytes, "notes": plan.notes,
+            "created_by": f"flint_jax {__version__}", "seconds": round(time.time() - t0, 1)})
+        if os.path.lexists(dst):  # overwrite: swap, then delete the old one
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=parent)
+            os.rename(dst, os.path.join(old, "x"))
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return dst
+
+
+# ---- loading (called by flint_jax.load) -----------------------------------------------------------
+
+def _abstract(cfg: FlintConfig, dtype, quant: bool):
+    from flint_jax import loading
+    return loading.abstract_model(cfg, dtype, quant)
+
+
+def expected_leaves(cfg: FlintConfig, quant: bool) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{parameter name: (shape, in-memory dtype of a bf16 model)} from the NNX tree."""
+    import jax.numpy as jnp
+    _, _, names = _abstract(cfg, jnp.bfloat16, quant)
+    out = {}
+    for n, (_, var) in names.items():
+        v = var.get_value()
+        out[n] = (tuple(v.shape), np.dtype(v.dtype))
+    return out
+
+
+def check_leaves(path: str, cfg: FlintConfig, quant: bool,
+                 stored: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+    """A converted checkpoint's stored leaves against the NNX tree of `cfg` (first problem)."""
+    want = expected_leaves(cfg, quant)
+    for n in stored:
+        if n not in want:
+            hint = ""
+            m = re.match(r"model\.layers\.(\d+)\.", n)
+            if m and int(m.group(1)) >= cfg.num_hidden_layers:
+                hint = f" (config.json has {cfg.num_hidden_layers} layers)"
+            elif n.endswith(("qweight", "weight_scale", "weight_scale_2")) != quant:
+                hint = f" (the manifest says quant={quant})"
+            raise ConvertError(f"{path}: unexpected tensor {n!r}{hint}")
+    for n, (shape, dt) in want.items():
+        if n not in stored:
+            raise ConvertError(f"{path}: missing tensor {n!r}")
+        s_shape, s_dt = stored[n]
+        if tuple(s_shape) != tuple(shape):
+            raise ConvertError(f"{path}: tensor {n!r} has shape {list(s_shape)}, expected "
+                               f"{list(shape)} for its config.json")
+        if n.endswith(("qweight", "weight_scale")) and s_dt != dt:
+            raise ConvertError(f"{path}: tensor {n!r} has dtype {s_dt}, expected {dt}")
+        if not n.endswith(("qweight", "weight_scale")) and s_dt not in (BF16, F32, F16):
+            raise ConvertError(f"{path}: tensor {n!r} has dtype {s_dt}, expected a float")
+
+
+def load_converted(path: str, *, dtype, mesh=None, kernels: str = "xla",
+                   max_length: int | None = None, rules=None):
+    """Restores a flint_jax checkpoint straight onto `mesh` (or the default device): one orbax
+    restore with a `ShapeDtypeStruct(shape, dtype, sharding)` target per parameter."""
+    import jax
+    from flax import nnx
+    from flint_jax import loading
+    from flint_jax.sharding import ShardingRules, param_sharding
+    manifest = checkpoint.read_manifest(path)
+    cfg = FlintConfig.from_json(path)
+    quant = bool(manifest.get("quant"))
+    params_dir = os.path.join(path, checkpoint.PARAMS_DIR)
+    stored = checkpoint.params_metadata(params_dir)
+    check_leaves(path, cfg, quant, stored)
+    graphdef, _, names = _abstract(cfg, dtype, quant)
+    if mesh is not None:
+        rules = rules or ShardingRules.for_mesh(mesh)
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = {}
+    for n, (_, var) in names.items():
+        want = var.get_value()
+        dt = loading.param_dtype(n, np.dtype(want.dtype), dtype)
+        sh = param_sharding(n, want.shape, mesh, rules) if mesh is not None else single
+        targets[n] = jax.ShapeDtypeStruct(want.shape, dt, sharding=sh)
+    try:
+        arrays = checkpoint.restore_params(params_dir, targets)
+    except (ValueError, OSError):
+        raise
+    except Exception as e:
+        raise ConvertError(f"{path}: restoring the parameters failed: {type(e).__name__}: "
+                           f"{e}") from e
+    state = nnx.from_flat_state([(p, var.replace(value=arrays[n])) for n, (p, var) in names.items()])
+    return loading.make_handle(cfg, graphdef, state, dtype=dtype, quant=quant, kernels=kernels,
+                               mesh=mesh, rules=rules, max_length=max_length, meta_dir=path,
+                               source=path)
+
+
+def load_gguf(path: str, *, hf_config: str | None, dtype, mesh=None, kernels: str = "xla",
+              max_length: int | None = None, rules=None, mixed: str = "refuse",
+              progress: bool = False):
+    """Loads an NVFP4 (or BF16) GGUF file directly: tensors are read and repacked one at a time
+    and placed on their devices (`loading.build_state`)."""
+    from flint_jax import loading
+    plan = plan_gguf(path, hf_config, mixed=mixed)
+    graphdef, state = loading.build_state(plan.cfg, dtype, plan.quant,
+                                          ((t.name, t.produce()) for t in plan.tensors),
+                                          mesh=mesh, rules=rules, source=path, progress=progress)
+    return loading.make_handle(plan.cfg, graphdef, state, dtype=dtype, quant=plan.quant,
+                               kernels=kernels, mesh=mesh, rules=rules, max_length=max_length,
+                               meta_dir=hf_config, source=path)
+
+
+def describe(path: str) -> dict[str, Any]:
+    """The manifest of a converted checkpoint (for `inspect`)."""
+    return checkpoint.read_manifest(path)
+
+
+__all__ = ["ConvertError", "Plan", "convert", "gguf_expected", "load_converted", "load_gguf",
+           "make_plan", "plan_gguf", "plan_hf", "read_gguf_tensor"]

@@ -7,6 +7,8 @@
     reply = flint_jax.chat(model, [{"role": "user", "content": "Hi"}])
 """
 
+from flint_jax.chat_api import chat
+from flint_jax.chat_format import parse_assistant
 from flint_jax.config import FlintConfig, preset
 from flint_jax.decode import GeneratedText, GenerationOutput, StreamEvent, forward, generate
 from flint_jax.engine import Flint
@@ -18,12 +20,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     # Heavier or optional parts load on first use.
-    if name in ("chat", "expert_usage"):
-        from flint_jax import chat as _chat
-        return getattr(_chat, name)
-    if name == "parse_assistant":
-        from flint_jax.chat_format import parse_assistant
-        return parse_assistant
+    if name in ("expert_usage", "logit_lens"):
+        from flint_jax import research
+        return getattr(research, name)
     if name == "convert":
         from flint_jax.convert import convert
         return convert

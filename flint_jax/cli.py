@@ -1,0 +1,273 @@
+"""`flint-jax`: run, chat with, convert and benchmark Flint.
+
+Examples:
+  flint-jax demo                                   # random tiny Flint, built on the fly
+  flint-jax generate demo "Once upon a time" --max-new-tokens 32 --seed 1
+  flint-jax generate /ckpt/flint "2 + 2 =" --temperature 0 --json
+  flint-jax chat /ckpt/flint --tools tools.json
+  flint-jax convert /hf/flint /ckpt/flint          # HF safetensors -> flint_jax checkpoint
+  flint-jax convert flint.gguf /ckpt/flint-nvfp4 --hf-config /hf/flint
+  flint-jax inspect flint.gguf --config /hf/flint
+  flint-jax bench --dtype bf16 --batch 1 8 --context 1024 8192
+
+MODEL is a HF directory, a converted checkpoint, a .gguf file (with --hf-config), or `demo`.
+Set FLINT_JAX_DEBUG=1 (or pass --debug) for full tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DEMO = "demo"
+
+
+def _add_model_args(p: argparse.ArgumentParser):
+    p.add_argument("model", help="HF directory, converted checkpoint, .gguf file, or 'demo'")
+    p.add_argument("--hf-config", help="directory with config.json and tokenizer (for .gguf)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="activation / weight dtype (default bfloat16)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "xla"],
+                   help="decode kernels: Pallas on GPU by default, XLA elsewhere")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="longest sequence a cache may hold (default: the config's)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("sampling (defaults: generation_config.json, else temperature 1.0, "
+                             "top-p 0.95, top-k 20)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None, help="0 = off")
+    g.add_argument("--top-p", type=float, default=None, help="1 = off")
+    g.add_argument("--min-p", type=float, default=None, help="0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="1 = off")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _sampling_kwargs(a) -> dict:
+    return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                top_p=a.top_p, min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed)
+
+
+def _load(a):
+    import flint_jax
+    if a.model == DEMO:
+        from flint_jax.demo import demo_checkpoint
+        path = demo_checkpoint()
+        print(f"[flint-jax] demo model: a small Flint with RANDOM weights ({path}); its text is "
+              "meaningless.", file=sys.stderr)
+    else:
+        path = a.model
+    return flint_jax.load(path, dtype=a.dtype, kernels=a.kernels, max_length=a.max_length,
+                          hf_config=a.hf_config)
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+def cmd_generate(a) -> int:
+    import flint_jax
+    model = _load(a)
+    kw = _sampling_kwargs(a)
+    stop = a.stop or None
+    if a.json:
+        out = flint_jax.generate(model, a.prompt, stop=stop, logprobs=True, return_details=True,
+                                 **kw)
+        print(json.dumps({"prompt": a.prompt, "text": out.text,
+                          "token_ids": out.token_ids.tolist(),
+                          "finish_reason": out.finish_reason,
+                          "logprobs": [round(float(x), 6) for x in out.logprobs]}, ensure_ascii=False))
+        return 0
+    for ev in flint_jax.generate(model, a.prompt, stop=stop, stream=True, **kw):
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _print_delta(d, state):
+    """Reasoning goes to the terminal dimmed (or prefixed), the answer plainly."""
+    dim, reset = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")
+    if "reasoning_content" in d:
+        if state.get("mode") != "reasoning":
+            sys.stdout.write(f"{dim}[thinking] ")
+            state["mode"] = "reasoning"
+        sys.stdout.write(d["reasoning_content"])
+    elif "content" in d:
+        if state.get("mode") != "content":
+            sys.stdout.write(f"{reset}\n[answer] " if state.get("mode") else "[answer] ")
+            state["mode"] = "content"
+        sys.stdout.write(d["content"])
+    elif "tool_call" in d:
+        tc = d["tool_call"]
+        if "name" in tc:
+            sys.stdout.write(f"{reset}\n[tool call] {tc['name']}(")
+            state["mode"] = "tool"
+        if "arguments" in tc:
+            sys.stdout.write(tc["arguments"])
+    elif "error" in d:
+        sys.stdout.write(f"{reset}\n[parse error] {d['error']}")
+    sys.stdout.flush()
+
+
+def cmd_chat(a) -> int:
+    import flint_jax
+    from flint_jax import chat_format
+    model = _load(a)
+    tools = None
+    if a.tools:
+        with open(a.tools) as f:
+            tools = json.load(f)
+        if not isinstance(tools, list):
+            raise ValueError(f"{a.tools}: expected a JSON list of tool schemas")
+    history: list[dict] = []
+    if a.system:
+        history.append({"role": "system", "content": a.system})
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("flint-jax chat: type a message; /reset clears the conversation, /exit quits.")
+    while True:
+        if interactive:
+            sys.stdout.write("\n> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.strip() == "/exit":
+            break
+        if line.strip() == "/reset":
+            history = history[:1] if a.system else []
+            print("[conversation cleared]")
+            continue
+        if line.startswith("/tool "):  # a tool result for the last call: /tool {json or text}
+            history.append({"role": "tool", "content": line[len("/tool "):]})
+        else:
+            history.append({"role": "user", "content": line})
+        deltas, state = [], {}
+        for d in flint_jax.chat(model, history, tools=tools, enable_thinking=not a.no_think,
+                                stream=True, **_sampling_kwargs(a)):
+            if "finish_reason" in d:
+                continue
+            deltas.append(d)
+            _print_delta(d, state)
+        sys.stdout.write("\033[0m\n" if sys.stdout.isatty() else "\n")
+        msg = chat_format.assemble(deltas)
+        history.append({k: v for k, v in msg.items() if k in ("role", "content",
+                                                                "reasoning_content", "tool_calls")
+                        and v})
+    return 0
+
+
+def cmd_demo(a) -> int:
+    import flint_jax
+    from flint_jax.demo import demo_checkpoint
+    path = demo_checkpoint()
+    print("flint-jax demo: a small Flint (6 layers, hidden 128, 8 experts, sliding window 9) "
+          f"with RANDOM weights, built on the fly at {path}.\nIts text is meaningless: the demo "
+          "shows the pipeline (load, generate, stream, chat) running, not a trained model.\n")
+    model = flint_jax.load(path, kernels=a.kernels)
+    print(model)
+    prompt = "The weather today is"
+    print(f"\n[generate] {prompt!r} ->")
+    for ev in flint_jax.generate(model, prompt, max_new_tokens=a.max_new_tokens, seed=a.seed,
+                                 stream=True):
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+    print("\n\n[chat] user: What is the capital of France?")
+    msg = flint_jax.chat(model, [{"role": "user", "content": "What is the capital of France?"}],
+                         max_new_tokens=a.max_new_tokens, seed=a.seed)
+    print(json.dumps({k: msg[k] for k in ("reasoning_content", "content", "tool_calls",
+                                          "finish_reason")}, ensure_ascii=False, indent=1))
+    print("\nNext: `flint-jax generate MODEL \"prompt\"` on a real checkpoint, or "
+          "`flint-jax convert` to convert one (see README).")
+    return 0
+
+
+def cmd_bench(a) -> int:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    try:
+        import decode_bench
+    except ImportError:
+        raise ValueError("the benchmark code lives in the repository's benchmarks/ folder: run "
+                         "from a source checkout") from None
+    return decode_bench.main(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flint-jax", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="run the embedded random-weight model (no download)")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "xla"])
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="generate text from a prompt",
+                       description="Generate a continuation of PROMPT (streamed to stdout).")
+    _add_model_args(p)
+    p.add_argument("prompt", help="the prompt text")
+    _add_sampling_args(p)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token_ids, finish_reason, logprobs)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat (GLM-4.7 format, streaming)",
+                       description="Chat on stdin/stdout. Reasoning is shown apart from the "
+                       "answer. Commands: /reset, /exit, /tool RESULT (a tool's result).")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.add_argument("--tools", help="JSON file with a list of OpenAI-style tool schemas")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--no-think", action="store_true", help="disable thinking")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="decode benchmark (GPU; see docs/performance.md)")
+    p.add_argument("--dtype", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--context", nargs="+", type=int, default=[1024, 8192, 100_000])
+    p.add_argument("--layers", type=int, default=None, help="fewer layers (quick runs)")
+    p.add_argument("--steps", type=int, default=50, help="timed decode steps per case")
+    p.add_argument("--paths", nargs="+", default=["xla", "pallas"], choices=["xla", "pallas"])
+    p.add_argument("--config", default="flint", help="preset name (tiny for a CPU smoke run)")
+    p.add_argument("--out", default=None, help="write results JSON here")
+    p.add_argument("--trace", action="store_true", help="count kernels with the profiler")
+    p.set_defaults(func=cmd_bench)
+
+    try:
+        from flint_jax import cli_checkpoints
+        cli_checkpoints.register(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if not getattr(a, "func", None):
+        parser.print_help()
+        return 2
+    debug = a.debug or os.environ.get("FLINT_JAX_DEBUG")
+    try:
+        return a.func(a) or 0
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError, MemoryError) as e:
+        if debug:
+            raise
+        print(f"flint-jax {a.command}: error: {e}", file=sys.stderr)
+        print("(run with --debug for the full traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

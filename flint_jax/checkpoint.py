@@ -131,10 +131,11 @@ def _handler_class():
 
             def produce(t: LazyTensor) -> np.ndarray:
                 arr = np.asarray(t.produce())
-                if arr.shape != t.shape or arr.dtype != t.dtype:
+                if arr.shape != t.shape or arr.dtype != t.dtype:  # a bug in the plan, not bad input
                     raise ValueError(f"tensor {t.name!r}: produced {arr.dtype}{list(arr.shape)}, "
                                      f"expected {t.dtype}{list(t.shape)}")
-                return np.ascontiguousarray(arr)
+                # (np.ascontiguousarray would turn a 0-d tensor scale into shape [1])
+                return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
             async def run():
                 pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="flint-ckpt")

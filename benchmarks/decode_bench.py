@@ -1,0 +1,207 @@
+"""Decode benchmark: full-size Flint with random weights built on the device.
+
+For each weight format (bf16, nvfp4), batch and context: the median decode-step time of the XLA
+path and of the Pallas path in the same run, tokens/s, the HBM floor (bytes a step must read at
+4.3 TB/s, spec section 9) and the percent of it reached, and (with --trace) the kernels launched
+per step counted from a profiler trace. The cache is filled with random keys and values up to the
+context length (never zeros), so attention reads real data.
+
+Run: `flint-jax bench [--dtype bf16 nvfp4] [--batch 1 8] [--context 1024 8192 100000]` (GPU), or
+`flint-jax bench --config tiny --steps 5` for a CPU smoke run. Results: a table on stdout and
+JSON with --out.
+"""
+
+from __future__ import annotations
+
+import gzip
+import glob
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flint_jax.cache import KVCache, cache_shapes
+from flint_jax.config import FlintConfig, preset
+from flint_jax.engine import Flint
+from flint_jax.model import FlintForCausalLM
+
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (spec section 9)
+
+
+def step_bytes(cfg: FlintConfig, batch: int, context: int, quant: bool) -> float:
+    """Bytes one decode step must read at least: active weights and the KV cache in use.
+
+    NVFP4 linear weights cost 36/64 bytes per value (codes + E4M3 scales); the router stays fp32.
+    With several rows, the distinct experts touched per layer are counted by their expectation
+    under uniform routing: E * (1 - (1 - k/E)^B).
+    """
+    d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    wb = 36 / 64 if quant else 2.0
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    experts = e * (1 - (1 - k / e) ** batch)
+    attn = (h * hd * d * 2 + kv * hd * d * 2) * wb
+    total = cfg.vocab_size * d * wb + batch * d * 2  # lm_head + embedding rows
+    for i in range(cfg.num_hidden_layers):
+        total += attn
+        if cfg.is_moe(i):
+            total += e * d * 4 + 3 * d * cfg.shared_expert_intermediate_size * wb
+            total += experts * 3 * d * cfg.moe_intermediate_size * wb
+        else:
+            total += 3 * d * cfg.intermediate_size * wb
+    kv_token = 2 * kv * hd * 2
+    total += batch * kv_token * (len(cfg.full_layers) * min(context, 1 << 62)
+                                 + len(cfg.sliding_layers) * min(context, cfg.sliding_window))
+    return total
+
+
+def build_state(cfg: FlintConfig, quant: bool, seed: int = 0):
+    """Random full-size weights generated on the device (no host copy)."""
+    abstract = nnx.eval_shape(lambda: FlintForCausalLM(cfg, dtype=jnp.bfloat16, quant=quant,
+                                                       rngs=nnx.Rngs(seed)))
+    graphdef, _ = nnx.split(abstract)
+
+    @jax.jit
+    def init():
+        return nnx.state(FlintForCausalLM(cfg, dtype=jnp.bfloat16, quant=quant,
+                                          rngs=nnx.Rngs(seed)))
+
+    return graphdef, init()
+
+
+def random_cache(cfg: FlintConfig, batch: int, length: int, context: int, seed: int = 1) -> KVCache:
+    shapes = cache_shapes(cfg, batch, length, jnp.bfloat16)
+
+    @jax.jit
+    def make():
+        keys = jax.random.split(jax.random.key(seed), 4)
+        arrs = [(0.5 * jax.random.normal(kk, s.shape, jnp.float32)).astype(s.dtype)
+                for kk, s in zip(keys, (shapes.full_k, shapes.full_v, shapes.ring_k, shapes.ring_v))]
+        return KVCache(*arrs, lengths=jnp.full((batch,), context, jnp.int32))
+
+    return make()
+
+
+def time_steps(step, state, cache, tokens, steps: int, windows: int = 5):
+    """Median per-step time (ms) of `steps` back-to-back asynchronous steps, over `windows`."""
+    logits, cache = step(state, cache, tokens)  # compile + warm up
+    logits, cache = step(state, cache, tokens)
+    jax.block_until_ready(logits)
+    per_step = []
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits, cache = step(state, cache, tokens)
+        jax.block_until_ready(logits)
+        per_step.append((time.perf_counter() - t0) * 1e3 / steps)
+    return statistics.median(per_step), per_step, logits, cache
+
+
+def count_kernels(step, state, cache, tokens, steps: int = 3):
+    """GPU kernels launched per step, from a profiler trace (XLA command buffers are off while
+    profiling, so time without it)."""
+    logdir = tempfile.mkdtemp(prefix="flint-trace-")
+    with jax.profiler.trace(logdir, create_perfetto_trace=True):
+        for _ in range(steps):
+            logits, cache = step(state, cache, tokens)
+        jax.block_until_ready(logits)
+    files = glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        return None, cache
+    with gzip.open(files[0]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    stream_tids = set()
+    for ev in events:
+        if ev.get("ph") == "M" and ev.get("name") == "thread_name":
+            if str(ev.get("args", {}).get("name", "")).startswith("Stream"):
+                stream_tids.add((ev.get("pid"), ev.get("tid")))
+    n = sum(1 for ev in events if ev.get("ph") == "X" and (ev.get("pid"), ev.get("tid")) in stream_tids)
+    return n / steps, cache
+
+
+def run_case(cfg, graphdef, state, quant, batch, context, paths, steps, trace):
+    from flint_jax.decode import bucket_length
+    length = bucket_length(context + steps * 8 + 64, 1 << 30, minimum=256)
+    tokens = jax.random.randint(jax.random.key(3), (batch,), 0, cfg.vocab_size, jnp.int32)
+    floor_ms = step_bytes(cfg, batch, context, quant) / HBM_BYTES_PER_S * 1e3
+    row = {"format": "nvfp4" if quant else "bf16", "batch": batch, "context": context,
+           "floor_ms": floor_ms, "floor_gb": step_bytes(cfg, batch, context, quant) / 1e9}
+    logits_by_path = {}
+    for path in paths:
+        model = Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=path)
+        step = model.decode_logits_fn()
+        cache = random_cache(cfg, batch, length, context)
+        ms, windows, logits, cache = time_steps(step, state, cache, tokens, steps)
+        row[f"{path}_ms"] = ms
+        row[f"{path}_windows_ms"] = windows
+        row[f"{path}_tok_s"] = batch / ms * 1e3
+        row[f"{path}_pct_floor"] = 100 * floor_ms / ms
+        if trace and jax.default_backend() == "gpu":
+            row[f"{path}_kernels"], cache = count_kernels(step, state, cache, tokens)
+        # Same inputs for both paths: the logits of one step from the same cache contents.
+        cache = random_cache(cfg, batch, length, context)
+        logits_by_path[path], _ = step(state, cache, tokens)
+        del cache
+    if len(logits_by_path) == 2:
+        a, b = (np.asarray(logits_by_path[p], np.float32) for p in paths)
+        row["rel_l2_pallas_vs_xla"] = float(np.linalg.norm(a - b) / np.linalg.norm(a))
+        row["argmax_equal"] = float(np.mean(a.argmax(-1) == b.argmax(-1)))
+    return row
+
+
+def main(args) -> int:
+    cfg = preset(args.config)
+    if args.layers:
+        cfg = cfg.replace(num_hidden_layers=args.layers)
+    results = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+               "config": args.config, "layers": cfg.num_hidden_layers, "cases": []}
+    print(f"device {results['device']}; {cfg.num_hidden_layers} layers; steps/window {args.steps}")
+    for fmt in args.dtype:
+        quant = fmt == "nvfp4"
+        t0 = time.perf_counter()
+        graphdef, state = build_state(cfg, quant)
+        jax.block_until_ready(state)
+        print(f"[{fmt}] random weights built on device in {time.perf_counter() - t0:.1f} s")
+        for batch in args.batch:
+            for context in args.context:
+                row = run_case(cfg, graphdef, state, quant, batch, context, args.paths,
+                               args.steps, args.trace)
+                results["cases"].append(row)
+                print(format_row(row, args.paths), flush=True)
+        del state
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print(table(results["cases"], args.paths))
+    return 0
+
+
+def format_row(r, paths):
+    parts = [f"{r['format']:5s} B={r['batch']} ctx={r['context']:6d} floor {r['floor_ms']:.3f} ms"]
+    for p in paths:
+        parts.append(f"{p} {r[f'{p}_ms']:.3f} ms ({r[f'{p}_pct_floor']:.0f}% of floor"
+                     + (f", {r[f'{p}_kernels']:.0f} kernels" if r.get(f"{p}_kernels") else "") + ")")
+    if "rel_l2_pallas_vs_xla" in r:
+        parts.append(f"rel-L2 {r['rel_l2_pallas_vs_xla']:.2e}")
+    return " | ".join(parts)
+
+
+def table(rows, paths):
+    head = "| format | batch | context | floor ms |" + "".join(
+        f" {p} ms | {p} tok/s | {p} % floor | {p} kernels |" for p in paths)
+    sep = "|" + "---|" * (4 + 4 * len(paths))
+    lines = [head, sep]
+    for r in rows:
+        cells = [r["format"], str(r["batch"]), str(r["context"]), f"{r['floor_ms']:.3f}"]
+        for p in paths:
+            k = r.get(f"{p}_kernels")
+            cells += [f"{r[f'{p}_ms']:.3f}", f"{r[f'{p}_tok_s']:.0f}",
+                      f"{r[f'{p}_pct_floor']:.0f}", f"{k:.0f}" if k else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -51,6 +51,10 @@ PARAMS_DIR = "params"
 # zarr chunk size: small enough that a shard reads little more than itself, large enough that a
 # 40B model is a few thousand chunks.
 CHUNK_BYTES = 64 << 20
+# Bytes being written at once (beyond the leaves produced ahead): concurrent writes share one
+# OCDBT commit; this bounds the host memory they hold.
+INFLIGHT_BYTES = 256 << 20
+MAX_INFLIGHT_TENSORS = 64
 # Host staging allowed in flight while restoring (orbax's restore_concurrent_gb).
 RESTORE_CONCURRENT_GB = 4
 
@@ -138,24 +142,44 @@ def _handler_class():
                 return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
             async def run():
+                # Leaves are produced `workers` ahead in threads and written with up to
+                # `INFLIGHT_BYTES` (at least one leaf) in flight: tensorstore batches concurrent
+                # writes into one OCDBT commit, small leaves no longer pay one commit each.
                 pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="flint-ckpt")
-                pending: list[concurrent.futures.Future] = []
+                pending: list = [None] * len(values)
+                writing: list[tuple[asyncio.Task, LazyTensor]] = []
+                inflight = 0
+
+                async def drain(limit):
+                    nonlocal inflight
+                    while writing and (inflight > limit or len(writing) > MAX_INFLIGHT_TENSORS):
+                        task, t = writing.pop(0)
+                        await task
+                        inflight -= t.nbytes
+                        if t.on_written is not None:
+                            t.on_written(t)
+
                 try:
                     nxt = 0
                     for i, (t, info, arg) in enumerate(zip(values, infos, args)):
                         while nxt < len(values) and nxt <= i + workers - 1:
-                            pending.append(pool.submit(produce, values[nxt]))
+                            pending[nxt] = pool.submit(produce, values[nxt])
                             nxt += 1
                         arr = await asyncio.wrap_future(pending[i])
                         pending[i] = None
-                        await self._write_one(arr, info, arg)
+                        await drain(max(0, INFLIGHT_BYTES - t.nbytes))
+                        writing.append((asyncio.ensure_future(self._write_one(arr, info, arg)), t))
+                        inflight += t.nbytes
                         del arr
-                        if t.on_written is not None:
-                            t.on_written(t)
+                    await drain(-1)
                 finally:
                     for f in pending:
                         if f is not None:
                             f.cancel()
+                    for task, _ in writing:
+                        task.cancel()
+                    if writing:
+                        await asyncio.gather(*(w for w, _ in writing), return_exceptions=True)
                     pool.shutdown(wait=True, cancel_futures=True)
 
             return [ocp_future.CommitFutureAwaitingContractedSignals(run(), name="flint_lazy")]

@@ -173,11 +173,12 @@ def _handler_class():
                         del arr
                     await drain(-1)
                 finally:
+                    # On an error, let the writes already started finish (cancelling the await
+                    # would not stop tensorstore, whose late writes would recreate directories
+                    # the caller is removing), and stop producing.
                     for f in pending:
                         if f is not None:
                             f.cancel()
-                    for task, _ in writing:
-                        task.cancel()
                     if writing:
                         await asyncio.gather(*(w for w, _ in writing), return_exceptions=True)
                     pool.shutdown(wait=True, cancel_futures=True)

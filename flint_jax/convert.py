@@ -482,12 +482,23 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, hf_config: str | 
         else:
             os.rename(tmp, dst)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_tree(tmp)
         raise
     finally:
         if bar is not None:
             bar.close()
     return dst
+
+
+def _remove_tree(path: str, attempts: int = 50) -> None:
+    """rmtree that also outlasts a straggling background write recreating a subdirectory."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            time.sleep(0.02)
+            if not os.path.lexists(path):
+                return
+        time.sleep(0.05)
 
 
 # ---- loading (called by flint_jax.load) -----------------------------------------------------------

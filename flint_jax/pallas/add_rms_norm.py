@@ -84,9 +84,15 @@ def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None,
 
 
 def add_rms_norm_reference(h, y, w, *, eps: float = 1e-6, **unused_tuning):
+  """Plain jnp: s = h + y (rounded to h.dtype), then rms_norm_reference(s)."""
   del unused_tuning
+  return _add_rms_norm_reference(h, y, w, eps=eps)
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _add_rms_norm_reference(h, y, w, *, eps):
   s = h + y
-  return s, rms_norm_reference(s, w, eps=eps)
+  return s, _rms_norm_reference(s, w, eps=eps)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
@@ -107,6 +113,11 @@ def rms_norm(x, w, *, eps: float = 1e-6, num_warps: int | None = None,
 def rms_norm_reference(x, w, *, eps: float = 1e-6, **unused_tuning):
   """Plain jnp: x.dtype(w32 * (x32 * rsqrt(mean(x32^2) + eps)))."""
   del unused_tuning
+  return _rms_norm_reference(x, w, eps=eps)
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _rms_norm_reference(x, w, *, eps):
   x32 = x.astype(jnp.float32)
   ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
   return (w.astype(jnp.float32) * (x32 * jax.lax.rsqrt(ms + eps))).astype(x.dtype)

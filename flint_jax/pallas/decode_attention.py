@@ -198,6 +198,13 @@ def decode_attention_reference(q, k_cache, v_cache, positions, sinks, layer=None
                                scale: float | None = None, **unused_tuning):
   """Plain jnp over the whole cache, same masking (garbage-safe) and rounding rules."""
   del unused_tuning
+  return _decode_attention_reference(q, k_cache, v_cache, positions, sinks, layer, ring=ring,
+                                     window=window, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("ring", "window", "scale"))
+def _decode_attention_reference(q, k_cache, v_cache, positions, sinks, layer, *, ring, window,
+                                scale):
   if layer is not None:
     k_cache, v_cache = k_cache[layer], v_cache[layer]
   b, h, dh = q.shape

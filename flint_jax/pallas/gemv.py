@@ -134,6 +134,11 @@ def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
 def gemv_reference(x, w, *, out_dtype=jnp.bfloat16, **unused_tuning):
   """Plain jnp: (x @ w^T in fp32).astype(out_dtype)."""
   del unused_tuning
+  return _gemv_reference(x, w, out_dtype=out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _gemv_reference(x, w, *, out_dtype):
   y = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                       precision=lax.Precision.HIGHEST)
   return y.astype(out_dtype)
@@ -183,6 +188,11 @@ def gemv_silu_mul(x, w_gate, w_up, *, block_n: int | None = None, block_k: int |
 def gemv_silu_mul_reference(x, w_gate, w_up, **unused_tuning):
   """Plain jnp: bf16(silu(g) * u) with g, u the fp32 products (one rounding)."""
   del unused_tuning
-  g = gemv_reference(x, w_gate, out_dtype=jnp.float32)
-  u = gemv_reference(x, w_up, out_dtype=jnp.float32)
+  return _gemv_silu_mul_reference(x, w_gate, w_up)
+
+
+@jax.jit
+def _gemv_silu_mul_reference(x, w_gate, w_up):
+  g = _gemv_reference(x, w_gate, out_dtype=jnp.float32)
+  u = _gemv_reference(x, w_up, out_dtype=jnp.float32)
   return C.silu_mul_f32(g, u).astype(x.dtype)

@@ -49,6 +49,7 @@ x [M, D] bf16, M <= 8 (up to 16 works); returns [M, D] bf16.
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
-from flint_jax.pallas import nvfp4_gemv as NV
+import flint_jax.pallas.nvfp4_gemv  # noqa: F401  (module, not the function the package re-exports)
+
+NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
 
 __all__ = ["moe_route", "moe_slots", "moe_decode", "moe_decode_reference", "moe_block",
            "moe_block_reference", "expert_format"]
@@ -207,7 +210,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
 
 
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
-                 decode, layout):
+                 decode, layout, unroll):
   r = dict(zip(names, refs))
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   rows = C.row_load_index(m, mp)
@@ -239,7 +242,7 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
     return tot + jnp.where(c != 0.0, c * y, 0.0)
 
   tot = jnp.zeros((mp, bn), jnp.float32)
-  if n_slots_max <= _UNROLL_SLOTS:
+  if unroll:
     for u in range(n_slots_max):      # static: all slots' weight loads can be issued early
       tot = slot(u, tot)
   else:
@@ -281,13 +284,18 @@ def _shapes(x, experts, shared):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "dedupe", "block_n", "block_k", "block_n_down", "decode", "layout", "num_warps",
-    "num_stages", "interpret"))
+    "dedupe", "block_n", "block_k", "block_n_down", "decode", "layout", "unroll_slots",
+    "num_warps", "num_stages", "interpret"))
 def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
                block_n: int = 32, block_k: int = 256, block_n_down: int = 16,
-               decode: str = "asm", layout: str = "tile", num_warps: int = 4,
-               num_stages: int = 3, interpret: bool = False):
-  """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring."""
+               decode: str = "asm", layout: str = "tile", unroll_slots: bool | None = None,
+               num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+  """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring.
+
+  ``unroll_slots`` (default: when M * top_k <= 12) unrolls the down kernel's loop over slots in
+  Python so the compiler can issue every slot's weight loads before the first dot; otherwise a
+  ``fori_loop`` runs up to the number of (distinct) slots.
+  """
   fe, fs, m, d, _, inter, inter_s = _shapes(x, experts, shared)
   C.check(ids.shape == weights.shape and ids.shape[0] == m,
           f"ids/weights must be [M={m}, k], got {ids.shape=} {weights.shape=}")
@@ -361,7 +369,8 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
   names += ["out"]
   kernel = functools.partial(
       _down_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn_dn,
-      bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs, decode=decode, layout=layout)
+      bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs, decode=decode, layout=layout,
+      unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots)
   return pl.pallas_call(
       kernel, grid=(d // bn_dn,), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
@@ -382,35 +391,44 @@ def _ref_linear(x, w, fmt):
 
 
 def moe_decode_reference(x, ids, weights, experts, shared, **unused_tuning):
-  """Plain jnp, token by token and expert by expert, with the module docstring's rounding."""
+  """Plain jnp with the module docstring's rounding: per (token, k) expert in fp32, y_k rounded
+  to bf16, then ``bf16(sum_k w_k y_k + y_s)`` summed in top-k order in fp32."""
   del unused_tuning
+  return _moe_decode_reference(x, ids, weights, experts, shared)
+
+
+@jax.jit
+def _moe_decode_reference(x, ids, weights, experts, shared):
   fe, fs, m, d, _, inter, _ = _shapes(x, experts, shared)
   dt = x.dtype
-
-  def swiglu(xt, g, u, dn, fmt):
-    h = C.silu_mul_f32(_ref_linear(xt, g, fmt), _ref_linear(xt, u, fmt)).astype(dt)
-    return _ref_linear(h, dn, fmt).astype(dt)
-
-  def expert(e):
-    if fe == "bf16":
-      gu, dn = experts["gate_up_proj"][e], experts["down_proj"][e]
-      return gu[:inter], gu[inter:], dn
-    q, s, s2 = (experts["gate_up_qweight"][e], experts["gate_up_weight_scale"][e],
-                experts["gate_up_weight_scale_2"][e])
-    dn = (experts["down_qweight"][e], experts["down_weight_scale"][e],
-          experts["down_weight_scale_2"][e])
-    return (q[:inter], s[:inter], s2[0]), (q[inter:], s[inter:], s2[1]), dn
-
-  outs = []
-  for t in range(m):
-    xt = x[t:t + 1]
-    tot = jnp.zeros((1, d), jnp.float32)
-    for j in range(ids.shape[1]):
-      y = swiglu(xt, *expert(ids[t, j]), fe)
-      tot = tot + weights[t, j].astype(jnp.float32) * y.astype(jnp.float32)
-    y_s = swiglu(xt, shared["gate_proj"], shared["up_proj"], shared["down_proj"], fs)
-    outs.append((tot + y_s.astype(jnp.float32)).astype(dt))
-  return jnp.concatenate(outs, axis=0)
+  hi = lax.Precision.HIGHEST
+  if fe == "bf16":
+    gu = experts["gate_up_proj"][ids]                                  # [M, k, 2I, D]
+    dn = experts["down_proj"][ids]                                     # [M, k, D, I]
+    s_gu = jnp.ones(ids.shape + (2,), jnp.float32)
+    s_dn = jnp.ones(ids.shape, jnp.float32)
+  else:
+    gu = NV.dequantize_nvfp4_reference(experts["gate_up_qweight"][ids],
+                                       experts["gate_up_weight_scale"][ids])
+    dn = NV.dequantize_nvfp4_reference(experts["down_qweight"][ids],
+                                       experts["down_weight_scale"][ids])
+    s_gu = experts["gate_up_weight_scale_2"][ids].astype(jnp.float32)  # [M, k, 2]
+    s_dn = experts["down_weight_scale_2"][ids].astype(jnp.float32)     # [M, k]
+  g = jnp.einsum("md,mkid->mki", x, gu[:, :, :inter], preferred_element_type=jnp.float32,
+                 precision=hi) * s_gu[..., 0:1]
+  u = jnp.einsum("md,mkid->mki", x, gu[:, :, inter:], preferred_element_type=jnp.float32,
+                 precision=hi) * s_gu[..., 1:2]
+  h = C.silu_mul_f32(g, u).astype(dt)                                  # [M, k, I]
+  y = (jnp.einsum("mki,mkdi->mkd", h, dn, preferred_element_type=jnp.float32, precision=hi)
+       * s_dn[..., None]).astype(dt)                                   # y_k = bf16(...)
+  w = weights.astype(jnp.float32)
+  tot = jnp.zeros((m, d), jnp.float32)
+  for j in range(ids.shape[1]):                                        # top-k order
+    tot = tot + w[:, j:j + 1] * y[:, j].astype(jnp.float32)
+  hs = C.silu_mul_f32(_ref_linear(x, shared["gate_proj"], fs),
+                      _ref_linear(x, shared["up_proj"], fs)).astype(dt)
+  y_s = _ref_linear(hs, shared["down_proj"], fs).astype(dt)
+  return (tot + y_s.astype(jnp.float32)).astype(dt)
 
 
 def moe_block(x, router_w, experts, shared, *, top_k: int = 6, **kw):

@@ -305,6 +305,11 @@ def nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, *, out_dtype=
                          **unused_tuning):
   """Plain jnp: exact bf16 dequantisation, fp32 dot, tensor scale on the fp32 result."""
   del unused_tuning
+  return _nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, out_dtype=out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, *, out_dtype):
   w = dequantize_nvfp4_reference(qweight, weight_scale)
   y = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                       precision=lax.Precision.HIGHEST)
@@ -367,6 +372,6 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
 def nvfp4_gemv_silu_mul_reference(x, gate, up, **unused_tuning):
   """Plain jnp: bf16(silu(g) * u) from the fp32 products times their tensor scales."""
   del unused_tuning
-  g = nvfp4_gemv_reference(x, *gate, out_dtype=jnp.float32)
-  u = nvfp4_gemv_reference(x, *up, out_dtype=jnp.float32)
+  g = _nvfp4_gemv_reference(x, *gate, out_dtype=jnp.float32)
+  u = _nvfp4_gemv_reference(x, *up, out_dtype=jnp.float32)
   return C.silu_mul_f32(g, u).astype(x.dtype)

@@ -152,6 +152,13 @@ def qk_norm_rope_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
                            eps: float = 1e-6, **unused_tuning):
   """Plain jnp with the same rounding: norm -> bf16 -> RoPE in fp32 -> bf16; cache .at[].set."""
   del unused_tuning
+  return _qk_norm_rope_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache,
+                                 layer, rope=rope, ring=ring, theta=theta, eps=eps)
+
+
+@functools.partial(jax.jit, static_argnames=("rope", "ring", "theta", "eps"))
+def _qk_norm_rope_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer, *,
+                            rope, ring, theta, eps):
 
   def norm(x, w):
     x32 = x.astype(jnp.float32)

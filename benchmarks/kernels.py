@@ -1,0 +1,514 @@
+"""GPU microbenchmarks of the flint_jax Pallas kernels against their XLA references.
+
+Run on the GPU (tools/gpu_kernels.sh): ``PYTHONPATH=. python3 benchmarks/kernels.py --out DIR``.
+
+Method (see docs/kernels.md):
+- Every case is jitted once, warmed up, then called ``--calls`` times back to back inside one
+  ``jax.profiler`` trace, rotating over enough independent input sets that the weights of one
+  call are not in the 60 MB L2 when it runs (>= 3x L2 of distinct weights per rotation).
+- **Device time** = the sum of the GPU kernel durations of one call (all kernels the op launches,
+  e.g. attention's split + merge, split-K's XLA reduction), median over the calls, read from the
+  perfetto trace. Launch gaps are not included (inside the model, XLA's command buffers make them
+  ~1 us per kernel). **Wall** = host time of the back-to-back calls / calls (dispatch-bound below
+  ~40 us per call, kept as a sanity check).
+- Achieved bandwidth = the bytes the op must move (weights + KV read once, activations, outputs)
+  / device time, against the 4.3 TB/s device-to-device copy ceiling.
+
+Results go to ``DIR/bench.jsonl`` (one JSON per case, as soon as measured) and a table on stdout.
+``--budget`` seconds bounds the run: lower-priority cases are skipped when it runs out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import gzip
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+import importlib  # noqa: E402
+
+# The package re-exports functions named like their modules: import the modules explicitly.
+NORM = importlib.import_module("flint_jax.pallas.add_rms_norm")
+ATT = importlib.import_module("flint_jax.pallas.decode_attention")
+GEMV = importlib.import_module("flint_jax.pallas.gemv")
+MOE = importlib.import_module("flint_jax.pallas.moe")
+NV = importlib.import_module("flint_jax.pallas.nvfp4_gemv")
+QK = importlib.import_module("flint_jax.pallas.qk_norm_rope")
+
+CEILING_TBS = 4.3
+L2_BYTES = 60e6
+D, H, KVH, DH, E, I, IS, DENSE, V = 2048, 32, 4, 128, 256, 512, 1024, 6144, 150144
+BF = jnp.bfloat16
+
+# ------------------------------------------------------------------------------------------
+# Inputs (generated on the device)
+
+_KEY = [jax.random.key(0)]
+
+
+def _key():
+  _KEY[0], k = jax.random.split(_KEY[0])
+  return k
+
+
+def randn(shape, dtype=BF, scale=1.0):
+  return (scale * jax.random.normal(_key(), shape, jnp.float32)).astype(dtype)
+
+
+def rand_nvfp4(shape):
+  *lead, n, k = shape
+  q = jax.random.randint(_key(), (*lead, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+  sb = jax.random.randint(_key(), (*lead, n, k // 16), 0x28, 0x40, jnp.int32).astype(jnp.uint8)
+  s = jax.lax.bitcast_convert_type(sb, jnp.float8_e4m3fn)
+  s2 = jax.random.uniform(_key(), tuple(lead), jnp.float32, 0.5, 2.0) / math.sqrt(k)
+  return NV.NVFP4Weight(q, s, s2)
+
+
+def n_sets(weight_bytes: float, cap: int = 64) -> int:
+  return int(min(cap, max(1, math.ceil(3 * L2_BYTES / max(weight_bytes, 1)))))
+
+
+def nbytes(tree) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+# ------------------------------------------------------------------------------------------
+# Timing
+
+
+class Timer:
+  """Collects cases; times them inside one profiler trace; attributes GPU kernels by window."""
+
+  def __init__(self, calls: int, out_dir: str):
+    self.calls = calls
+    self.out_dir = out_dir
+    self.windows = []            # (case_id, t0_us, t1_us) host times
+    self.results = {}
+
+  def run_case(self, case_id, fn, arg_sets):
+    """Compile, warm up, then time `calls` back-to-back calls rotating over arg_sets."""
+    t0 = time.perf_counter()
+    out = fn(*arg_sets[0])
+    jax.block_until_ready(out)
+    compile_s = time.perf_counter() - t0
+    for a in arg_sets[1:3]:
+      jax.block_until_ready(fn(*a))
+    time.sleep(0.02)
+    w0 = time.perf_counter()
+    with jax.profiler.TraceAnnotation(f"case:{case_id}"):
+      outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(self.calls)]
+      jax.block_until_ready(outs)
+    w1 = time.perf_counter()
+    del outs
+    time.sleep(0.02)
+    return compile_s, (w1 - w0) / self.calls * 1e6
+
+
+def parse_trace(trace_dir):
+  """-> (annotation windows {case: (ts0, ts1)}, GPU kernel events [(ts, dur, name)])."""
+  files = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
+  if not files:
+    return {}, []
+  with gzip.open(sorted(files)[-1]) as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  pnames, tnames = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      pnames[e["pid"]] = e["args"]["name"]
+    if e.get("ph") == "M" and e.get("name") == "thread_name":
+      tnames[(e["pid"], e.get("tid"))] = e["args"]["name"]
+  windows, kernels = {}, []
+  counts = {}
+  for e in events:
+    if e.get("ph") == "X":
+      key = (pnames.get(e["pid"], "?")[:40], tnames.get((e["pid"], e.get("tid")), "?")[:40])
+      counts[key] = counts.get(key, 0) + 1
+  print("trace threads (process, thread, X events):",
+        sorted(counts.items(), key=lambda kv: -kv[1])[:12], flush=True)
+  for e in events:
+    if e.get("ph") != "X":
+      continue
+    name = e.get("name", "")
+    if name.startswith("case:"):
+      windows[name[5:]] = (e["ts"], e["ts"] + e["dur"])
+      continue
+    tname = tnames.get((e["pid"], e.get("tid")), "")
+    pname = pnames.get(e["pid"], "")
+    if "Stream" in tname or ("GPU" in pname and "Stream" in tname):
+      if "memcpy" in name.lower() or "memset" in name.lower():
+        continue
+      kernels.append((e["ts"], e["dur"], name))
+  return windows, kernels
+
+
+def device_times(windows, kernels, case_id, calls):
+  """Per-call device time (us): kernels inside the case window split into `calls` groups."""
+  if case_id not in windows:
+    return None, {}
+  t0, t1 = windows[case_id]
+  ks = sorted(k for k in kernels if t0 <= k[0] <= t1 + 2e3)
+  if not ks:
+    return None, {}
+  total = sum(k[1] for k in ks)
+  by_name = {}
+  for _, dur, name in ks:
+    by_name.setdefault(name, []).append(dur)
+  per_kernel = {n: (statistics.median(v), len(v) / calls) for n, v in by_name.items()}
+  if len(ks) % calls == 0:   # median over calls of the per-call sum
+    per = len(ks) // calls
+    sums = [sum(k[1] for k in ks[i * per:(i + 1) * per]) for i in range(calls)]
+    return statistics.median(sums), per_kernel
+  return total / calls, per_kernel
+
+
+# ------------------------------------------------------------------------------------------
+# Cases: each yields (case_id, group, label, fn, arg_sets, bytes_per_call)
+
+
+def gemv_cases(variants):
+  shapes = [("q_proj", 4096, D), ("k_proj", 512, D), ("o_proj", D, 4096),
+            ("dense_down", D, DENSE), ("shared_down", D, IS), ("lm_head", V, D)]
+  for m in (1, 8):
+    for name, n, k in shapes:
+      if variants and (name, m) not in (("q_proj", 1), ("k_proj", 1), ("lm_head", 8)):
+        continue
+      out = jnp.float32 if name == "lm_head" else BF
+      wb = n * k * 2
+      sets = [(randn((m, k)), randn((n, k), scale=k ** -0.5)) for _ in range(n_sets(wb))]
+      bytes_ = wb + m * k * 2 + m * n * jnp.dtype(out).itemsize
+      if not variants:
+        yield (f"gemv/{name}/M{m}/xla", "gemv", f"{name} M={m}", "xla",
+               jax.jit(functools.partial(GEMV.gemv_reference, out_dtype=out)), sets, bytes_)
+        yield (f"gemv/{name}/M{m}/pallas", "gemv", f"{name} M={m}", "pallas default",
+               functools.partial(GEMV.gemv, out_dtype=out), sets, bytes_)
+      if variants:
+        for bn, bk, sk, nw in [(16, 256, 1, 4), (32, 256, 1, 4), (64, 256, 1, 4), (32, 512, 1, 4),
+                               (32, 128, 1, 4), (32, 256, 1, 8), (16, 256, 4, 4),
+                               (16, 512, 2, 4)]:
+          if n % bn or k % (bk * sk) or (sk > 1 and name != "k_proj"):
+            continue
+          yield (f"gemv/{name}/M{m}/bn{bn}_bk{bk}_sk{sk}_w{nw}", "gemv", f"{name} M={m}",
+                 f"bn{bn} bk{bk} sk{sk} w{nw}",
+                 functools.partial(GEMV.gemv, out_dtype=out, block_n=bn, block_k=bk,
+                                   split_k=sk, num_warps=nw), sets, bytes_)
+  for m in (1, 8) if not variants else ():
+    for name, n in [("dense_gate_up", DENSE), ("shared_gate_up", IS)]:
+      wb = 2 * n * D * 2
+      sets = [(randn((m, D)), randn((n, D), scale=D ** -0.5), randn((n, D), scale=D ** -0.5))
+              for _ in range(n_sets(wb))]
+      bytes_ = wb + m * D * 2 + m * n * 2
+      yield (f"gemv_silu/{name}/M{m}/xla", "gemv", f"{name} M={m}", "xla",
+             jax.jit(GEMV.gemv_silu_mul_reference), sets, bytes_)
+      yield (f"gemv_silu/{name}/M{m}/pallas", "gemv", f"{name} M={m}", "pallas default",
+             GEMV.gemv_silu_mul, sets, bytes_)
+
+
+def nvfp4_cases(variants, best=None):
+  shapes = [("big65536", 65536, D), ("q_proj", 4096, D), ("o_proj", D, 4096),
+            ("dense_down", D, DENSE)]
+  for m in (8, 1):
+    for name, n, k in shapes:
+      if m == 1 and name == "big65536":
+        continue
+      wb = n * k // 2 + n * k // 16
+      sets = [(randn((m, k)), *rand_nvfp4((n, k))) for _ in range(n_sets(wb))]
+      bytes_ = wb + m * k * 2 + m * n * 2
+      if variants and (name, m) not in (("big65536", 8), ("q_proj", 1)):
+        continue
+      combos = [("fp8", "tile"), ("asm", "tile"), ("fp8", "chunk"), ("asm", "chunk")]
+      if m == 1:
+        combos = combos[:2]
+      if not variants:
+        yield (f"nvfp4/{name}/M{m}/xla", "nvfp4", f"{name} M={m}", "xla",
+               jax.jit(NV.nvfp4_gemv_reference), sets, bytes_)
+      for dec, lay in (combos if not variants else []):
+        yield (f"nvfp4/{name}/M{m}/{dec}_{lay}", "nvfp4", f"{name} M={m}", f"{dec} {lay}",
+               functools.partial(NV.nvfp4_gemv, decode=dec, layout=lay), sets, bytes_)
+      if variants:
+        for bn, bk, nw, ns in [(16, 256, 4, 3), (64, 256, 4, 3), (32, 512, 4, 3),
+                               (64, 512, 8, 3), (32, 256, 8, 3), (32, 256, 4, 4),
+                               (16, 512, 4, 3), (128, 256, 8, 3)]:
+          for dec, lay in ([best] if best else
+                           [("asm", "tile"), ("fp8", "tile")] if m == 8 else [("asm", "tile")]):
+            yield (f"nvfp4/{name}/M{m}/{dec}_{lay}_bn{bn}_bk{bk}_w{nw}_s{ns}", "nvfp4",
+                   f"{name} M={m}", f"{dec} {lay} bn{bn} bk{bk} w{nw} s{ns}",
+                   functools.partial(NV.nvfp4_gemv, decode=dec, layout=lay, block_n=bn,
+                                     block_k=bk, num_warps=nw, num_stages=ns), sets, bytes_)
+  for m in (1, 8) if not variants else ():
+    n = DENSE
+    wb = 2 * (n * D // 2 + n * D // 16)
+    sets = [(randn((m, D)), rand_nvfp4((n, D)), rand_nvfp4((n, D))) for _ in range(n_sets(wb))]
+    bytes_ = wb + m * D * 2 + m * n * 2
+    yield (f"nvfp4_silu/dense/M{m}/xla", "nvfp4", f"dense_gate_up M={m}", "xla",
+           jax.jit(NV.nvfp4_gemv_silu_mul_reference), sets, bytes_)
+    for dec in ("fp8", "asm"):
+      yield (f"nvfp4_silu/dense/M{m}/{dec}", "nvfp4", f"dense_gate_up M={m}", f"{dec} tile",
+             functools.partial(NV.nvfp4_gemv_silu_mul, decode=dec), sets, bytes_)
+
+
+def moe_weights(fmt):
+  if fmt == "bf16":
+    experts = dict(gate_up_proj=randn((E, 2 * I, D), scale=D ** -0.5),
+                   down_proj=randn((E, D, I), scale=I ** -0.5))
+    shared = dict(gate_proj=randn((IS, D), scale=D ** -0.5), up_proj=randn((IS, D), scale=D ** -0.5),
+                  down_proj=randn((D, IS), scale=IS ** -0.5))
+  else:
+    g, dn = rand_nvfp4((E, 2 * I, D)), rand_nvfp4((E, D, I))
+    experts = dict(gate_up_qweight=g.qweight, gate_up_weight_scale=g.weight_scale,
+                   gate_up_weight_scale_2=jnp.stack([g.weight_scale_2] * 2, -1),
+                   down_qweight=dn.qweight, down_weight_scale=dn.weight_scale,
+                   down_weight_scale_2=dn.weight_scale_2)
+    shared = dict(gate_proj=rand_nvfp4((IS, D)), up_proj=rand_nvfp4((IS, D)),
+                  down_proj=rand_nvfp4((D, IS)))
+  return experts, shared
+
+
+def moe_cases(variants):
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  for fmt in ("bf16", "nvfp4"):
+    experts, shared = moe_weights(fmt)
+    per_expert = nbytes({k: v[0] for k, v in experts.items()})
+    shared_b = nbytes(shared)
+    for m in (1, 8):
+      xs = [randn((m, D)) for _ in range(16)]       # fresh routing per call: no L2 reuse
+      routed = [MOE.moe_route(x, router) for x in xs]
+      sets = [(x, ids, w, experts, shared) for x, (ids, w) in zip(xs, routed)]
+      n_exp = np.mean([len(np.unique(np.asarray(r[0]))) for r in routed])
+      bytes_ = int(n_exp * per_expert + shared_b + 2 * m * D * 2)
+      if not variants:
+        yield (f"moe/{fmt}/M{m}/xla", "moe", f"{fmt} M={m}", "xla (gather+einsum ref)",
+               jax.jit(MOE.moe_decode_reference), sets, bytes_)
+      dedupes = [None] if m == 1 else [True, False]
+      for dd in (dedupes if not variants else []):
+        yield (f"moe/{fmt}/M{m}/pallas_dedupe{dd}", "moe", f"{fmt} M={m}",
+               f"pallas dedupe={dd}", functools.partial(MOE.moe_decode, dedupe=dd), sets,
+               bytes_)
+      bsets = [(x, router, experts, shared) for x in xs]
+      if not variants:
+        yield (f"moe/{fmt}/M{m}/block_pallas", "moe", f"{fmt} M={m}", "route(XLA)+pallas",
+               jax.jit(MOE.moe_block), bsets, bytes_ + E * D * 4)
+      if variants and m == 1:
+        for kw in [dict(decode="fp8"), dict(block_n=16), dict(block_k=512),
+                   dict(block_n_down=32), dict(num_warps=8), dict(unroll_slots=False)]:
+          if fmt == "bf16" and "decode" in kw:
+            continue
+          lbl = " ".join(f"{k}={v}" for k, v in kw.items())
+          yield (f"moe/{fmt}/M{m}/{lbl}", "moe", f"{fmt} M={m}", f"pallas {lbl}",
+                 functools.partial(MOE.moe_decode, **kw), sets, bytes_)
+
+
+def attention_cases(variants):
+  # (label, B, S, positions, ring)
+  specs = [("full 100K", 1, 131072, [100_000], False),
+           ("full 1K in 128K cache", 1, 131072, [1000], False),
+           ("full B8 30K", 8, 32768, [30_000 - 977 * i for i in range(8)], False),
+           ("ring B1", 1, 576, [5000], True),
+           ("ring B8", 8, 576, [5000 + i for i in range(8)], True)]
+  for label, b, s_len, pos, ring in specs:
+    if variants and label not in ("full 100K", "full B8 30K", "ring B1"):
+      continue
+    kc, vc = randn((b, KVH, s_len, DH)), randn((b, KVH, s_len, DH))
+    sinks = randn((H,), jnp.float32)
+    n_sets_ = 1 if not ring else 16
+    sets = []
+    for i in range(n_sets_):
+      if i:
+        kc, vc = randn((b, KVH, s_len, DH)), randn((b, KVH, s_len, DH))
+      sets.append((randn((b, H, DH)), kc, vc, jnp.asarray(pos, jnp.int32), sinks))
+    live = sum(min(p + 1, 513 if ring else s_len) for p in pos)
+    bytes_ = 2 * KVH * live * DH * 2 + 2 * b * H * DH * 2
+    kw = dict(ring=ring, window=513 if ring else None)
+    if not variants:
+      yield (f"attn/{label}/xla", "attention", label, "xla",
+             jax.jit(functools.partial(ATT.decode_attention_reference, **kw)), sets, bytes_)
+      yield (f"attn/{label}/pallas", "attention", label, "pallas default",
+             functools.partial(ATT.decode_attention, **kw), sets, bytes_)
+    if variants and label in ("full 100K", "full B8 30K", "ring B1"):
+      grid = [(ns, bk, nw, st) for ns, bk, nw, st in [
+          (16, 128, 4, 2), (32, 128, 4, 2), (128, 128, 4, 2), (64, 64, 4, 2), (64, 256, 8, 2),
+          (64, 128, 8, 2), (64, 128, 4, 3), (8, 64, 4, 2), (4, 64, 4, 2)]
+          if s_len % bk == 0 and (ring or ns >= 8)]
+      for ns, bk, nw, st in grid:
+        yield (f"attn/{label}/ns{ns}_bk{bk}_w{nw}_s{st}", "attention", label,
+               f"ns{ns} bk{bk} w{nw} s{st}",
+               functools.partial(ATT.decode_attention, num_splits=ns, block_k=bk,
+                                 num_warps=nw, num_stages=st, **kw), sets, bytes_)
+
+
+def qk_cases(variants):
+  for b in (1, 8) if not variants else ():
+    for ring in (True, False):
+      layers, s_len = (35, 576) if ring else (14, 8192)
+      shape = (layers, b, KVH, s_len, DH)
+      kc, vc = jnp.zeros(shape, BF), jnp.zeros(shape, BF)
+      q, k, v = randn((b, H, DH)), randn((b, KVH, DH)), randn((b, KVH, DH))
+      w = randn((DH,)) + 1
+      pos = jnp.arange(b, dtype=jnp.int32) + 3000
+      bytes_ = (b * H * DH * 2) * 2 + b * KVH * DH * 2 * 4
+      label = f"{'ring+rope' if ring else 'full'} B={b}"
+      for impl, f in [("xla", QK.qk_norm_rope_reference), ("pallas default", QK.qk_norm_rope)]:
+        # Donated stacked caches, updated in place by a chain of layer writes.
+        def run(q, k, v, w, pos, kc, vc, f=f, ring=ring):
+          outs = []
+          for layer in range(4):
+            o, kc, vc = f(q, k, v, w, w, pos, kc, vc, layer, rope=ring, ring=ring)
+            outs.append(o)
+          return outs, kc, vc
+        fn = jax.jit(run, donate_argnums=(5, 6))
+        state = {"kc": kc, "vc": vc}
+
+        def call(q, k, v, w, pos, fn=fn, state=state):
+          outs, state["kc"], state["vc"] = fn(q, k, v, w, pos, state["kc"], state["vc"])
+          return outs
+        call.stateful = True
+        yield (f"qk/{label}/{impl}", "qk_norm_rope", label + " (x4 layers)", impl, call,
+               [(q, k, v, w, pos)], 4 * bytes_)
+
+
+def norm_cases(variants):
+  for m in (1, 8) if not variants else ():
+    sets = [(randn((m, D)), randn((m, D)), randn((D,)) + 1) for _ in range(8)]
+    bytes_ = 4 * m * D * 2 + D * 2
+    yield (f"norm/add_rms/M{m}/xla", "norms", f"add_rms_norm M={m}", "xla",
+           jax.jit(NORM.add_rms_norm_reference), sets, bytes_)
+    yield (f"norm/add_rms/M{m}/pallas", "norms", f"add_rms_norm M={m}", "pallas default",
+           NORM.add_rms_norm, sets, bytes_)
+
+
+GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
+          "attention": attention_cases, "qk": qk_cases, "norms": norm_cases}
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _aot(fn, args):
+  """AOT-compile fn for args (runs in a worker thread: XLA/Triton compilation releases the GIL)."""
+  t0 = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
+  ap.add_argument("--groups", default="nvfp4,moe,attention,gemv,qk,norms")
+  ap.add_argument("--calls", type=int, default=30)
+  ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole run")
+  ap.add_argument("--compile-threads", type=int, default=12)
+  ap.add_argument("--variants", type=int, default=1)
+  ap.add_argument("--nvfp4-best", default="", help="decode,layout for the NVFP4 block sweep")
+  args = ap.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  t_start = time.perf_counter()
+  print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
+  best = tuple(args.nvfp4_best.split(",")) if args.nvfp4_best else None
+
+  # 1. Build every case (inputs on the device) in priority order: base cases of all groups,
+  #    then the variant sweeps.
+  cases = []
+  passes = [(g, False) for g in args.groups.split(",")]
+  if args.variants:
+    passes += [(g, True) for g in args.groups.split(",")]
+  for group, variants in passes:
+    kw = {"best": best} if group == "nvfp4" else {}
+    try:
+      cases.extend(GROUPS[group](variants, **kw))
+    except Exception as e:  # noqa: BLE001
+      print(f"  FAILED building {group}: {e!r}"[:400], flush=True)
+  print(f"{len(cases)} cases built in {time.perf_counter() - t_start:.0f}s", flush=True)
+
+  # 2. AOT-compile them in parallel threads (stateful callables, e.g. the donated-cache qk
+  #    chains, compile on first call instead).
+  from concurrent.futures import ThreadPoolExecutor, wait  # pylint: disable=g-import-not-at-top
+  compile_budget = max(30.0, 0.45 * args.budget - (time.perf_counter() - t_start))
+  pool = ThreadPoolExecutor(args.compile_threads)
+  futs = {c[0]: pool.submit(_aot, c[4], c[5][0]) for c in cases
+          if not getattr(c[4], "stateful", False)}
+  wait(list(futs.values()), timeout=compile_budget)
+  print(f"compiled in {time.perf_counter() - t_start:.0f}s", flush=True)
+
+  # 3. Time sequentially inside one profiler trace.
+  timer = Timer(args.calls, args.out)
+  meta, skipped = {}, []
+  trace_dir = tempfile.mkdtemp(prefix="flint_trace_")
+  jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+  try:
+    for case_id, grp, label, impl, fn, sets, bytes_ in cases:
+      base = dict(case=case_id, group=grp, label=label, impl=impl)
+      fut = futs.get(case_id)
+      if time.perf_counter() - t_start > args.budget or (fut is not None and not fut.done()):
+        skipped.append(case_id)
+        continue
+      try:
+        compile_s = 0.0
+        if fut is not None:
+          fn, compile_s = fut.result()
+        first_s, wall_us = timer.run_case(case_id, fn, sets)
+        meta[case_id] = dict(base, bytes=bytes_, compile_s=round(compile_s + first_s, 2),
+                             wall_us=round(wall_us, 2), sets=len(sets))
+        print(f"  ran {case_id}: compile {compile_s + first_s:.1f}s wall {wall_us:.1f}us",
+              flush=True)
+      except Exception as e:  # noqa: BLE001 -- one failing variant must not stop the run
+        msg = "".join(traceback.format_exception_only(type(e), e)).strip()
+        meta[case_id] = dict(base, error=msg[-800:])
+        print(f"  FAILED {case_id}: {msg[-800:]}", flush=True)
+  finally:
+    jax.profiler.stop_trace()
+    pool.shutdown(wait=False, cancel_futures=True)
+  windows, kernels = parse_trace(trace_dir)
+  print(f"trace: {len(windows)} windows, {len(kernels)} GPU kernels", flush=True)
+  rows = []
+  with open(os.path.join(args.out, "bench.jsonl"), "a") as jsonl:
+    for case_id, r in meta.items():
+      if "error" not in r:
+        dev_us, per_kernel = device_times(windows, kernels, case_id, args.calls)
+        r["device_us"] = None if dev_us is None else round(dev_us, 2)
+        t_us = dev_us if dev_us else r["wall_us"]
+        r["tbs"] = round(r["bytes"] / (t_us * 1e-6) / 1e12, 3)
+        r["kernels"] = {n[:80]: [round(v[0], 2), round(v[1], 2)] for n, v in per_kernel.items()}
+      jsonl.write(json.dumps(r) + "\n")
+      rows.append(r)
+  print_table(rows)
+  if skipped:
+    print(f"\nskipped (budget or compile not done): {len(skipped)}: {skipped[:30]}")
+  print(f"total {time.perf_counter() - t_start:.0f}s")
+  sys.stdout.flush()
+
+
+def print_table(rows):
+  """Per (group, case): each impl's device time, wall time, bandwidth, speed-up vs XLA."""
+  print("\n| group | case | impl | device us | wall us | TB/s | % of 4.3 | vs xla |")
+  print("|---|---|---|---|---|---|---|---|")
+  xla = {(r["group"], r["label"]): r.get("device_us") or r.get("wall_us") for r in rows
+         if r["impl"].startswith("xla") and "error" not in r}
+  for r in rows:
+    if "error" in r:
+      print(f"| {r['group']} | {r['label']} | {r['impl']} | FAILED | | | | |")
+      continue
+    t = r.get("device_us") or r["wall_us"]
+    ref = xla.get((r["group"], r["label"]))
+    sp = f"{ref / t:.2f}x" if ref else ""
+    print(f"| {r['group']} | {r['label']} | {r['impl']} | {r.get('device_us')} | "
+          f"{r['wall_us']} | {r['tbs']} | {100 * r['tbs'] / CEILING_TBS:.0f}% | {sp} |")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,89 @@
+"""Test and benchmark helpers for the Pallas kernels (random inputs, tolerances, GPU lowering).
+
+Used by ``tests/test_pallas_*.py`` and ``benchmarks/kernels.py``; not imported by runtime code.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from flint_jax.pallas.nvfp4_gemv import NVFP4Weight
+
+# Tolerances by output dtype (JAX:tests/pallas/gpu_ops_test.py style): kernel and reference
+# differ only in fp32 summation order and in where intermediates are rounded, so bf16 outputs
+# may differ by one bf16 rounding step (2^-8 relative) of the largest terms.
+TOLERANCES = {
+    jnp.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=1.6e-2),
+    jnp.dtype(jnp.float32): dict(atol=1e-4, rtol=1e-4),
+}
+
+
+def assert_close(out, ref, *, dtype=None, scale=None, atol=None, rtol=None, what=""):
+  """Element-wise |out - ref| <= atol * scale + rtol * |ref|, shapes/dtypes equal, no NaN.
+
+  ``scale`` defaults to max|ref| so that atol is relative to the output's magnitude.
+  """
+  out, ref = jnp.asarray(out), jnp.asarray(ref)
+  assert out.shape == ref.shape, f"{what}: shape {out.shape} != {ref.shape}"
+  assert out.dtype == ref.dtype, f"{what}: dtype {out.dtype} != {ref.dtype}"
+  tol = TOLERANCES[jnp.dtype(dtype or ref.dtype)]
+  atol = tol["atol"] if atol is None else atol
+  rtol = tol["rtol"] if rtol is None else rtol
+  o = np.asarray(out, np.float64)
+  r = np.asarray(ref, np.float64)
+  assert np.isfinite(o).all(), f"{what}: non-finite output ({np.sum(~np.isfinite(o))} values)"
+  scale = float(np.max(np.abs(r))) if scale is None else scale
+  err = np.abs(o - r)
+  bound = atol * max(scale, 1e-30) + rtol * np.abs(r)
+  bad = err > bound
+  assert not bad.any(), (
+      f"{what}: {bad.sum()} / {bad.size} values off; max err {err.max():.3g} "
+      f"(scale {scale:.3g}); first at {np.argwhere(bad)[0].tolist()}")
+
+
+def rel_l2(out, ref) -> float:
+  o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
+
+
+def rng(*params) -> np.random.Generator:
+  """A numpy Generator seeded from the test parameters (fresh inputs per parametrization;
+  numpy, not jax.random, so that no eager XLA compilations slow the CPU tests down)."""
+  return np.random.default_rng(zlib.crc32(repr(params).encode()))
+
+
+def randn(gen: np.random.Generator, shape, dtype=jnp.bfloat16, scale=1.0):
+  return jnp.asarray((scale * gen.standard_normal(shape)).astype(np.float32), dtype)
+
+
+def random_nvfp4(gen: np.random.Generator, shape, *, scale_2=None, scale_lo=0x28,
+                 scale_hi=0x40):
+  """Random NVFP4 weight of logical shape [..., N, K]: every code byte value, finite e4m3 scales
+  (bytes scale_lo..scale_hi-1: 2^-5 .. 0.875 with the defaults), tensor scale ~ K^-1/2 unless
+  given. Returns NVFP4Weight."""
+  *lead, n, k = shape
+  q = gen.integers(0, 256, (*lead, n, k // 2), dtype=np.uint8)
+  sb = gen.integers(scale_lo, scale_hi, (*lead, n, k // 16), dtype=np.uint8)
+  s = jnp.asarray(sb.view(jnp.float8_e4m3fn))
+  if scale_2 is None:
+    scale_2 = gen.uniform(0.5, 2.0, tuple(lead)).astype(np.float32) / np.sqrt(k)
+  return NVFP4Weight(jnp.asarray(q), s, jnp.asarray(scale_2, jnp.float32))
+
+
+def h200_abstract_mesh():
+  """Abstract single-device mesh of an H200, for lowering on a CPU-only host."""
+  from jax._src.mesh import AbstractDevice  # pylint: disable=g-import-not-at-top
+  dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+
+
+def lower_for_h200(fn, *args):
+  """Lowers jit(fn)(*args) for CUDA (Pallas -> Triton IR) without a GPU. args may be
+  ShapeDtypeStruct. Returns the Lowered object; raises if a kernel cannot lower."""
+  with jax.sharding.use_abstract_mesh(h200_abstract_mesh()):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

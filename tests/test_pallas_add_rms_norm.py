@@ -1,0 +1,35 @@
+"""add_rms_norm / rms_norm vs references (Flint's RMSNorm: weight multiplied in fp32)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax.pallas import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from flint_jax.pallas.testing import assert_close, randn, rng
+
+INTERPRET = jax.default_backend() == "cpu"
+
+
+@pytest.mark.parametrize("m,d,dtype", [(8, 2048, jnp.bfloat16), (3, 300, jnp.bfloat16),
+                                       (1, 256, jnp.float32)])
+def test_add_rms_norm(m, d, dtype):
+  gen = rng(m, d, str(dtype))
+  h, y = randn(gen, (m, d), dtype, 4.0), randn(gen, (m, d), dtype)
+  w = randn(gen, (d,), jnp.bfloat16, 0.3) + 1
+  s, out = add_rms_norm(h, y, w, interpret=INTERPRET)
+  s_ref, out_ref = add_rms_norm_reference(h, y, w)
+  np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(s_ref, np.float32))
+  assert_close(out, out_ref, what="add_rms_norm")
+  assert_close(rms_norm(h, w, interpret=INTERPRET), rms_norm_reference(h, w), what="rms_norm")
+
+
+def test_weight_multiplied_before_cast():
+  """out = bf16(w * normed) in fp32, not bf16(w * bf16(normed)) (FLINT_SPEC section 3)."""
+  x = jnp.full((1, 256), 1.0, jnp.bfloat16).at[0, 0].set(3.0)
+  w = jnp.full((256,), 1.0 + 2 ** -7, jnp.bfloat16)
+  out = rms_norm(x, w, interpret=INTERPRET)
+  x32 = np.asarray(x, np.float32)
+  normed = x32 / np.sqrt(np.mean(x32 ** 2) + 1e-6)
+  want = jnp.asarray(np.float32(1 + 2 ** -7) * normed, jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))

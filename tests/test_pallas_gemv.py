@@ -1,0 +1,49 @@
+"""gemv / gemv_silu_mul vs their references (interpret mode on CPU, compiled on a GPU).
+
+Interpret mode starts every Pallas output as NaN, so an unwritten element fails the finiteness
+check of ``assert_close`` (the poisoned-output check for non-aliased outputs).
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from flint_jax.pallas import gemv, gemv_reference, gemv_silu_mul, gemv_silu_mul_reference
+from flint_jax.pallas.testing import assert_close, randn, rng
+
+INTERPRET = jax.default_backend() == "cpu"
+
+
+@pytest.mark.parametrize("m,n,k,out_dtype,kw", [
+    (1, 64, 256, jnp.bfloat16, {}),
+    (3, 48, 128, jnp.bfloat16, dict(block_n=16, block_k=64)),      # odd M, N = 3 blocks
+    (8, 512, 2048, jnp.bfloat16, {}),                               # default split-K (k_proj)
+    (8, 512, 2048, jnp.bfloat16, dict(split_k=1)),
+    (5, 256, 512, jnp.float32, dict(block_n=32, block_k=128)),      # LM-head style fp32 out
+    (1, 2048, 2048, jnp.bfloat16, {}),                              # Flint o_proj-ish size
+])
+def test_gemv(m, n, k, out_dtype, kw):
+  g = rng(m, n, k, str(out_dtype), kw)
+  x = randn(g, (m, k))
+  w = randn(g, (n, k), scale=k ** -0.5)
+  out = gemv(x, w, out_dtype=out_dtype, interpret=INTERPRET, **kw)
+  assert_close(out, gemv_reference(x, w, out_dtype=out_dtype), what="gemv")
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (8, 1024, 256), (3, 32, 2048)])
+def test_gemv_silu_mul(m, n, k):
+  g = rng(m, n, k)
+  x = randn(g, (m, k))
+  wg, wu = randn(g, (n, k), scale=2 * k ** -0.5), randn(g, (n, k), scale=k ** -0.5)
+  out = gemv_silu_mul(x, wg, wu, interpret=INTERPRET)
+  assert_close(out, gemv_silu_mul_reference(x, wg, wu), what="gemv_silu_mul")
+
+
+def test_gemv_rejects_bad_shapes():
+  x = jnp.zeros((2, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="block_n"):
+    gemv(x, jnp.zeros((40, 128), jnp.bfloat16), block_n=16, interpret=True)
+  with pytest.raises(ValueError, match="rows"):
+    gemv(jnp.zeros((17, 128), jnp.bfloat16), jnp.zeros((32, 128), jnp.bfloat16), interpret=True)
+  with pytest.raises(ValueError, match="dtype"):
+    gemv(x, jnp.zeros((32, 128), jnp.float32), interpret=True)

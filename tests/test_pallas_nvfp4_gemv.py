@@ -1,0 +1,80 @@
+"""nvfp4_gemv / nvfp4_gemv_silu_mul vs the exact-dequantisation reference.
+
+The ``asm`` decode (inline PTX) runs only compiled on a GPU; interpret mode falls back to the
+``fp8`` decode, so the CPU run skips the duplicate ``asm`` cases.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax.pallas import (dequantize_nvfp4_reference, nvfp4_gemv, nvfp4_gemv_reference,
+                              nvfp4_gemv_silu_mul, nvfp4_gemv_silu_mul_reference)
+from flint_jax.pallas.nvfp4_gemv import _e2m1_to_bf16
+from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
+
+INTERPRET = jax.default_backend() == "cpu"
+DECODES = ["fp8"] if INTERPRET else ["fp8", "asm"]
+
+
+def test_dequantize_reference_layout():
+  """Half-split layout: byte 32b + j -> k = 64b + j (low), 64b + 32 + j (high); scale per 16."""
+  n, k = 2, 128
+  codes = np.random.default_rng(0).integers(0, 16, (n, k)).astype(np.uint8)
+  q = np.zeros((n, k // 2), np.uint8)
+  for b in range(k // 64):
+    for j in range(32):
+      q[:, 32 * b + j] = codes[:, 64 * b + j] | (codes[:, 64 * b + 32 + j] << 4)
+  scale = jnp.asarray(np.linspace(0.25, 4, n * k // 16).reshape(n, k // 16), jnp.float8_e4m3fn)
+  want = (np.asarray(_e2m1_to_bf16(jnp.asarray(codes)), np.float32)
+          * np.repeat(np.asarray(scale, np.float32), 16, axis=1))
+  got = np.asarray(dequantize_nvfp4_reference(jnp.asarray(q), scale), np.float32)
+  np.testing.assert_array_equal(got, want)
+  assert list(np.asarray(_e2m1_to_bf16(jnp.arange(8, dtype=jnp.uint8)), np.float32)) == [
+      0, .5, 1, 1.5, 2, 3, 4, 6]
+
+
+def test_dequantize_matches_codec():
+  """Cross-check with flint_jax.nvfp4 (the converter's codec), when present."""
+  nvfp4 = pytest.importorskip("flint_jax.nvfp4")
+  w = random_nvfp4(rng(1), (48, 256))
+  np.testing.assert_array_equal(
+      np.asarray(nvfp4.dequantize(w.qweight, w.weight_scale), np.float32),
+      np.asarray(dequantize_nvfp4_reference(w.qweight, w.weight_scale), np.float32))
+
+
+@pytest.mark.parametrize("decode", DECODES)
+@pytest.mark.parametrize("m,n,k,layout,out_dtype,kw", [
+    (1, 64, 256, "tile", jnp.bfloat16, {}),
+    (3, 48, 128, "chunk", jnp.bfloat16, dict(block_n=16, block_k=64)),
+    (8, 64, 512, "tile", jnp.float32, dict(block_k=128, split_k=2)),
+    (8, 256, 2048, "tile", jnp.bfloat16, {}),
+    (1, 2048, 2048, "tile", jnp.bfloat16, {}),                    # Flint size
+])
+def test_nvfp4_gemv(decode, m, n, k, layout, out_dtype, kw):
+  g = rng(decode, m, n, k, layout, kw)
+  x = randn(g, (m, k))
+  w = random_nvfp4(g, (n, k))
+  out = nvfp4_gemv(x, *w, out_dtype=out_dtype, decode=decode, layout=layout,
+                   interpret=INTERPRET, **kw)
+  assert_close(out, nvfp4_gemv_reference(x, *w, out_dtype=out_dtype), what="nvfp4_gemv")
+
+
+@pytest.mark.parametrize("decode", DECODES)
+@pytest.mark.parametrize("m,n,k,layout,block_k", [(1, 64, 256, "tile", None),
+                                                  (8, 96, 512, "chunk", 64)])
+def test_nvfp4_gemv_silu_mul(decode, m, n, k, layout, block_k):
+  gen = rng(decode, m, n, k, layout)
+  x = randn(gen, (m, k))
+  g, u = random_nvfp4(gen, (n, k)), random_nvfp4(gen, (n, k))
+  out = nvfp4_gemv_silu_mul(x, g, u, decode=decode, layout=layout, interpret=INTERPRET,
+                            block_n=16 if n % 32 else None, block_k=block_k)
+  assert_close(out, nvfp4_gemv_silu_mul_reference(x, g, u), what="nvfp4_gemv_silu_mul")
+
+
+def test_nvfp4_rejects_bad_shapes():
+  x = jnp.zeros((2, 96), jnp.bfloat16)
+  w = random_nvfp4(rng(0), (32, 96))
+  with pytest.raises(ValueError, match="multiple of 64"):
+    nvfp4_gemv(x, *w, interpret=True)

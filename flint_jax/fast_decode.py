@@ -1,0 +1,115 @@
+"""The Pallas decode step: one token per row (batch <= 16) through the fused kernels.
+
+Per layer: QKV GEMVs -> fused Q/K-norm + RoPE + cache write -> split-KV sink attention ->
+o_proj GEMV -> fused residual add + RMSNorm -> MoE (XLA router + two expert-indexed kernels with
+the shared expert) or dense gate|up+SiLU and down GEMVs -> fused residual add + next RMSNorm.
+The caches stay layer-stacked: kernels index the layer inside, so nothing is sliced or copied,
+and the cache writes are in place under donation.
+
+The step reads the same parameter state as the XLA path (`model.FlintForCausalLM`), BF16 or NVFP4,
+so both paths can run from one loaded model and be compared.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flint_jax.cache import KVCache
+from flint_jax.config import FlintConfig
+from flint_jax.pallas import (NVFP4Weight, add_rms_norm, decode_attention, gemv,
+                              gemv_silu_mul, moe_block, nvfp4_gemv, nvfp4_gemv_silu_mul,
+                              qk_norm_rope, rms_norm)
+
+MAX_BATCH = 16
+
+
+def _linear(lin, x, interpret, out_dtype=jnp.bfloat16):
+    """x [M, K] -> [M, N] through the BF16 or NVFP4 GEMV kernel."""
+    if lin.quant:
+        return nvfp4_gemv(x, lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...],
+                             out_dtype=out_dtype, interpret=interpret)
+    return gemv(x, lin.weight[...], out_dtype=out_dtype, interpret=interpret)
+
+
+def _silu_mul(mlp, x, interpret):
+    """bf16(silu(x Wg^T) * (x Wu^T)) in one kernel."""
+    g, u = mlp.gate_proj, mlp.up_proj
+    if g.quant:
+        return nvfp4_gemv_silu_mul(
+            x, (g.qweight[...], g.weight_scale[...], g.weight_scale_2[...]),
+            (u.qweight[...], u.weight_scale[...], u.weight_scale_2[...]), interpret=interpret)
+    return gemv_silu_mul(x, g.weight[...], u.weight[...], interpret=interpret)
+
+
+def _lin_arg(lin):
+    if lin.quant:
+        return NVFP4Weight(lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...])
+    return lin.weight[...]
+
+
+def _experts_arg(ex):
+    names = (("gate_up_qweight", "gate_up_weight_scale", "gate_up_weight_scale_2",
+              "down_qweight", "down_weight_scale", "down_weight_scale_2") if ex.quant
+             else ("gate_up_proj", "down_proj"))
+    return {n: getattr(ex, n)[...] for n in names}
+
+
+def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False):
+    """Returns step(state, cache, tokens [B] int32) -> (f32 logits [B, V], cache)."""
+    eps = cfg.rms_norm_eps
+    h_, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+    def step(state, cache: KVCache, tokens):
+        b = tokens.shape[0]
+        if b > MAX_BATCH:
+            raise ValueError(f"the Pallas decode path takes at most {MAX_BATCH} rows, got {b}; "
+                             "use kernels='xla' for larger batches")
+        m = nnx.merge(graphdef, state)
+        layers = m.model.layers
+        pos = cache.lengths
+        full_k, full_v, ring_k, ring_v = cache.full_k, cache.full_v, cache.ring_k, cache.ring_v
+        h = jnp.take(m.model.embed_tokens.weight[...], tokens, axis=0)
+        x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
+        for i, layer in enumerate(layers):
+            j = cfg.cache_index[i]
+            sliding = cfg.is_sliding(i)
+            attn = layer.self_attn
+            with jax.named_scope(f"layer_{i}"):
+                q = _linear(attn.q_proj, x, interpret).reshape(b, h_, hd)
+                k = _linear(attn.k_proj, x, interpret).reshape(b, kvh, hd)
+                v = _linear(attn.v_proj, x, interpret).reshape(b, kvh, hd)
+                kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)
+                q, kc, vc = qk_norm_rope(
+                    q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc, j,
+                    rope=sliding, ring=sliding, theta=cfg.rope_theta, eps=eps,
+                    interpret=interpret)
+                o = decode_attention(q, kc, vc, pos, attn.sinks[...], j, ring=sliding,
+                                        window=cfg.sliding_window if sliding else None,
+                                        interpret=interpret)
+                if sliding:
+                    ring_k, ring_v = kc, vc
+                else:
+                    full_k, full_v = kc, vc
+                a = _linear(attn.o_proj, o.reshape(b, h_ * hd), interpret)
+                h, x = add_rms_norm(h, a, layer.post_attention_layernorm.weight[...], eps=eps,
+                                        interpret=interpret)
+                mlp = layer.mlp
+                if cfg.is_moe(i):
+                    y = moe_block(
+                        x, mlp.gate.weight[...], _experts_arg(mlp.experts),
+                        {n: _lin_arg(getattr(mlp.shared_expert, n))
+                         for n in ("gate_proj", "up_proj", "down_proj")},
+                        top_k=cfg.num_experts_per_tok, interpret=interpret)
+                else:
+                    y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret), interpret)
+                nxt = (layers[i + 1].input_layernorm.weight[...] if i + 1 < len(layers)
+                       else m.model.norm.weight[...])
+                h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)
+        logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32)
+        new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
+                            lengths=pos + 1)
+        return logits, new_cache
+
+    return step

@@ -53,7 +53,7 @@ PARAMS_DIR = "params"
 CHUNK_BYTES = 64 << 20
 # Bytes being written at once (beyond the leaves produced ahead): concurrent writes share one
 # OCDBT commit; this bounds the host memory they hold.
-INFLIGHT_BYTES = 256 << 20
+INFLIGHT_BYTES = 128 << 20
 MAX_INFLIGHT_TENSORS = 64
 # Host staging allowed in flight while restoring (orbax's restore_concurrent_gb).
 RESTORE_CONCURRENT_GB = 4

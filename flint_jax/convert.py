@@ -118,6 +118,20 @@ def _check_dtype_option(dtype: str):
         raise ConvertError(f"dtype must be one of {DTYPES}, got {dtype!r}")
 
 
+def _stack_experts(ckpt, target: str, srcs, shape, dt) -> np.ndarray:
+    """Per-expert HF tensors -> one `[E, 2I, D]` (gate rows first) or `[E, D, I]` stack, filled
+    in place expert by expert (one copy of the stack in memory, each expert's memmap released
+    right after its copy)."""
+    out = np.empty(shape, dt)
+    half = shape[1] // 2
+    for name, (_, e, part) in srcs:
+        rows = slice(None) if part == "down" else slice(0, half) if part == "gate" else slice(half, None)
+        m = ckpt.get(name)
+        out[e, rows] = m if m.dtype == dt else _cast(m, dt)
+        del m
+    return out
+
+
 def plan_hf(src: str, *, dtype: str = "auto") -> Plan:
     """Validates a HF directory against its config.json and plans its parameters."""
     _check_dtype_option(dtype)
@@ -131,6 +145,8 @@ def plan_hf(src: str, *, dtype: str = "auto") -> Plan:
         dt = _stored_dtype(target, src_dt, dtype)
 
         def produce(target=target, srcs=srcs, dt=dt):
+            if srcs[0][1] is not None:
+                return _stack_experts(ckpt, target, srcs, expected[target], dt)
             (_, arr), = hf_io.iter_params(ckpt, cfg, {target: srcs})
             return _cast(arr, dt)
 

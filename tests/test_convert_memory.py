@@ -60,4 +60,4 @@ def test_peak_memory_flat_in_layers(tmp_path, fmt):
     print(msg)
     assert sizes[4] > 1.6 * sizes[2], msg  # the checkpoint (nearly) doubles
     assert peaks[4] < 1.3 * peaks[2], msg
-    assert growth < max(stack, 0.25 * added), msg
+    assert growth < max(2 * stack, 64 * MIB), msg

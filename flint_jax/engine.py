@@ -107,16 +107,17 @@ class Flint:
         """The un-jitted decode step `(state, cache, tokens [B]) -> (f32 logits [B, V], cache)`
         of the chosen kernel path."""
         graphdef, cfg = self.graphdef, self.config
-        if self.kernels == "pallas":
-            from flint_jax import fast_decode
-            return fast_decode.make_decode_step(graphdef, cfg, interpret=jax.default_backend() != "gpu")
 
-        def step(state, cache, tokens):
+        def xla_step(state, cache, tokens):
             n = jnp.ones(tokens.shape, jnp.int32)
             logits, cache, _ = nnx.merge(graphdef, state)(tokens[:, None], cache, n, logits="last")
             return logits, cache
 
-        return step
+        if self.kernels == "pallas":
+            from flint_jax import fast_decode
+            return fast_decode.make_decode_step(graphdef, cfg, fallback=xla_step,
+                                                interpret=jax.default_backend() != "gpu")
+        return xla_step
 
     def decode_logits_fn(self):
         """jit(state, cache, tokens [B]) -> (f32 logits [B, V], cache), cache donated."""

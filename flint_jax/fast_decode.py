@@ -56,16 +56,20 @@ def _experts_arg(ex):
     return {n: getattr(ex, n)[...] for n in names}
 
 
-def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False):
-    """Returns step(state, cache, tokens [B] int32) -> (f32 logits [B, V], cache)."""
+def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fallback=None):
+    """Returns step(state, cache, tokens [B] int32) -> (f32 logits [B, V], cache).
+
+    Batches above MAX_BATCH rows (the low-latency kernels' limit) go to `fallback` (the XLA step).
+    """
     eps = cfg.rms_norm_eps
     h_, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
     def step(state, cache: KVCache, tokens):
         b = tokens.shape[0]
         if b > MAX_BATCH:
-            raise ValueError(f"the Pallas decode path takes at most {MAX_BATCH} rows, got {b}; "
-                             "use kernels='xla' for larger batches")
+            if fallback is None:
+                raise ValueError(f"the Pallas decode path takes at most {MAX_BATCH} rows, got {b}")
+            return fallback(state, cache, tokens)
         m = nnx.merge(graphdef, state)
         layers = m.model.layers
         pos = cache.lengths

@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -620,3 +621,14 @@ def describe(path: str) -> dict[str, Any]:
 
 __all__ = ["ConvertError", "Plan", "convert", "gguf_expected", "load_converted", "load_gguf",
            "make_plan", "plan_gguf", "plan_hf", "read_gguf_tensor"]
+
+
+# `flint_jax.convert(src, dst, ...)` is the public function, but importing this submodule (as
+# `flint_jax.load` does) rebinds the package attribute `flint_jax.convert` to the module: make the
+# module callable as the function so both spellings keep working.
+class _CallableModule(sys.modules[__name__].__class__):
+    def __call__(self, *args, **kwargs):
+        return convert(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -469,3 +469,11 @@ def test_cli_in_process(quantized, work, capsys):
     assert "--hf-config" in capsys.readouterr().out
     assert main(["inspect", str(work / "cli-synth" / "model.gguf"), "--config",
                  str(work / "cli-synth")]) == 0
+
+
+def test_public_api_spelling(work):
+    """`flint_jax.convert(src, dst)` works although `flint_jax.convert` is also the submodule."""
+    import flint_jax.convert  # noqa: F401  (rebinds the package attribute to the module)
+    dst = flint_jax.convert(GOLDEN / "tiny_c", work / "api-tiny_c", progress=False)
+    assert checkpoint.is_converted(dst)
+    assert flint_jax.load(dst, kernels="xla").config == FlintConfig.from_json(GOLDEN / "tiny_c")

@@ -107,6 +107,7 @@ class Timer:
     out = fn(*arg_sets[0])
     jax.block_until_ready(out)
     compile_s = time.perf_counter() - t0
+    self.last_out = [np.asarray(x, np.float32) for x in jax.tree.leaves(out)]
     for a in arg_sets[1:3]:
       jax.block_until_ready(fn(*a))
     time.sleep(0.02)
@@ -182,85 +183,166 @@ def device_times(windows, kernels, case_id, calls):
 # Cases: each yields (case_id, group, label, fn, arg_sets, bytes_per_call)
 
 
+GEMV_SWEEP = {   # (name, M) -> [(method, block_n, block_k, split_k, num_warps)]
+    ("q_proj", 1): [(mt, bn, bk, 1, nw) for mt in ("swap", "reduce")
+                    for bn, bk, nw in [(32, 256, 4), (64, 256, 4), (64, 512, 4), (128, 256, 4),
+                                       (64, 512, 8), (128, 512, 8), (32, 512, 4)]],
+    ("q_proj", 8): [(mt, bn, bk, 1, nw) for mt in ("dot", "swap")
+                    for bn, bk, nw in [(32, 256, 4), (64, 256, 4), (64, 512, 4), (128, 256, 4),
+                                       (64, 512, 8), (128, 512, 8)]],
+    ("k_proj", 1): [(mt, bn, bk, sk, 4) for mt in ("swap", "reduce")
+                    for bn, bk, sk in [(16, 256, 4), (32, 256, 2), (64, 256, 4), (32, 512, 2),
+                                       (64, 512, 1)]],
+    ("o_proj", 1): [(mt, bn, bk, sk, nw) for mt in ("dot", "swap", "reduce")
+                    for bn, bk, sk, nw in [(32, 512, 1, 4), (64, 256, 2, 4), (64, 512, 1, 8),
+                                           (128, 256, 2, 8), (32, 256, 2, 4)]],
+    ("dense_down", 1): [(mt, bn, bk, sk, nw) for mt in ("swap", "reduce")
+                        for bn, bk, sk, nw in [(32, 512, 1, 4), (64, 256, 2, 4), (64, 512, 1, 8),
+                                               (128, 256, 2, 8)]],
+    ("lm_head", 8): [(mt, bn, bk, 1, nw) for mt in ("dot", "swap")
+                     for bn, bk, nw in [(64, 256, 4), (128, 256, 4), (64, 512, 8),
+                                        (128, 512, 8), (128, 256, 8)]],
+    ("lm_head", 1): [(mt, bn, bk, 1, nw) for mt in ("swap", "reduce")
+                     for bn, bk, nw in [(64, 256, 4), (128, 256, 8), (64, 512, 8)]],
+}
+SILU_SWEEP = {
+    ("dense_gate_up", 1): [(mt, bn, bk, nw) for mt in ("dot", "swap", "reduce")
+                           for bn, bk, nw in [(32, 256, 4), (64, 256, 4), (64, 512, 8),
+                                              (128, 256, 8)]],
+    ("dense_gate_up", 8): [(mt, bn, bk, nw) for mt in ("dot", "swap")
+                           for bn, bk, nw in [(32, 256, 4), (64, 256, 4), (64, 512, 8),
+                                              (128, 256, 8)]],
+    ("shared_gate_up", 1): [(mt, bn, bk, nw) for mt in ("swap", "reduce")
+                            for bn, bk, nw in [(16, 512, 4), (32, 256, 4), (64, 256, 4)]],
+}
+
+
 def gemv_cases(variants):
   shapes = [("q_proj", 4096, D), ("k_proj", 512, D), ("o_proj", D, 4096),
             ("dense_down", D, DENSE), ("shared_down", D, IS), ("lm_head", V, D)]
   for m in (1, 8):
     for name, n, k in shapes:
-      if variants and (name, m) not in (("q_proj", 1), ("k_proj", 1), ("lm_head", 8)):
+      sweep = GEMV_SWEEP.get((name, m), [])
+      if variants and not sweep:
         continue
       out = jnp.float32 if name == "lm_head" else BF
       wb = n * k * 2
       sets = [(randn((m, k)), randn((n, k), scale=k ** -0.5)) for _ in range(n_sets(wb))]
       bytes_ = wb + m * k * 2 + m * n * jnp.dtype(out).itemsize
+      lbl = f"{name} M={m}"
       if not variants:
-        yield (f"gemv/{name}/M{m}/xla", "gemv", f"{name} M={m}", "xla",
+        yield (f"gemv/{name}/M{m}/xla", "gemv", lbl, "xla",
                jax.jit(functools.partial(GEMV.gemv_reference, out_dtype=out)), sets, bytes_)
-        yield (f"gemv/{name}/M{m}/pallas", "gemv", f"{name} M={m}", "pallas default",
+        yield (f"gemv/{name}/M{m}/pallas", "gemv", lbl, "pallas default",
                functools.partial(GEMV.gemv, out_dtype=out), sets, bytes_)
-      if variants:
-        for bn, bk, sk, nw in [(16, 256, 1, 4), (32, 256, 1, 4), (64, 256, 1, 4), (32, 512, 1, 4),
-                               (32, 128, 1, 4), (32, 256, 1, 8), (16, 256, 4, 4),
-                               (16, 512, 2, 4)]:
-          if n % bn or k % (bk * sk) or (sk > 1 and name != "k_proj"):
-            continue
-          yield (f"gemv/{name}/M{m}/bn{bn}_bk{bk}_sk{sk}_w{nw}", "gemv", f"{name} M={m}",
-                 f"bn{bn} bk{bk} sk{sk} w{nw}",
-                 functools.partial(GEMV.gemv, out_dtype=out, block_n=bn, block_k=bk,
-                                   split_k=sk, num_warps=nw), sets, bytes_)
-  for m in (1, 8) if not variants else ():
+        continue
+      for mt, bn, bk, sk, nw in sweep:
+        if n % bn or k % (bk * sk):
+          continue
+        yield (f"gemv/{name}/M{m}/{mt}_bn{bn}_bk{bk}_sk{sk}_w{nw}", "gemv", lbl,
+               f"{mt} bn{bn} bk{bk} sk{sk} w{nw}",
+               functools.partial(GEMV.gemv, out_dtype=out, block_n=bn, block_k=bk,
+                                 split_k=sk, num_warps=nw, method=mt), sets, bytes_)
+  for m in (1, 8):
     for name, n in [("dense_gate_up", DENSE), ("shared_gate_up", IS)]:
+      sweep = SILU_SWEEP.get((name, m), [])
+      if variants and not sweep:
+        continue
       wb = 2 * n * D * 2
       sets = [(randn((m, D)), randn((n, D), scale=D ** -0.5), randn((n, D), scale=D ** -0.5))
               for _ in range(n_sets(wb))]
       bytes_ = wb + m * D * 2 + m * n * 2
-      yield (f"gemv_silu/{name}/M{m}/xla", "gemv", f"{name} M={m}", "xla",
-             jax.jit(GEMV.gemv_silu_mul_reference), sets, bytes_)
-      yield (f"gemv_silu/{name}/M{m}/pallas", "gemv", f"{name} M={m}", "pallas default",
-             GEMV.gemv_silu_mul, sets, bytes_)
+      lbl = f"{name} M={m}"
+      if not variants:
+        yield (f"gemv_silu/{name}/M{m}/xla", "gemv", lbl, "xla",
+               jax.jit(GEMV.gemv_silu_mul_reference), sets, bytes_)
+        yield (f"gemv_silu/{name}/M{m}/pallas", "gemv", lbl, "pallas default",
+               GEMV.gemv_silu_mul, sets, bytes_)
+        continue
+      for mt, bn, bk, nw in sweep:
+        yield (f"gemv_silu/{name}/M{m}/{mt}_bn{bn}_bk{bk}_w{nw}", "gemv", lbl,
+               f"{mt} bn{bn} bk{bk} w{nw}",
+               functools.partial(GEMV.gemv_silu_mul, block_n=bn, block_k=bk, num_warps=nw,
+                                 method=mt), sets, bytes_)
+
+
+_NV_BLOCKS = [(64, 256, 4), (128, 256, 8), (64, 512, 8), (128, 512, 8), (32, 512, 4)]
+NV_SWEEP = {   # (name, M) -> [(method, layout, block_n, block_k, split_k, num_warps)]
+    ("q_proj", 1): [(mt, lay, bn, bk, 1, nw) for mt in ("dot", "swap", "reduce")
+                    for lay in ("tile", "chunk") for bn, bk, nw in _NV_BLOCKS],
+    ("q_proj", 8): [(mt, lay, bn, bk, 1, nw) for mt in ("dot", "swap")
+                    for lay in ("tile", "chunk") for bn, bk, nw in _NV_BLOCKS],
+    ("big65536", 8): [(mt, lay, bn, bk, 1, nw) for mt in ("dot", "swap")
+                      for lay in ("tile", "chunk") for bn, bk, nw in _NV_BLOCKS],
+    ("o_proj", 1): [(mt, "tile", bn, bk, sk, nw) for mt in ("dot", "swap", "reduce")
+                    for bn, bk, sk, nw in [(64, 256, 2, 4), (64, 512, 2, 8), (128, 256, 4, 8),
+                                           (32, 512, 1, 4), (64, 256, 4, 4)]],
+    ("o_proj", 8): [(mt, "tile", bn, bk, sk, nw) for mt in ("dot", "swap")
+                    for bn, bk, sk, nw in [(64, 256, 2, 4), (64, 512, 2, 8), (128, 256, 4, 8),
+                                           (64, 256, 4, 4)]],
+    ("dense_down", 1): [(mt, "tile", bn, bk, sk, nw) for mt in ("swap", "reduce")
+                        for bn, bk, sk, nw in [(64, 256, 2, 4), (64, 512, 2, 8),
+                                               (128, 256, 4, 8), (64, 512, 3, 8)]],
+}
+NV_SILU_SWEEP = {
+    1: [(mt, bn, bk, nw) for mt in ("dot", "swap", "reduce")
+        for bn, bk, nw in [(64, 256, 4), (128, 256, 8), (64, 512, 8)]],
+    8: [(mt, bn, bk, nw) for mt in ("dot", "swap")
+        for bn, bk, nw in [(64, 256, 4), (128, 256, 8), (64, 512, 8)]],
+}
 
 
 def nvfp4_cases(variants, best=None):
+  del best
   shapes = [("big65536", 65536, D), ("q_proj", 4096, D), ("o_proj", D, 4096),
             ("dense_down", D, DENSE)]
   for m in (8, 1):
     for name, n, k in shapes:
       if m == 1 and name == "big65536":
         continue
+      sweep = NV_SWEEP.get((name, m), [])
+      if variants and not sweep:
+        continue
       wb = n * k // 2 + n * k // 16
       sets = [(randn((m, k)), *rand_nvfp4((n, k))) for _ in range(n_sets(wb))]
       bytes_ = wb + m * k * 2 + m * n * 2
-      if variants and (name, m) not in (("big65536", 8), ("q_proj", 1)):
-        continue
-      combos = [("fp8", "tile"), ("asm", "tile"), ("fp8", "chunk"), ("asm", "chunk")]
-      if m == 1:
-        combos = combos[:2]
+      lbl = f"{name} M={m}"
       if not variants:
-        yield (f"nvfp4/{name}/M{m}/xla", "nvfp4", f"{name} M={m}", "xla",
+        yield (f"nvfp4/{name}/M{m}/xla", "nvfp4", lbl, "xla",
                jax.jit(NV.nvfp4_gemv_reference), sets, bytes_)
-      for dec, lay in (combos if not variants else []):
-        yield (f"nvfp4/{name}/M{m}/{dec}_{lay}", "nvfp4", f"{name} M={m}", f"{dec} {lay}",
-               functools.partial(NV.nvfp4_gemv, decode=dec, layout=lay), sets, bytes_)
-      if variants:
-        for bn, bk, nw, ns in [(16, 256, 4, 3), (64, 256, 4, 3), (32, 512, 4, 3),
-                               (64, 512, 8, 3), (32, 256, 8, 3), (32, 256, 4, 4),
-                               (16, 512, 4, 3), (128, 256, 8, 3)]:
-          for dec, lay in ([best] if best else
-                           [("asm", "tile"), ("fp8", "tile")] if m == 8 else [("asm", "tile")]):
-            yield (f"nvfp4/{name}/M{m}/{dec}_{lay}_bn{bn}_bk{bk}_w{nw}_s{ns}", "nvfp4",
-                   f"{name} M={m}", f"{dec} {lay} bn{bn} bk{bk} w{nw} s{ns}",
-                   functools.partial(NV.nvfp4_gemv, decode=dec, layout=lay, block_n=bn,
-                                     block_k=bk, num_warps=nw, num_stages=ns), sets, bytes_)
-  for m in (1, 8) if not variants else ():
+        yield (f"nvfp4/{name}/M{m}/pallas", "nvfp4", lbl, "pallas default",
+               NV.nvfp4_gemv, sets, bytes_)
+        continue
+      for mt, lay, bn, bk, sk, nw in sweep:
+        if n % bn or k % (bk * sk):
+          continue
+        yield (f"nvfp4/{name}/M{m}/{mt}_{lay}_bn{bn}_bk{bk}_sk{sk}_w{nw}", "nvfp4", lbl,
+               f"{mt} {lay} bn{bn} bk{bk} sk{sk} w{nw}",
+               functools.partial(NV.nvfp4_gemv, method=mt, layout=lay, block_n=bn,
+                                 block_k=bk, split_k=sk, num_warps=nw), sets, bytes_)
+      if name == "big65536":   # decode comparison at the best-known blocks
+        for dec in ("fp8", "asm"):
+          yield (f"nvfp4/{name}/M{m}/{dec}_swap_tile_bn128_bk256_w8", "nvfp4", lbl,
+                 f"{dec} swap tile bn128 bk256 w8",
+                 functools.partial(NV.nvfp4_gemv, method="swap", decode=dec, block_n=128,
+                                   block_k=256, num_warps=8), sets, bytes_)
+  for m in (1, 8):
     n = DENSE
     wb = 2 * (n * D // 2 + n * D // 16)
     sets = [(randn((m, D)), rand_nvfp4((n, D)), rand_nvfp4((n, D))) for _ in range(n_sets(wb))]
     bytes_ = wb + m * D * 2 + m * n * 2
-    yield (f"nvfp4_silu/dense/M{m}/xla", "nvfp4", f"dense_gate_up M={m}", "xla",
-           jax.jit(NV.nvfp4_gemv_silu_mul_reference), sets, bytes_)
-    for dec in ("fp8", "asm"):
-      yield (f"nvfp4_silu/dense/M{m}/{dec}", "nvfp4", f"dense_gate_up M={m}", f"{dec} tile",
-             functools.partial(NV.nvfp4_gemv_silu_mul, decode=dec), sets, bytes_)
+    lbl = f"dense_gate_up M={m}"
+    if not variants:
+      yield (f"nvfp4_silu/dense/M{m}/xla", "nvfp4", lbl, "xla",
+             jax.jit(NV.nvfp4_gemv_silu_mul_reference), sets, bytes_)
+      yield (f"nvfp4_silu/dense/M{m}/pallas", "nvfp4", lbl, "pallas default",
+             NV.nvfp4_gemv_silu_mul, sets, bytes_)
+      continue
+    for mt, bn, bk, nw in NV_SILU_SWEEP[m]:
+      yield (f"nvfp4_silu/dense/M{m}/{mt}_bn{bn}_bk{bk}_w{nw}", "nvfp4", lbl,
+             f"{mt} bn{bn} bk{bk} w{nw}",
+             functools.partial(NV.nvfp4_gemv_silu_mul, method=mt, block_n=bn, block_k=bk,
+                               num_warps=nw), sets, bytes_)
 
 
 def moe_weights(fmt):
@@ -304,14 +386,22 @@ def moe_cases(variants):
       if not variants:
         yield (f"moe/{fmt}/M{m}/block_pallas", "moe", f"{fmt} M={m}", "route(XLA)+pallas",
                jax.jit(MOE.moe_block), bsets, bytes_ + E * D * 4)
-      if variants and m == 1:
-        for kw in [dict(decode="fp8"), dict(block_n=16), dict(block_k=512),
-                   dict(block_n_down=32), dict(num_warps=8), dict(unroll_slots=False)]:
-          if fmt == "bf16" and "decode" in kw:
-            continue
+      if variants:
+        meths = ("dot", "swap", "reduce") if m == 1 else ("dot", "swap")
+        sweep = [dict(method=mt, block_n=bn, block_n_down=bnd, down_split=ds, num_warps=nw)
+                 for mt in meths
+                 for bn, bnd, ds, nw in [(32, 16, False, 4), (64, 64, True, 4),
+                                         (64, 32, True, 4), (128, 64, True, 8),
+                                         (64, 32, False, 8), (32, 64, True, 4)]]
+        sweep += [dict(method="swap", method_down="dot", block_n=64, block_n_down=32,
+                       down_split=True)]
+        for kw in sweep:
           lbl = " ".join(f"{k}={v}" for k, v in kw.items())
           yield (f"moe/{fmt}/M{m}/{lbl}", "moe", f"{fmt} M={m}", f"pallas {lbl}",
                  functools.partial(MOE.moe_decode, **kw), sets, bytes_)
+
+
+ATT_SWEEP_LABELS = ()   # the first GPU run settled the attention defaults (docs/kernels.md)
 
 
 def attention_cases(variants):
@@ -322,7 +412,7 @@ def attention_cases(variants):
            ("ring B1", 1, 576, [5000], True),
            ("ring B8", 8, 576, [5000 + i for i in range(8)], True)]
   for label, b, s_len, pos, ring in specs:
-    if variants and label not in ("full 100K", "full B8 30K", "ring B1"):
+    if variants and label not in ATT_SWEEP_LABELS:
       continue
     kc, vc = randn((b, KVH, s_len, DH)), randn((b, KVH, s_len, DH))
     sinks = randn((H,), jnp.float32)
@@ -340,7 +430,7 @@ def attention_cases(variants):
              jax.jit(functools.partial(ATT.decode_attention_reference, **kw)), sets, bytes_)
       yield (f"attn/{label}/pallas", "attention", label, "pallas default",
              functools.partial(ATT.decode_attention, **kw), sets, bytes_)
-    if variants and label in ("full 100K", "full B8 30K", "ring B1"):
+    if variants and label in ATT_SWEEP_LABELS:
       grid = [(ns, bk, nw, st) for ns, bk, nw, st in [
           (16, 128, 4, 2), (32, 128, 4, 2), (128, 128, 4, 2), (64, 64, 4, 2), (64, 256, 8, 2),
           (64, 128, 8, 2), (64, 128, 4, 3), (8, 64, 4, 2), (4, 64, 4, 2)]
@@ -357,7 +447,6 @@ def qk_cases(variants):
     for ring in (True, False):
       layers, s_len = (35, 576) if ring else (14, 8192)
       shape = (layers, b, KVH, s_len, DH)
-      kc, vc = jnp.zeros(shape, BF), jnp.zeros(shape, BF)
       q, k, v = randn((b, H, DH)), randn((b, KVH, DH)), randn((b, KVH, DH))
       w = randn((DH,)) + 1
       pos = jnp.arange(b, dtype=jnp.int32) + 3000
@@ -372,7 +461,7 @@ def qk_cases(variants):
             outs.append(o)
           return outs, kc, vc
         fn = jax.jit(run, donate_argnums=(5, 6))
-        state = {"kc": kc, "vc": vc}
+        state = {"kc": jnp.zeros(shape, BF), "vc": jnp.zeros(shape, BF)}
 
         def call(q, k, v, w, pos, fn=fn, state=state):
           outs, state["kc"], state["vc"] = fn(q, k, v, w, pos, state["kc"], state["vc"])
@@ -410,7 +499,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
   ap.add_argument("--groups", default="nvfp4,moe,attention,gemv,qk,norms")
-  ap.add_argument("--calls", type=int, default=30)
+  ap.add_argument("--calls", type=int, default=20)
   ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole run")
   ap.add_argument("--compile-threads", type=int, default=12)
   ap.add_argument("--variants", type=int, default=1)
@@ -447,7 +536,7 @@ def main():
 
   # 3. Time sequentially inside one profiler trace.
   timer = Timer(args.calls, args.out)
-  meta, skipped = {}, []
+  meta, skipped, refs = {}, [], {}
   trace_dir = tempfile.mkdtemp(prefix="flint_trace_")
   jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
   try:
@@ -464,6 +553,13 @@ def main():
         first_s, wall_us = timer.run_case(case_id, fn, sets)
         meta[case_id] = dict(base, bytes=bytes_, compile_s=round(compile_s + first_s, 2),
                              wall_us=round(wall_us, 2), sets=len(sets))
+        key = (grp, label)
+        if impl == "xla":
+          refs[key] = timer.last_out
+        elif key in refs and grp != "qk_norm_rope":   # validate against the XLA reference
+          errs = [float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+                  for a, b in zip(timer.last_out, refs[key])]
+          meta[case_id]["rel_l2"] = float(max(errs)) if errs else None
         print(f"  ran {case_id}: compile {compile_s + first_s:.1f}s wall {wall_us:.1f}us",
               flush=True)
       except Exception as e:  # noqa: BLE001 -- one failing variant must not stop the run
@@ -495,8 +591,8 @@ def main():
 
 def print_table(rows):
   """Per (group, case): each impl's device time, wall time, bandwidth, speed-up vs XLA."""
-  print("\n| group | case | impl | device us | wall us | TB/s | % of 4.3 | vs xla |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("\n| group | case | impl | device us | wall us | TB/s | % of 4.3 | vs xla | rel_l2 |")
+  print("|---|---|---|---|---|---|---|---|---|")
   xla = {(r["group"], r["label"]): r.get("device_us") or r.get("wall_us") for r in rows
          if r["impl"].startswith("xla") and "error" not in r}
   for r in rows:
@@ -506,8 +602,10 @@ def print_table(rows):
     t = r.get("device_us") or r["wall_us"]
     ref = xla.get((r["group"], r["label"]))
     sp = f"{ref / t:.2f}x" if ref else ""
+    err = r.get("rel_l2")
+    err = "" if err is None else f"{err:.1e}" + (" BAD" if not err < 2e-2 else "")
     print(f"| {r['group']} | {r['label']} | {r['impl']} | {r.get('device_us')} | "
-          f"{r['wall_us']} | {r['tbs']} | {100 * r['tbs'] / CEILING_TBS:.0f}% | {sp} |")
+          f"{r['wall_us']} | {r['tbs']} | {100 * r['tbs'] / CEILING_TBS:.0f}% | {sp} | {err} |")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,53 @@ def dot_nn(a, b):
                          preferred_element_type=jnp.float32)
 
 
+METHODS = ("dot", "swap", "reduce")
+
+
+def check_method(method: str, m: int):
+  check(method in METHODS, f"method must be one of {METHODS}, got {method=}")
+  check(method != "reduce" or m == 1, f"method='reduce' needs M == 1, got {m=}")
+
+
+def mm_tile(x, w, method: str):
+  """One K step of a small-batch GEMV tile, fp32.
+
+  x [Mp, BK] (padded rows; [BK] for ``reduce``), w [BN, BK] same dtype. ``dot``: x . w^T ->
+  [Mp, BN] on the tensor cores (M = 16: mma.sync). ``swap``: w . x^T -> [BN, Mp] (swap-AB: the
+  weight rows are the MMA's M dimension, wgmma-eligible when BN >= 64). ``reduce`` (M == 1):
+  broadcast multiply and row sum on the CUDA cores -> [BN] (what XLA emits for a GEMV).
+  """
+  if method == "dot":
+    return dot_nt(x, w)
+  if method == "swap":
+    return dot_nt(w, x)
+  return jnp.sum(w.astype(jnp.float32) * x.astype(jnp.float32)[None, :], axis=1)
+
+
+def load_x(x_ref, lead, m, mp, cols, method):
+  """x tile for mm_tile: rows 0..m-1 padded to mp (duplicates), or the single row for reduce."""
+  if method == "reduce":
+    return x_ref[(*lead, 0, cols)]
+  return x_ref[(*lead, row_load_index(m, mp), cols)]
+
+
+def acc_shape(mp: int, bn: int, method: str):
+  return {"dot": (mp, bn), "swap": (bn, mp), "reduce": (bn,)}[method]
+
+
+def store_tile(o_ref, lead, acc, n0, bn, m, mp, method):
+  """Stores the real rows of an accumulator in ``acc_shape`` layout at o_ref[*lead, :m, n0:n0+bn]."""
+  r, rmask = row_store_index(m, mp)
+  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
+  acc = acc.astype(o_ref.dtype)
+  if method == "dot":
+    plgpu.store(o_ref.at[(*lead, r[:, None], cols[None, :])], acc, mask=rmask[:, None])
+  elif method == "swap":
+    plgpu.store(o_ref.at[(*lead, r[None, :], cols[:, None])], acc, mask=rmask[None, :])
+  else:
+    plgpu.store(o_ref.at[(*lead, 0, cols)], acc)
+
+
 def silu_mul_f32(g, u):
   """silu(g) * u in fp32 (g, u fp32): g / (1 + exp(-g)) * u."""
   return g / (1.0 + jnp.exp(-g)) * u
@@ -98,6 +145,7 @@ def as_index_array(x, name: str) -> jax.Array:
 
 
 __all__ = [
+    "METHODS", "check_method", "mm_tile", "load_x", "acc_shape", "store_tile",
     "MASK_VALUE", "next_pow2", "pad_rows", "is_pow2", "pow2_divisor", "row_load_index",
     "row_store_index", "dot_nt", "dot_nn", "silu_mul_f32", "compiler_params", "check", "cdiv",
     "as_index_array", "math",

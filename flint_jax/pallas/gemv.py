@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 from flint_jax.pallas import _common as C
 
 __all__ = ["gemv", "gemv_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
-           "default_gemv_blocks"]
+           "default_gemv_blocks", "default_method"]
 
 MAX_ROWS = 16
 
@@ -56,6 +56,12 @@ def default_gemv_blocks(n: int, k: int, *, n_mats: int = 1) -> tuple[int, int, i
   return bn, bk, split
 
 
+def default_method(m: int) -> str:
+  """Default tile method (see _common.mm_tile); to be set from the GPU measurements."""
+  del m
+  return "dot"
+
+
 def _validate(x, ws, block_n, block_k, split_k):
   C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
   m, k = x.shape
@@ -73,38 +79,38 @@ def _validate(x, ws, block_n, block_k, split_k):
   return m, n, k
 
 
-def _gemv_kernel(x_ref, w_ref, o_ref, *, m, mp, bn, bk, k_len, split_k):
-  """One [Mp, BN] output tile over a K slice of length k_len.
+def _gemv_kernel(x_ref, w_ref, o_ref, *, m, mp, bn, bk, k_len, split_k, method):
+  """One BN-column output tile over a K slice of length k_len.
 
   x_ref: [M, K]; w_ref: [N, K]; o_ref: [M, N] (split_k == 1) or [split_k, M, N] f32.
   """
   pid_n = pl.program_id(0)
   n0 = pl.multiple_of(pid_n * bn, bn)
   kbase = pl.program_id(1) * k_len if split_k > 1 else 0
-  rows = C.row_load_index(m, mp)
 
   def body(i, acc):
     k0 = pl.multiple_of(kbase + i * bk, bk)
-    x = x_ref[rows, pl.ds(k0, bk)]                        # [Mp, BK]
+    x = C.load_x(x_ref, (), m, mp, pl.ds(k0, bk), method)  # [Mp, BK] ([BK] for reduce)
     w = w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]               # [BN, BK]
-    return acc + C.dot_nt(x, w)
+    return acc + C.mm_tile(x, w, method)
 
-  acc = lax.fori_loop(0, k_len // bk, body, jnp.zeros((mp, bn), jnp.float32))
-  r, rmask = C.row_store_index(m, mp)
-  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
-  if split_k > 1:
-    idx = (pl.program_id(1), r[:, None], cols[None, :])
-  else:
-    idx = (r[:, None], cols[None, :])
-  plgpu.store(o_ref.at[idx], acc.astype(o_ref.dtype), mask=rmask[:, None])
+  acc = lax.fori_loop(0, k_len // bk, body,
+                      jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32))
+  lead = (pl.program_id(1),) if split_k > 1 else ()
+  C.store_tile(o_ref, lead, acc, n0, bn, m, mp, method)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "out_dtype", "block_n", "block_k", "split_k", "num_warps", "num_stages", "interpret"))
+    "out_dtype", "block_n", "block_k", "split_k", "method", "num_warps", "num_stages",
+    "interpret"))
 def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
-         block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
-         num_stages: int = 3, interpret: bool = False):
-  """y[M, N] = x[M, K] @ w[N, K]^T, fp32 accumulation, rounded once to ``out_dtype``."""
+         block_k: int | None = None, split_k: int | None = None, method: str | None = None,
+         num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+  """y[M, N] = x[M, K] @ w[N, K]^T, fp32 accumulation, rounded once to ``out_dtype``.
+
+  ``method``: "dot" (x . w^T, M padded to 16), "swap" (w . x^T, swap-AB) or "reduce" (M == 1,
+  CUDA-core multiply + row sum); see ``_common.mm_tile``. Default: see ``default_method``.
+  """
   n, k = w.shape
   dbn, dbk, dsplit = default_gemv_blocks(n, k)
   if split_k is None:
@@ -112,9 +118,11 @@ def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
   block_n = block_n or dbn
   block_k = block_k or dbk
   m, n, k = _validate(x, [w], block_n, block_k, split_k)
+  method = method or default_method(m)
+  C.check_method(method, m)
   mp = C.pad_rows(m)
   kernel = functools.partial(_gemv_kernel, m=m, mp=mp, bn=block_n, bk=block_k,
-                             k_len=k // split_k, split_k=split_k)
+                             k_len=k // split_k, split_k=split_k, method=method)
   if split_k > 1:
     out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
     grid = (n // block_n, split_k)
@@ -124,7 +132,7 @@ def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
   y = pl.pallas_call(
       kernel, out_shape=out_shape, grid=grid,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_gemv_bn{block_n}_bk{block_k}_sk{split_k}",
+      name=f"flint_gemv_{method}_bn{block_n}_bk{block_k}_sk{split_k}",
   )(x, w)
   if split_k > 1:
     y = jnp.sum(y, axis=0).astype(out_dtype)
@@ -144,44 +152,43 @@ def _gemv_reference(x, w, *, out_dtype):
   return y.astype(out_dtype)
 
 
-def _gemv_silu_mul_kernel(x_ref, wg_ref, wu_ref, o_ref, *, m, mp, bn, bk, k_len):
-  """h[Mp, BN] = silu(x Wg^T) * (x Wu^T) for one BN slice of the intermediate dim."""
+def _gemv_silu_mul_kernel(x_ref, wg_ref, wu_ref, o_ref, *, m, mp, bn, bk, k_len, method):
+  """h = silu(x Wg^T) * (x Wu^T) for one BN slice of the intermediate dim."""
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
-  rows = C.row_load_index(m, mp)
 
   def body(i, carry):
     acc_g, acc_u = carry
     k0 = pl.multiple_of(i * bk, bk)
-    x = x_ref[rows, pl.ds(k0, bk)]                        # [Mp, BK]
+    x = C.load_x(x_ref, (), m, mp, pl.ds(k0, bk), method)  # [Mp, BK] ([BK] for reduce)
     wg = wg_ref[pl.ds(n0, bn), pl.ds(k0, bk)]             # [BN, BK]
     wu = wu_ref[pl.ds(n0, bn), pl.ds(k0, bk)]             # [BN, BK]
-    return acc_g + C.dot_nt(x, wg), acc_u + C.dot_nt(x, wu)
+    return acc_g + C.mm_tile(x, wg, method), acc_u + C.mm_tile(x, wu, method)
 
-  z = jnp.zeros((mp, bn), jnp.float32)
+  z = jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32)
   acc_g, acc_u = lax.fori_loop(0, k_len // bk, body, (z, z))
-  h = C.silu_mul_f32(acc_g, acc_u)
-  r, rmask = C.row_store_index(m, mp)
-  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
-  plgpu.store(o_ref.at[r[:, None], cols[None, :]], h.astype(o_ref.dtype), mask=rmask[:, None])
+  C.store_tile(o_ref, (), C.silu_mul_f32(acc_g, acc_u), n0, bn, m, mp, method)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "block_n", "block_k", "num_warps", "num_stages", "interpret"))
+    "block_n", "block_k", "method", "num_warps", "num_stages", "interpret"))
 def gemv_silu_mul(x, w_gate, w_up, *, block_n: int | None = None, block_k: int | None = None,
-                  num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+                  method: str | None = None, num_warps: int = 4, num_stages: int = 3,
+                  interpret: bool = False):
   """h[M, I] = x.dtype(silu(x @ w_gate^T) * (x @ w_up^T)), gate/up in fp32, one rounding."""
   n, k = w_gate.shape
   dbn, dbk, _ = default_gemv_blocks(n, k, n_mats=2)
   block_n = block_n or dbn
   block_k = block_k or dbk
   m, n, k = _validate(x, [w_gate, w_up], block_n, block_k, 1)
+  method = method or default_method(m)
+  C.check_method(method, m)
   mp = C.pad_rows(m)
   kernel = functools.partial(_gemv_silu_mul_kernel, m=m, mp=mp, bn=block_n, bk=block_k,
-                             k_len=k)
+                             k_len=k, method=method)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(n // block_n,),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_gemv_silu_mul_bn{block_n}_bk{block_k}",
+      name=f"flint_gemv_silu_mul_{method}_bn{block_n}_bk{block_k}",
   )(x, w_gate, w_up)
 
 

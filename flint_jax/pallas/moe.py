@@ -123,20 +123,30 @@ def _lin_format(w) -> str:
   return "bf16"
 
 
-def _tile_dot(fmt, xs, x_idx, rows, ws, w_idx, n0, bn, i, bk, decode, layout):
-  """fp32 [Mp, BN] = x[.., rows, K step i] . W[.., n0:n0+bn, K step i]^T (decode factor incl.)."""
+def _tile_dot(fmt, xs, x_idx, m, mp, ws, w_idx, n0, bn, i, bk, decode, layout, method):
+  """One K step (index i) of x[.., :m] . W[.., n0:n0+bn]^T, fp32 in ``acc_shape(mp, bn, method)``
+  layout (decode factor included for NVFP4)."""
   if fmt == "bf16":
     x_ref, _ = xs
     (w_ref,) = ws
     k0 = pl.multiple_of(i * bk, bk)
-    x = x_ref[(*x_idx, rows, pl.ds(k0, bk))]                            # [Mp, BK]
+    x = C.load_x(x_ref, x_idx, m, mp, pl.ds(k0, bk), method)           # [Mp, BK] / [BK]
     w = w_ref[(*w_idx, pl.ds(n0, bn), pl.ds(k0, bk))]                   # [BN, BK]
-    return C.dot_nt(x, w)
+    return C.mm_tile(x, w, method)
   _, x5_ref = xs
   q_ref, s_ref = ws
   nb = bk // 64
-  return NV.nvfp4_tile_dot(x5_ref, x_idx, rows, q_ref, s_ref, w_idx, n0, bn,
-                           pl.multiple_of(i * nb, nb), nb, decode=decode, layout=layout)
+  return NV.nvfp4_tile_dot(x5_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn,
+                           pl.multiple_of(i * nb, nb), nb, decode=decode, layout=layout,
+                           method=method)
+
+
+def _coef(c_ref, u, m, mp, method):
+  """Routing coefficients of slot u broadcastable against an accumulator tile."""
+  if method == "reduce":
+    return c_ref[u, 0]
+  c = c_ref[u, C.row_load_index(m, mp)]                                 # [Mp]
+  return c[:, None] if method == "dot" else c[None, :]
 
 
 def _factor(fmt, decode):
@@ -156,22 +166,21 @@ def _weight_args(fmt, w, name):
 
 
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
-                    decode, layout):
+                    decode, layout, method):
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
   n_i = inter // bn
   n_routed = n_slots_max * n_i
-  rows = C.row_load_index(m, mp)
   xs = (r["x"], r["x5"])
-  ri, rmask = C.row_store_index(m, mp)
 
   def gemv2(wg, wu, w_idx, ng, nu, fmt, step):
     def body(i, carry):
       ag, au = carry
-      ag = ag + _tile_dot(fmt, xs, (), rows, wg, w_idx, ng, bn, i, step, decode, layout)
-      au = au + _tile_dot(fmt, xs, (), rows, wu, w_idx, nu, bn, i, step, decode, layout)
+      kw = dict(decode=decode, layout=layout, method=method)
+      ag = ag + _tile_dot(fmt, xs, (), m, mp, wg, w_idx, ng, bn, i, step, **kw)
+      au = au + _tile_dot(fmt, xs, (), m, mp, wu, w_idx, nu, bn, i, step, **kw)
       return ag, au
-    z = jnp.zeros((mp, bn), jnp.float32)
+    z = jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32)
     return lax.fori_loop(0, d // step, body, (z, z))
 
   def routed():
@@ -187,9 +196,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
         f = NV.decode_factor(decode)
         ag = ag * (r["gu_s2"][e, 0] * f)
         au = au * (r["gu_s2"][e, 1] * f)
-      h = C.silu_mul_f32(ag, au).astype(r["h"].dtype)
-      cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
-      plgpu.store(r["h"].at[u, ri[:, None], cols[None, :]], h, mask=rmask[:, None])
+      C.store_tile(r["h"], (u,), C.silu_mul_f32(ag, au), j * bn, bn, m, mp, method)
 
   def shared():
     j = pid - n_routed
@@ -202,55 +209,70 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       f = NV.decode_factor(decode)
       ag = ag * (r["s_s2"][0] * f)
       au = au * (r["s_s2"][1] * f)
-    h = C.silu_mul_f32(ag, au).astype(r["hs"].dtype)
-    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
-    plgpu.store(r["hs"].at[ri[:, None], cols[None, :]], h, mask=rmask[:, None])
+    C.store_tile(r["hs"], (), C.silu_mul_f32(ag, au), j * bn, bn, m, mp, method)
 
   lax.cond(pid < n_routed, routed, shared)
 
 
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
-                 decode, layout, unroll):
+                 decode, layout, unroll, method, split):
+  """split=False: grid (D/BN,), every slot + shared + combine in one program, out [M, D].
+  split=True: grid (D/BN, slots + 1), one (slot | shared) per program, y [slots + 1, M, D] bf16
+  (the combine is one XLA fusion)."""
   r = dict(zip(names, refs))
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
-  rows = C.row_load_index(m, mp)
+  dt = r["out"].dtype
+  kw = dict(decode=decode, layout=layout, method=method)
+  zeros = jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32)
 
-  # Shared expert: y_s = bf16(hs . Wd^T * scale_2)
-  wsd = [r["sd_w"]] if fs == "bf16" else [r["sd_q"], r["sd_s"]]
-  hs = (r["hs"], r["hs5"])
-  acc = lax.fori_loop(
-      0, inter_s // bk_s,
-      lambda i, a: a + _tile_dot(fs, hs, (), rows, wsd, (), n0, bn, i, bk_s, decode, layout),
-      jnp.zeros((mp, bn), jnp.float32))
-  if fs == "nvfp4":
-    acc = acc * (r["s_s2"][2] * NV.decode_factor(decode))
-  y_s = acc.astype(r["out"].dtype).astype(jnp.float32)
+  def shared_y():   # y_s = bf16(hs . Wd^T * scale_2)
+    wsd = [r["sd_w"]] if fs == "bf16" else [r["sd_q"], r["sd_s"]]
+    hs = (r["hs"], r["hs5"])
+    acc = lax.fori_loop(
+        0, inter_s // bk_s,
+        lambda i, a: a + _tile_dot(fs, hs, (), m, mp, wsd, (), n0, bn, i, bk_s, **kw), zeros)
+    if fs == "nvfp4":
+      acc = acc * (r["s_s2"][2] * NV.decode_factor(decode))
+    return acc.astype(dt)
 
-  wd = [r["dn_w"]] if fe == "bf16" else [r["dn_q"], r["dn_s"]]
-  h = (r["h"], r["h5"])
-
-  def slot(u, tot):
+  def slot_y(u):    # y_k = bf16(h_u . Wd_e^T * scale_2[e])
     e = r["slot_expert"][u]
+    wd = [r["dn_w"]] if fe == "bf16" else [r["dn_q"], r["dn_s"]]
+    h = (r["h"], r["h5"])
     acc = lax.fori_loop(
         0, inter // bk,
-        lambda i, a: a + _tile_dot(fe, h, (u,), rows, wd, (e,), n0, bn, i, bk, decode, layout),
-        jnp.zeros((mp, bn), jnp.float32))
+        lambda i, a: a + _tile_dot(fe, h, (u,), m, mp, wd, (e,), n0, bn, i, bk, **kw), zeros)
     if fe == "nvfp4":
       acc = acc * (r["dn_s2"][e] * NV.decode_factor(decode))
-    y = acc.astype(r["out"].dtype).astype(jnp.float32)               # y_k = bf16(...)
-    c = r["coef"][u, rows][:, None]                                  # [Mp, 1]
-    return tot + jnp.where(c != 0.0, c * y, 0.0)
+    return acc.astype(dt)
 
-  tot = jnp.zeros((mp, bn), jnp.float32)
+  if split:
+    s_id = pl.program_id(1)
+
+    def routed():
+      y = lax.cond(s_id < r["n_slots"][0], lambda: slot_y(s_id), lambda: zeros.astype(dt))
+      C.store_tile(r["out"], (s_id,), y, n0, bn, m, mp, method)
+
+    def shared():
+      C.store_tile(r["out"], (n_slots_max,), shared_y(), n0, bn, m, mp, method)
+
+    lax.cond(s_id < n_slots_max, routed, shared)
+    return
+
+  y_s = shared_y().astype(jnp.float32)
+
+  def slot(u, tot):
+    y = slot_y(u).astype(jnp.float32)
+    c = _coef(r["coef"], u, m, mp, method)
+    return tot + jnp.where(c != 0.0, c * y, 0.0)   # 0 * (garbage of an unused slot) stays 0
+
   if unroll:
+    tot = zeros
     for u in range(n_slots_max):      # static: all slots' weight loads can be issued early
       tot = slot(u, tot)
   else:
-    tot = lax.fori_loop(0, r["n_slots"][0], slot, tot)
-  out = (tot + y_s).astype(r["out"].dtype)
-  ri, rmask = C.row_store_index(m, mp)
-  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
-  plgpu.store(r["out"].at[ri[:, None], cols[None, :]], out, mask=rmask[:, None])
+    tot = lax.fori_loop(0, r["n_slots"][0], slot, zeros)
+  C.store_tile(r["out"], (), tot + y_s, n0, bn, m, mp, method)
 
 
 # ------------------------------------------------------------------------------------------
@@ -285,22 +307,31 @@ def _shapes(x, experts, shared):
 
 @functools.partial(jax.jit, static_argnames=(
     "dedupe", "block_n", "block_k", "block_n_down", "decode", "layout", "unroll_slots",
-    "num_warps", "num_stages", "interpret"))
+    "method", "method_down", "down_split", "num_warps", "num_stages", "interpret"))
 def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
                block_n: int = 32, block_k: int = 256, block_n_down: int = 16,
                decode: str = "asm", layout: str = "tile", unroll_slots: bool | None = None,
-               num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+               method: str | None = None, method_down: str | None = None,
+               down_split: bool = False, num_warps: int = 4, num_stages: int = 3,
+               interpret: bool = False):
   """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring.
 
   ``unroll_slots`` (default: when M * top_k <= 12) unrolls the down kernel's loop over slots in
   Python so the compiler can issue every slot's weight loads before the first dot; otherwise a
-  ``fori_loop`` runs up to the number of (distinct) slots.
+  ``fori_loop`` runs up to the number of (distinct) slots. ``method`` / ``method_down``: the tile
+  method of each kernel (``_common.mm_tile``). ``down_split``: one program per (column block,
+  slot) writing bf16 expert outputs, combined by one XLA fusion, instead of one program per
+  column block looping over the slots.
   """
   fe, fs, m, d, _, inter, inter_s = _shapes(x, experts, shared)
   C.check(ids.shape == weights.shape and ids.shape[0] == m,
           f"ids/weights must be [M={m}, k], got {ids.shape=} {weights.shape=}")
   if dedupe is None:
     dedupe = m > 1
+  method = method or NV.default_method(m)
+  method_down = method_down or method
+  C.check_method(method, m)
+  C.check_method(method_down, m)
   decode = NV.resolve_decode(decode, interpret)
   C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}")
   bk = min(block_k, C.pow2_divisor(d, block_k))
@@ -338,13 +369,13 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
   names += ["h", "hs"]
   kernel = functools.partial(
       _gate_up_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn, bk=bk,
-      bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout)
+      bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout, method=method)
   h, hs = pl.pallas_call(
       kernel, grid=(u * (inter // bn) + inter_s // bn,),
       out_shape=(jax.ShapeDtypeStruct((u, m, inter), x.dtype),
                  jax.ShapeDtypeStruct((m, inter_s), x.dtype)),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_moe_gate_up_{fe}_{fs}_bn{bn}_bk{bk}",
+      name=f"flint_moe_gate_up_{fe}_{fs}_{method}_bn{bn}_bk{bk}",
   )(*args)
 
   # ---- kernel 2: down + routing-weighted combine + shared down
@@ -370,11 +401,21 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
   kernel = functools.partial(
       _down_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn_dn,
       bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs, decode=decode, layout=layout,
-      unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots)
+      unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
+      method=method_down, split=down_split)
+  if down_split:
+    y = pl.pallas_call(
+        kernel, grid=(d // bn_dn, u + 1), out_shape=jax.ShapeDtypeStruct((u + 1, m, d), x.dtype),
+        compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+        name=f"flint_moe_down_split_{fe}_{fs}_{method_down}_bn{bn_dn}",
+    )(*args)
+    yk = y[:u].astype(jnp.float32)                                      # [U, M, D]
+    tot = jnp.sum(jnp.where(coef[..., None] != 0.0, coef[..., None] * yk, 0.0), axis=0)
+    return (tot + y[u].astype(jnp.float32)).astype(x.dtype)
   return pl.pallas_call(
       kernel, grid=(d // bn_dn,), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_moe_down_combine_{fe}_{fs}_bn{bn_dn}",
+      name=f"flint_moe_down_combine_{fe}_{fs}_{method_down}_bn{bn_dn}",
   )(*args)
 
 

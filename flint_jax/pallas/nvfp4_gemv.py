@@ -166,27 +166,36 @@ def x_view(x):
   return x.reshape(*lead, m, k // 64, 2, 2, 16)
 
 
-def nvfp4_tile_dot(x_ref, x_idx, rows, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
-                   layout):
-  """fp32 [Mp, BN] partial x . W^T over the 64-value blocks b0 .. b0+nb of rows n0 .. n0+bn.
+def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
+                   layout, method="dot"):
+  """fp32 partial x . W^T over the 64-value blocks b0 .. b0+nb of weight rows n0 .. n0+bn.
 
-  x_ref: view [..., M, K/64, 2, 2, 16] bf16, indexed by ``x_idx`` (leading indices) and the
-  [Mp] row indices ``rows``; q_ref / s_ref: views from ``nvfp4_views``, indexed by ``w_idx``.
+  x_ref: view [..., M, K/64, 2, 2, 16] bf16 indexed by ``x_idx`` (leading indices), rows 0..m-1
+  padded to mp; q_ref / s_ref: views from ``nvfp4_views``, indexed by ``w_idx``. Returns
+  ``_common.acc_shape(mp, bn, method)``: [Mp, BN] (dot), [BN, Mp] (swap) or [BN] (reduce, M=1).
   The result carries the decode's power of two (``decode_factor``).
   """
   ds = slice(None)
   nrow = pl.ds(n0, bn)
-  mp = rows.shape[0]
+  rows = C.row_load_index(m, mp)
   if layout == "tile":
     blk = pl.ds(b0, nb)
     q = q_ref[(*w_idx, nrow, blk, ds, ds)]                                # [BN, nb, 2, 16]
     s_lo = s_ref[(*w_idx, nrow, blk, 0, ds)].astype(jnp.float32)[..., None]  # [BN, nb, 2, 1]
     s_hi = s_ref[(*w_idx, nrow, blk, 1, ds)].astype(jnp.float32)[..., None]
     w_lo, w_hi = _decode_pair(q, s_lo, s_hi, decode)
+    if method == "reduce":
+      acc = None
+      for half, w in ((0, w_lo), (1, w_hi)):
+        x = x_ref[(*x_idx, 0, blk, half, ds, ds)].astype(jnp.float32)   # [nb, 2, 16]
+        p = jnp.sum(w.astype(jnp.float32) * x[None], axis=3)            # [BN, nb, 2]
+        p = jnp.sum(jnp.sum(p, axis=2), axis=1)                          # [BN]
+        acc = p if acc is None else acc + p
+      return acc
     x_lo = x_ref[(*x_idx, rows, blk, 0, ds, ds)].reshape(mp, nb * 32)     # [Mp, 32 nb]
     x_hi = x_ref[(*x_idx, rows, blk, 1, ds, ds)].reshape(mp, nb * 32)
-    return (C.dot_nt(x_lo, w_lo.reshape(bn, nb * 32))
-            + C.dot_nt(x_hi, w_hi.reshape(bn, nb * 32)))
+    w_lo, w_hi = w_lo.reshape(bn, nb * 32), w_hi.reshape(bn, nb * 32)
+    return C.mm_tile(x_lo, w_lo, method) + C.mm_tile(x_hi, w_hi, method)
   acc = None
   for bb in range(nb):
     for h in range(2):
@@ -194,11 +203,21 @@ def nvfp4_tile_dot(x_ref, x_idx, rows, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, d
       s_lo = s_ref[(*w_idx, nrow, b0 + bb, 0, h)].astype(jnp.float32)[:, None]   # [BN, 1]
       s_hi = s_ref[(*w_idx, nrow, b0 + bb, 1, h)].astype(jnp.float32)[:, None]
       w_lo, w_hi = _decode_pair(q, s_lo, s_hi, decode)
-      x_lo = x_ref[(*x_idx, rows, b0 + bb, 0, h, ds)]                     # [Mp, 16]
-      x_hi = x_ref[(*x_idx, rows, b0 + bb, 1, h, ds)]
-      part = C.dot_nt(x_lo, w_lo) + C.dot_nt(x_hi, w_hi)
+      if method == "reduce":
+        x_lo = x_ref[(*x_idx, 0, b0 + bb, 0, h, ds)]                      # [16]
+        x_hi = x_ref[(*x_idx, 0, b0 + bb, 1, h, ds)]
+      else:
+        x_lo = x_ref[(*x_idx, rows, b0 + bb, 0, h, ds)]                   # [Mp, 16]
+        x_hi = x_ref[(*x_idx, rows, b0 + bb, 1, h, ds)]
+      part = C.mm_tile(x_lo, w_lo, method) + C.mm_tile(x_hi, w_hi, method)
       acc = part if acc is None else acc + part
   return acc
+
+
+def default_method(m: int) -> str:
+  """Default tile method for NVFP4 (see _common.mm_tile); set from the GPU measurements."""
+  del m
+  return "dot"
 
 
 def resolve_decode(decode: str, interpret: bool) -> str:
@@ -245,33 +264,28 @@ def _validate(x, ws, block_n, block_k, split_k=1):
 
 
 def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, o_ref, *, m, mp, bn, nb, n_iter, split_k,
-                       decode, layout):
+                       decode, layout, method):
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   bbase = pl.program_id(1) * (n_iter * nb) if split_k > 1 else 0
-  rows = C.row_load_index(m, mp)
 
   def body(i, acc):
     b0 = pl.multiple_of(bbase + i * nb, nb)
-    return acc + nvfp4_tile_dot(x_ref, (), rows, q_ref, s_ref, (), n0, bn, b0, nb,
-                                decode=decode, layout=layout)
+    return acc + nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb,
+                                decode=decode, layout=layout, method=method)
 
-  acc = lax.fori_loop(0, n_iter, body, jnp.zeros((mp, bn), jnp.float32))
+  acc = lax.fori_loop(0, n_iter, body, jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32))
   acc = acc * (s2_ref[0] * decode_factor(decode))
-  r, rmask = C.row_store_index(m, mp)
-  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
-  idx = (r[:, None], cols[None, :])
-  if split_k > 1:
-    idx = (pl.program_id(1),) + idx
-  plgpu.store(o_ref.at[idx], acc.astype(o_ref.dtype), mask=rmask[:, None])
+  lead = (pl.program_id(1),) if split_k > 1 else ()
+  C.store_tile(o_ref, lead, acc, n0, bn, m, mp, method)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "out_dtype", "block_n", "block_k", "split_k", "decode", "layout", "num_warps", "num_stages",
-    "interpret"))
+    "out_dtype", "block_n", "block_k", "split_k", "decode", "layout", "method", "num_warps",
+    "num_stages", "interpret"))
 def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat16,
                block_n: int | None = None, block_k: int | None = None, split_k: int = 1,
-               decode: str = "asm", layout: str = "tile", num_warps: int = 4,
-               num_stages: int = 3, interpret: bool = False):
+               decode: str = "asm", layout: str = "tile", method: str | None = None,
+               num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
   """y[M, N] = out_dtype((x @ dequant(qweight, weight_scale)^T) * weight_scale_2)."""
   n, kh = qweight.shape
   dbn, dbk = default_nvfp4_blocks(n, kh * 2)
@@ -280,13 +294,15 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   m, n, k = _validate(x, [w], block_n, block_k, split_k)
   C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
   decode = resolve_decode(decode, interpret)
+  method = method or default_method(m)
+  C.check_method(method, m)
   mp = C.pad_rows(m)
   nb = block_k // 64
   q4, s4 = nvfp4_views(qweight, weight_scale)
   s2 = jnp.asarray(weight_scale_2, jnp.float32).reshape(1)
   kernel = functools.partial(_nvfp4_gemv_kernel, m=m, mp=mp, bn=block_n, nb=nb,
                              n_iter=k // block_k // split_k, split_k=split_k, decode=decode,
-                             layout=layout)
+                             layout=layout, method=method)
   if split_k > 1:
     out_shape, grid = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32), (n // block_n, split_k)
   else:
@@ -294,7 +310,7 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   y = pl.pallas_call(
       kernel, out_shape=out_shape, grid=grid,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_nvfp4_gemv_bn{block_n}_bk{block_k}_{decode}_{layout}",
+      name=f"flint_nvfp4_gemv_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}",
   )(x_view(x), q4, s4, s2)
   if split_k > 1:
     y = jnp.sum(y, axis=0).astype(out_dtype)
@@ -317,32 +333,29 @@ def _nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, *, out_dtype
 
 
 def _nvfp4_silu_mul_kernel(x_ref, qg_ref, sg_ref, qu_ref, su_ref, s2_ref, o_ref, *, m, mp, bn,
-                           nb, n_iter, decode, layout):
+                           nb, n_iter, decode, layout, method):
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
-  rows = C.row_load_index(m, mp)
 
   def body(i, carry):
     acc_g, acc_u = carry
     b0 = pl.multiple_of(i * nb, nb)
-    kw = dict(decode=decode, layout=layout)
-    acc_g = acc_g + nvfp4_tile_dot(x_ref, (), rows, qg_ref, sg_ref, (), n0, bn, b0, nb, **kw)
-    acc_u = acc_u + nvfp4_tile_dot(x_ref, (), rows, qu_ref, su_ref, (), n0, bn, b0, nb, **kw)
+    kw = dict(decode=decode, layout=layout, method=method)
+    acc_g = acc_g + nvfp4_tile_dot(x_ref, (), m, mp, qg_ref, sg_ref, (), n0, bn, b0, nb, **kw)
+    acc_u = acc_u + nvfp4_tile_dot(x_ref, (), m, mp, qu_ref, su_ref, (), n0, bn, b0, nb, **kw)
     return acc_g, acc_u
 
-  z = jnp.zeros((mp, bn), jnp.float32)
+  z = jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32)
   acc_g, acc_u = lax.fori_loop(0, n_iter, body, (z, z))
   f = decode_factor(decode)
   h = C.silu_mul_f32(acc_g * (s2_ref[0] * f), acc_u * (s2_ref[1] * f))
-  r, rmask = C.row_store_index(m, mp)
-  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
-  plgpu.store(o_ref.at[r[:, None], cols[None, :]], h.astype(o_ref.dtype), mask=rmask[:, None])
+  C.store_tile(o_ref, (), h, n0, bn, m, mp, method)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "block_n", "block_k", "decode", "layout", "num_warps", "num_stages", "interpret"))
+    "block_n", "block_k", "decode", "layout", "method", "num_warps", "num_stages", "interpret"))
 def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int | None = None,
-                        decode: str = "asm", layout: str = "tile", num_warps: int = 4,
-                        num_stages: int = 3, interpret: bool = False):
+                        decode: str = "asm", layout: str = "tile", method: str | None = None,
+                        num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
   """h[M, I] = bf16(silu(g) * u), g/u = (x @ dequant(gate|up)^T) * their weight_scale_2.
 
   gate, up: ``NVFP4Weight`` (or (qweight, weight_scale, weight_scale_2)) of shape [I, K].
@@ -354,6 +367,8 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   m, n, k = _validate(x, [gate, up], block_n, block_k)
   C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
   decode = resolve_decode(decode, interpret)
+  method = method or default_method(m)
+  C.check_method(method, m)
   mp = C.pad_rows(m)
   nb = block_k // 64
   qg, sg = nvfp4_views(gate.qweight, gate.weight_scale)
@@ -361,11 +376,11 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   s2 = jnp.stack([jnp.asarray(gate.weight_scale_2, jnp.float32).reshape(()),
                   jnp.asarray(up.weight_scale_2, jnp.float32).reshape(())])
   kernel = functools.partial(_nvfp4_silu_mul_kernel, m=m, mp=mp, bn=block_n, nb=nb,
-                             n_iter=k // block_k, decode=decode, layout=layout)
+                             n_iter=k // block_k, decode=decode, layout=layout, method=method)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(n // block_n,),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_nvfp4_silu_mul_bn{block_n}_bk{block_k}_{decode}_{layout}",
+      name=f"flint_nvfp4_silu_mul_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}",
   )(x_view(x), qg, sg, qu, su, s2)
 
 

@@ -45,12 +45,12 @@ def _guard(cmd: str, fn):
             os.dup2(devnull, sys.stdout.fileno())
             return 0
         except KeyboardInterrupt:
-            if getattr(args, "debug", False):
+            if _debug(args):
                 raise
             print(f"flint-jax {cmd}: interrupted", file=sys.stderr)
             return 130
         except (ValueError, OSError) as e:
-            if getattr(args, "debug", False):
+            if _debug(args):
                 raise
             msg = str(e) or type(e).__name__
             if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
@@ -58,7 +58,7 @@ def _guard(cmd: str, fn):
             print(f"flint-jax {cmd}: error: {_one_line(msg)}", file=sys.stderr)
             return 1
         except Exception as e:  # a bug: still one line, the traceback with --debug
-            if getattr(args, "debug", False):
+            if _debug(args):
                 raise
             print(f"flint-jax {cmd}: internal error: {type(e).__name__}: {_one_line(e)} "
                   "(--debug shows the traceback)", file=sys.stderr)
@@ -144,7 +144,14 @@ def cmd_synth(args) -> int:
 # ---- registration ----------------------------------------------------------------------------------
 
 def _common(p):
-    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    # SUPPRESS: no default here, so `flint-jax --debug convert ...` (the main parser's flag)
+    # is not overwritten by this subparser's default.
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show full tracebacks (also FLINT_JAX_DEBUG=1)")
+
+
+def _debug(args) -> bool:
+    return bool(getattr(args, "debug", False) or os.environ.get("FLINT_JAX_DEBUG"))
 
 
 def register(subparsers) -> None:

@@ -20,7 +20,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     # Heavier or optional parts load on first use.
-    if name in ("expert_usage", "logit_lens"):
+    if name in ("expert_usage", "logit_lens", "router_entropy", "sink_mass", "token_rank_prob",
+                "ExpertUsage"):
         from flint_jax import research
         return getattr(research, name)
     if name == "convert":
@@ -31,4 +32,4 @@ def __getattr__(name):
 
 __all__ = ["Flint", "FlintConfig", "GeneratedText", "GenerationOutput", "SamplingParams",
            "StreamEvent", "chat", "convert", "expert_usage", "forward", "from_module", "generate",
-           "load", "parse_assistant", "preset"]
+           "load", "logit_lens", "parse_assistant", "preset", "router_entropy", "sink_mass"]

@@ -66,9 +66,10 @@ class StreamEvent:
 
 
 def bucket_length(n: int, max_length: int, minimum: int = 64) -> int:
-    """A power of two >= n (at least `minimum`), capped at `max_length`."""
+    """A power of two >= n (at least `minimum`), capped at `max_length` rounded up to a multiple
+    of 256 (so the decode kernels' key blocks divide it)."""
     b = max(minimum, 1 << max(0, int(n - 1).bit_length()))
-    return min(b, max_length)
+    return min(b, -(-max_length // 256) * 256)
 
 
 def _as_rows(prompt, tokenizer) -> tuple[list[list[int]], bool, bool]:

@@ -33,14 +33,12 @@ Sources:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes

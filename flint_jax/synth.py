@@ -30,7 +30,7 @@ import re
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from statistics import NormalDist
 from typing import Any
 

@@ -10,13 +10,11 @@ import subprocess
 import sys
 
 import gguf
-import ml_dtypes
 import numpy as np
 import pytest
 
 import flint_jax
 from flint_jax import checkpoint, cli_checkpoints, convert, gguf_io, hf_io, quantize
-from flint_jax.config import ConfigError, FlintConfig
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 REPO = pathlib.Path(__file__).parent.parent

@@ -15,11 +15,13 @@ INTERPRET = jax.default_backend() == "cpu"
 
 
 @pytest.mark.parametrize("m,n,k,out_dtype,kw", [
-    (1, 64, 256, jnp.bfloat16, {}),
-    (3, 48, 128, jnp.bfloat16, dict(block_n=16, block_k=64)),      # odd M, N = 3 blocks
+    (1, 64, 256, jnp.bfloat16, {}),                                 # default: swap-AB
+    (1, 64, 256, jnp.bfloat16, dict(method="dot")),
+    (1, 96, 512, jnp.bfloat16, dict(method="reduce", block_n=32, split_k=2)),
+    (3, 48, 128, jnp.bfloat16, dict(block_n=16, block_k=64)),       # odd M, N = 3 blocks
+    (3, 64, 256, jnp.bfloat16, dict(method="swap")),
     (8, 512, 2048, jnp.bfloat16, {}),                               # default split-K (k_proj)
-    (8, 512, 2048, jnp.bfloat16, dict(split_k=1)),
-    (5, 256, 512, jnp.float32, dict(block_n=32, block_k=128)),      # LM-head style fp32 out
+    (5, 256, 512, jnp.float32, dict(block_n=32, block_k=128, split_k=1)),  # fp32 out
     (1, 2048, 2048, jnp.bfloat16, {}),                              # Flint o_proj-ish size
 ])
 def test_gemv(m, n, k, out_dtype, kw):
@@ -30,12 +32,13 @@ def test_gemv(m, n, k, out_dtype, kw):
   assert_close(out, gemv_reference(x, w, out_dtype=out_dtype), what="gemv")
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (8, 1024, 256), (3, 32, 2048)])
-def test_gemv_silu_mul(m, n, k):
-  g = rng(m, n, k)
+@pytest.mark.parametrize("m,n,k,method", [(1, 64, 256, None), (1, 64, 256, "reduce"),
+                                          (8, 1024, 256, None), (3, 32, 2048, "swap")])
+def test_gemv_silu_mul(m, n, k, method):
+  g = rng(m, n, k, method)
   x = randn(g, (m, k))
   wg, wu = randn(g, (n, k), scale=2 * k ** -0.5), randn(g, (n, k), scale=k ** -0.5)
-  out = gemv_silu_mul(x, wg, wu, interpret=INTERPRET)
+  out = gemv_silu_mul(x, wg, wu, method=method, interpret=INTERPRET)
   assert_close(out, gemv_silu_mul_reference(x, wg, wu), what="gemv_silu_mul")
 
 

@@ -47,24 +47,39 @@ def test_gemv_silu_mul_lowers(n):
   lower(gemv_silu_mul, S((8, D), BF), S((n, D), BF), S((n, D), BF))
 
 
+@pytest.mark.parametrize("method", ["dot", "swap"])
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_methods_lower(method, m):
+  lower(functools.partial(gemv, method=method), S((m, D), BF), S((4096, D), BF))
+  lower(functools.partial(gemv_silu_mul, method=method), S((m, D), BF), S((DENSE, D), BF),
+        S((DENSE, D), BF))
+
+
+def test_gemv_reduce_lowers():
+  lower(functools.partial(gemv, method="reduce"), S((1, D), BF), S((4096, D), BF))
+
+
 @pytest.mark.parametrize("decode", ["fp8", "asm"])
 @pytest.mark.parametrize("layout", ["tile", "chunk"])
+@pytest.mark.parametrize("m,method", [(8, "dot"), (8, "swap"), (1, "reduce"), (1, "swap")])
 @pytest.mark.parametrize("n,k", [(4096, D), (D, DENSE), (V, D)])
-def test_nvfp4_gemv_lowers(decode, layout, n, k):
+def test_nvfp4_gemv_lowers(decode, layout, m, method, n, k):
   out = F32 if n == V else BF
-  fn = functools.partial(nvfp4_gemv, out_dtype=out, decode=decode, layout=layout)
-  lower(fn, S((8, k), BF), *nv(n, k))
+  fn = functools.partial(nvfp4_gemv, out_dtype=out, decode=decode, layout=layout, method=method)
+  lower(fn, S((m, k), BF), *nv(n, k))
 
 
 @pytest.mark.parametrize("decode", ["fp8", "asm"])
-def test_nvfp4_gemv_silu_mul_lowers(decode):
+@pytest.mark.parametrize("m", [1, 8])
+def test_nvfp4_gemv_silu_mul_lowers(decode, m):
   fn = functools.partial(nvfp4_gemv_silu_mul, decode=decode)
-  lower(fn, S((8, D), BF), nv(DENSE, D), nv(DENSE, D))
+  lower(fn, S((m, D), BF), nv(DENSE, D), nv(DENSE, D))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 8])
-def test_moe_lowers(fmt, m):
+@pytest.mark.parametrize("down_split", [True, False])
+def test_moe_lowers(fmt, m, down_split):
   if fmt == "bf16":
     experts = dict(gate_up_proj=S((E, 2 * I, D), BF), down_proj=S((E, D, I), BF))
     shared = dict(gate_proj=S((IS, D), BF), up_proj=S((IS, D), BF), down_proj=S((D, IS), BF))
@@ -75,7 +90,8 @@ def test_moe_lowers(fmt, m):
                    gate_up_weight_scale_2=S((E, 2), F32), down_qweight=dn.qweight,
                    down_weight_scale=dn.weight_scale, down_weight_scale_2=S((E,), F32))
     shared = dict(gate_proj=nv(IS, D), up_proj=nv(IS, D), down_proj=nv(D, IS))
-  lower(moe_decode, S((m, D), BF), S((m, 6), I32), S((m, 6), F32), experts, shared)
+  lower(functools.partial(moe_decode, down_split=down_split), S((m, D), BF), S((m, 6), I32),
+        S((m, 6), F32), experts, shared)
 
 
 @pytest.mark.parametrize("b", [1, 8])

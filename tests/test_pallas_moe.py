@@ -58,14 +58,14 @@ def test_route_and_slots():
   np.testing.assert_allclose(np.asarray(coef)[:, 0], [.5, .3, .2, 0, 0, 0])
 
 
-@pytest.mark.parametrize("fmt,m,dedupe,unroll", [
-    ("bf16", 1, None, None),      # unrolled slot loop, top-k order
-    ("bf16", 3, True, False),     # de-duplicated, fori_loop over the distinct experts
-    ("nvfp4", 1, None, False),
-    ("nvfp4", 8, True, None),     # 48 slots, several tokens share experts
-    ("mixed", 2, False, True),
+@pytest.mark.parametrize("fmt,m,dedupe,unroll,kw", [
+    ("bf16", 1, None, True, dict(down_split=False)),    # fused combine, unrolled slot loop
+    ("bf16", 3, True, False, dict(down_split=False, method="swap")),  # dedupe, fori_loop
+    ("nvfp4", 1, None, None, {}),                       # defaults: reduce tiles, split down
+    ("nvfp4", 8, True, None, {}),                       # 48 slots, tokens share experts
+    ("mixed", 2, False, None, dict(method="swap", method_down="dot")),
 ])
-def test_moe_decode(fmt, m, dedupe, unroll):
+def test_moe_decode(fmt, m, dedupe, unroll, kw):
   e, d, inter, inter_s = 16, 256, 64, 128
   gen = rng(fmt, m, dedupe)
   experts, shared = make_weights(fmt, e, d, inter, inter_s, gen)
@@ -74,7 +74,7 @@ def test_moe_decode(fmt, m, dedupe, unroll):
   if dedupe:   # force experts shared across tokens: de-duplication must merge them
     ids = ids.at[1:, 0].set(ids[0, 0])
   out = moe_decode(x, ids, w, experts, shared, dedupe=dedupe, decode=DECODE,
-                   unroll_slots=unroll, interpret=INTERPRET)
+                   unroll_slots=unroll, interpret=INTERPRET, **kw)
   ref = moe_decode_reference(x, ids, w, experts, shared)
   assert_close(out, ref, what=f"moe {fmt}")
 

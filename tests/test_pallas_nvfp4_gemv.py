@@ -46,8 +46,11 @@ def test_dequantize_matches_codec():
 
 @pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("m,n,k,layout,out_dtype,kw", [
-    (1, 64, 256, "tile", jnp.bfloat16, {}),
+    (1, 64, 256, "tile", jnp.bfloat16, {}),                         # default: reduce
+    (1, 64, 256, "chunk", jnp.bfloat16, dict(method="reduce", block_k=128)),
+    (1, 32, 256, "tile", jnp.bfloat16, dict(method="dot", split_k=2, block_k=64)),
     (3, 48, 128, "chunk", jnp.bfloat16, dict(block_n=16, block_k=64)),
+    (3, 64, 256, "tile", jnp.bfloat16, dict(method="swap")),
     (8, 64, 512, "tile", jnp.float32, dict(block_k=128, split_k=2)),
     (8, 256, 2048, "tile", jnp.bfloat16, {}),
     (1, 2048, 2048, "tile", jnp.bfloat16, {}),                    # Flint size

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
 
@@ -37,29 +36,34 @@ __all__ = ["gemv", "gemv_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
 MAX_ROWS = 16
 
 
-def default_gemv_blocks(n: int, k: int, *, n_mats: int = 1) -> tuple[int, int, int]:
-  """(block_n, block_k, split_k) heuristic for an [n, k] weight on an H200.
+def default_gemv_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1):
+  """(block_n, block_k, split_k, num_warps) for an [n, k] bf16 weight on an H200.
 
-  Origin: the measured 3.5 TB/s bf16 GEMV of 5120x2048 used BN=32, BK=256 (NOTES_PALLAS_GPU.md);
-  BN drops to 16 when that leaves fewer than 128 programs (132 SMs), and split-K kicks in when
-  even BN=16 gives fewer than 64 programs (k/v projections, N=512).
+  From the H200 sweeps of docs/kernels.md (GPU runs 1-2, device time per call):
+  q_proj 4096x2048: bn64 bk256 best at M=1 (swap, 8.6 us) and M=8 (7.5 us); N=2048 layers
+  (o_proj, dense down): bn64 + split-K 2 (9.1 / 11.2 us, vs 17.6 / 22.6 us at bn16); k_proj
+  (N=512): bn16 + split-K 4 (3.4-3.7 us); LM head: bn128 (139-142 us, 4.3-4.4 TB/s).
+  Split-K (fp32 partials summed by XLA) only for single-matrix GEMVs.
   """
   bk = C.pow2_divisor(k, 256)
-  bn = C.pow2_divisor(n, 32)
-  if n // bn < 128:
+  if n >= 65536:
+    bn = C.pow2_divisor(n, 128)
+  elif n >= 1024:
+    bn = C.pow2_divisor(n, 64)
+  else:
     bn = C.pow2_divisor(n, 16)
   split = 1
-  if n_mats == 1 and n // bn < 64:
-    split = 1
-    while (n // bn) * split * 2 <= 128 and k // (bk * split * 2) >= 2:
+  target = 128 if bn == 16 else 64
+  if n_mats == 1:
+    while (n // bn) * split < target and k // (bk * split * 2) >= 2:
       split *= 2
-  return bn, bk, split
+  warps = 8 if (bn >= 128 and m == 1) else 4
+  return bn, bk, split, warps
 
 
 def default_method(m: int) -> str:
-  """Default tile method (see _common.mm_tile); to be set from the GPU measurements."""
-  del m
-  return "dot"
+  """swap-AB at M = 1 (8.6 vs 11.1 us on q_proj), the plain dot for M > 1 (docs/kernels.md)."""
+  return "swap" if m == 1 else "dot"
 
 
 def _validate(x, ws, block_n, block_k, split_k):
@@ -105,18 +109,19 @@ def _gemv_kernel(x_ref, w_ref, o_ref, *, m, mp, bn, bk, k_len, split_k, method):
     "interpret"))
 def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
          block_k: int | None = None, split_k: int | None = None, method: str | None = None,
-         num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+         num_warps: int | None = None, num_stages: int = 3, interpret: bool = False):
   """y[M, N] = x[M, K] @ w[N, K]^T, fp32 accumulation, rounded once to ``out_dtype``.
 
   ``method``: "dot" (x . w^T, M padded to 16), "swap" (w . x^T, swap-AB) or "reduce" (M == 1,
   CUDA-core multiply + row sum); see ``_common.mm_tile``. Default: see ``default_method``.
   """
   n, k = w.shape
-  dbn, dbk, dsplit = default_gemv_blocks(n, k)
+  dbn, dbk, dsplit, dwarps = default_gemv_blocks(n, k, m=x.shape[0])
   if split_k is None:
     split_k = dsplit if (block_n or dbn, block_k or dbk) == (dbn, dbk) else 1
   block_n = block_n or dbn
   block_k = block_k or dbk
+  num_warps = num_warps or dwarps
   m, n, k = _validate(x, [w], block_n, block_k, split_k)
   method = method or default_method(m)
   C.check_method(method, m)
@@ -172,13 +177,14 @@ def _gemv_silu_mul_kernel(x_ref, wg_ref, wu_ref, o_ref, *, m, mp, bn, bk, k_len,
 @functools.partial(jax.jit, static_argnames=(
     "block_n", "block_k", "method", "num_warps", "num_stages", "interpret"))
 def gemv_silu_mul(x, w_gate, w_up, *, block_n: int | None = None, block_k: int | None = None,
-                  method: str | None = None, num_warps: int = 4, num_stages: int = 3,
+                  method: str | None = None, num_warps: int | None = None, num_stages: int = 3,
                   interpret: bool = False):
   """h[M, I] = x.dtype(silu(x @ w_gate^T) * (x @ w_up^T)), gate/up in fp32, one rounding."""
   n, k = w_gate.shape
-  dbn, dbk, _ = default_gemv_blocks(n, k, n_mats=2)
+  dbn, dbk, _, dwarps = default_gemv_blocks(n, k, m=x.shape[0], n_mats=2)
   block_n = block_n or dbn
   block_k = block_k or dbk
+  num_warps = num_warps or dwarps
   m, n, k = _validate(x, [w_gate, w_up], block_n, block_k, 1)
   method = method or default_method(m)
   C.check_method(method, m)

@@ -309,10 +309,10 @@ def _shapes(x, experts, shared):
     "dedupe", "block_n", "block_k", "block_n_down", "decode", "layout", "unroll_slots",
     "method", "method_down", "down_split", "num_warps", "num_stages", "interpret"))
 def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
-               block_n: int = 32, block_k: int = 256, block_n_down: int = 16,
+               block_n: int | None = None, block_k: int = 256, block_n_down: int = 64,
                decode: str = "asm", layout: str = "tile", unroll_slots: bool | None = None,
                method: str | None = None, method_down: str | None = None,
-               down_split: bool = False, num_warps: int = 4, num_stages: int = 3,
+               down_split: bool = True, num_warps: int = 4, num_stages: int = 3,
                interpret: bool = False):
   """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring.
 
@@ -328,7 +328,12 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
           f"ids/weights must be [M={m}, k], got {ids.shape=} {weights.shape=}")
   if dedupe is None:
     dedupe = m > 1
-  method = method or NV.default_method(m)
+  # Defaults from the H200 sweep (docs/kernels.md, GPU run 2): split down kernel with 64-column
+  # blocks; NVFP4 at M = 1: CUDA-core ``reduce`` tiles with 32-row gate|up blocks (31 us vs 58 us
+  # for XLA's gather + einsum); otherwise tensor-core ``dot`` tiles with 64-row blocks.
+  nv_m1 = fe == "nvfp4" and m == 1
+  method = method or ("reduce" if nv_m1 else "dot")
+  block_n = block_n or (32 if nv_m1 else 64)
   method_down = method_down or method
   C.check_method(method, m)
   C.check_method(method_down, m)

@@ -215,9 +215,9 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
 
 
 def default_method(m: int) -> str:
-  """Default tile method for NVFP4 (see _common.mm_tile); set from the GPU measurements."""
-  del m
-  return "dot"
+  """``reduce`` at M = 1 (CUDA-core multiply + row sum: 1.5-2.2x faster than the tensor-core
+  tile, whose decoded operand round-trips through shared memory), ``dot`` for M > 1."""
+  return "reduce" if m == 1 else "dot"
 
 
 def resolve_decode(decode: str, interpret: bool) -> str:
@@ -225,16 +225,30 @@ def resolve_decode(decode: str, interpret: bool) -> str:
   return "fp8" if interpret else decode
 
 
-def default_nvfp4_blocks(n: int, k: int, *, n_mats: int = 1) -> tuple[int, int]:
-  """(block_n, block_k) heuristic: 32 rows x 256 values (4 KiB of codes per step), BN=16 when
-  that leaves fewer than 128 programs. Starting point from the bf16 GEMV measurements; tuned
-  by benchmarks/kernels.py (docs/kernels.md)."""
-  del n_mats
-  bk = C.pow2_divisor(k, 256)
-  bn = C.pow2_divisor(n, 32)
-  if n // bn < 128:
-    bn = C.pow2_divisor(n, 16)
-  return bn, bk
+def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1):
+  """(block_n, block_k, split_k, num_warps) for an [n, k] NVFP4 weight on an H200.
+
+  From the H200 sweeps (docs/kernels.md, GPU run 2, device time per call):
+  M = 1 (``reduce``): q_proj 4096x2048 bn32 bk512 w4 10.1 us (XLA 16.7); o_proj 2048x4096 bn64
+  split-K 4 11.3 us (XLA 15.1); dense down 2048x6144 bn64 bk512 split-K 3 w8 12.4 us (XLA 20.8);
+  dense gate|up bn64 bk512 w8 19.7 us (XLA 42.5).
+  M > 1 (``dot``): bn64 bk256 w4 (q_proj 17.5 us, o_proj split-K 4 13.1 us, gate|up 33.6 us vs
+  XLA 40.7); N >= 16384: bn128 w8 (65536x2048: 81 us vs XLA 185 us).
+  """
+  if m == 1:
+    bk = C.pow2_divisor(k, 512)
+    bn = C.pow2_divisor(n, 32 if (n >= 4096 and n_mats == 1) else 64 if n >= 1024 else 16)
+  else:
+    bk = C.pow2_divisor(k, 256)
+    bn = C.pow2_divisor(n, 128 if n >= 16384 else 64)
+  split = 1
+  if n_mats == 1:
+    for cand in (4, 3, 2):
+      if (n // bn) * split < 64 and k % (bk * cand) == 0 and k // (bk * cand) >= 1:
+        split = cand
+        break
+  warps = 8 if (bn >= 128 or (bn >= 64 and bk >= 512)) else 4
+  return bn, bk, split, warps
 
 
 # ------------------------------------------------------------------------------------------
@@ -283,13 +297,17 @@ def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, o_ref, *, m, mp, bn, nb, n_i
     "out_dtype", "block_n", "block_k", "split_k", "decode", "layout", "method", "num_warps",
     "num_stages", "interpret"))
 def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat16,
-               block_n: int | None = None, block_k: int | None = None, split_k: int = 1,
-               decode: str = "asm", layout: str = "tile", method: str | None = None,
-               num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+               block_n: int | None = None, block_k: int | None = None,
+               split_k: int | None = None, decode: str = "asm", layout: str = "tile",
+               method: str | None = None, num_warps: int | None = None, num_stages: int = 3,
+               interpret: bool = False):
   """y[M, N] = out_dtype((x @ dequant(qweight, weight_scale)^T) * weight_scale_2)."""
   n, kh = qweight.shape
-  dbn, dbk = default_nvfp4_blocks(n, kh * 2)
+  dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0])
+  if split_k is None:
+    split_k = dsplit if (block_n or dbn, block_k or dbk) == (dbn, dbk) else 1
   block_n, block_k = block_n or dbn, block_k or dbk
+  num_warps = num_warps or dwarps
   w = (qweight, weight_scale, weight_scale_2)
   m, n, k = _validate(x, [w], block_n, block_k, split_k)
   C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
@@ -355,15 +373,17 @@ def _nvfp4_silu_mul_kernel(x_ref, qg_ref, sg_ref, qu_ref, su_ref, s2_ref, o_ref,
     "block_n", "block_k", "decode", "layout", "method", "num_warps", "num_stages", "interpret"))
 def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int | None = None,
                         decode: str = "asm", layout: str = "tile", method: str | None = None,
-                        num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+                        num_warps: int | None = None, num_stages: int = 3,
+                        interpret: bool = False):
   """h[M, I] = bf16(silu(g) * u), g/u = (x @ dequant(gate|up)^T) * their weight_scale_2.
 
   gate, up: ``NVFP4Weight`` (or (qweight, weight_scale, weight_scale_2)) of shape [I, K].
   """
   gate, up = NVFP4Weight(*gate), NVFP4Weight(*up)
   n, kh = gate.qweight.shape
-  dbn, dbk = default_nvfp4_blocks(n, kh * 2, n_mats=2)
+  dbn, dbk, _, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], n_mats=2)
   block_n, block_k = block_n or dbn, block_k or dbk
+  num_warps = num_warps or dwarps
   m, n, k = _validate(x, [gate, up], block_n, block_k)
   C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
   decode = resolve_decode(decode, interpret)

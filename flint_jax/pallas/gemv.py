@@ -12,7 +12,13 @@ the same program for the same ``I`` rows).
 
 Grid: one program per ``block_n`` output columns (and, with ``split_k > 1``, per K slice: the
 fp32 partials ``[split_k, M, N]`` are summed by XLA). Each program loops over K in ``block_k``
-steps: ``acc[16, BN] += x[16, BK] . w[BN, BK]^T`` on the tensor cores.
+steps with one of three tile methods (``method``, ``_common.mm_tile``): ``dot``
+(``acc[16, BN] += x[16, BK] . w[BN, BK]^T`` on the tensor cores, default for M > 1), ``swap``
+(swap-AB, ``w . x^T``, default for M = 1) or ``reduce`` (M = 1, CUDA-core multiply + row sum).
+
+Measured on the H200 (docs/kernels.md): at M = 1 XLA's own GEMV is faster (q_proj 5.6 vs 8.5 us;
+both at the ceiling on the LM head); at M = 8 parity, and the fused gate|up+SiLU beats XLA's
+two GEMVs + elementwise (15.0 vs 15.7 us). Prefer XLA for bf16 projections at M = 1.
 
 Shapes / dtypes:
   x: [M, K] bf16 (or f32), M <= 16; w, w_gate, w_up: [N, K] same dtype as x.

@@ -21,9 +21,15 @@ Kernels (never ``ragged_dot``: it reads every expert):
    input and indexes the stacked weight ``w[e]`` (dynamic ref indexing), so only the selected
    experts' weights are read. Every program multiplies *all* M tokens (padded to 16 rows for the
    tensor cores, free at decode) and writes ``h [slots, M, I]`` / ``h_s [M, I_s]``.
-2. ``down_combine``: one program per ``block_n`` output columns of D: the shared expert's down
-   GEMV, then the down GEMV of every slot with its per-token routing coefficient, summed in fp32
-   in the epilogue, one bf16 store. No atomics, no second reduction.
+2. ``down`` (default ``down_split=True``): one program per (``block_n_down`` output columns,
+   slot or shared expert) writes the bf16 expert output ``y [slots + 1, M, D]``; one XLA fusion
+   forms ``bf16(sum_k w_k y_k + y_s)``. With ``down_split=False`` one program per column block
+   loops over the slots and combines in its epilogue (one kernel, no XLA op, but each program
+   streams the slots one after another: 1.3-2x slower on the H200, docs/kernels.md).
+
+Measured on the H200 (docs/kernels.md, device time without routing): NVFP4 M=1 30 us vs 58 us
+for XLA's gather + dequantise + einsum, M=8 138-144 vs 306 us; BF16 M=1 23.5 vs 21.9 us (parity),
+M=8 109 vs 84 us (XLA's einsum over the gathered weights streams better).
 
 Slots and de-duplication (``dedupe``): without it, slot ``t*k + j`` is token t's j-th expert and
 its coefficient row is ``w[t, j]`` for token t, 0 elsewhere (an expert picked by two tokens is read

@@ -236,6 +236,9 @@ def gemv_cases(variants):
         yield (f"gemv/{name}/M{m}/pallas", "gemv", lbl, "pallas default",
                functools.partial(GEMV.gemv, out_dtype=out), sets, bytes_)
         continue
+      # The sweep pass has fresh inputs: re-run the reference so rel_l2 compares like with like.
+      yield (f"gemv/{name}/M{m}/xla_sweep", "gemv", lbl, "xla",
+             jax.jit(functools.partial(GEMV.gemv_reference, out_dtype=out)), sets, bytes_)
       for mt, bn, bk, sk, nw in sweep:
         if n % bn or k % (bk * sk):
           continue
@@ -259,6 +262,8 @@ def gemv_cases(variants):
         yield (f"gemv_silu/{name}/M{m}/pallas", "gemv", lbl, "pallas default",
                GEMV.gemv_silu_mul, sets, bytes_)
         continue
+      yield (f"gemv_silu/{name}/M{m}/xla_sweep", "gemv", lbl, "xla",
+             jax.jit(GEMV.gemv_silu_mul_reference), sets, bytes_)
       for mt, bn, bk, nw in sweep:
         yield (f"gemv_silu/{name}/M{m}/{mt}_bn{bn}_bk{bk}_w{nw}", "gemv", lbl,
                f"{mt} bn{bn} bk{bk} w{nw}",
@@ -292,8 +297,7 @@ NV_SILU_SWEEP = {
 }
 
 
-def nvfp4_cases(variants, best=None):
-  del best
+def nvfp4_cases(variants):
   shapes = [("big65536", 65536, D), ("q_proj", 4096, D), ("o_proj", D, 4096),
             ("dense_down", D, DENSE)]
   for m in (8, 1):
@@ -313,6 +317,8 @@ def nvfp4_cases(variants, best=None):
         yield (f"nvfp4/{name}/M{m}/pallas", "nvfp4", lbl, "pallas default",
                NV.nvfp4_gemv, sets, bytes_)
         continue
+      yield (f"nvfp4/{name}/M{m}/xla_sweep", "nvfp4", lbl, "xla",
+             jax.jit(NV.nvfp4_gemv_reference), sets, bytes_)
       for mt, lay, bn, bk, sk, nw in sweep:
         if n % bn or k % (bk * sk):
           continue
@@ -338,6 +344,8 @@ def nvfp4_cases(variants, best=None):
       yield (f"nvfp4_silu/dense/M{m}/pallas", "nvfp4", lbl, "pallas default",
              NV.nvfp4_gemv_silu_mul, sets, bytes_)
       continue
+    yield (f"nvfp4_silu/dense/M{m}/xla_sweep", "nvfp4", lbl, "xla",
+           jax.jit(NV.nvfp4_gemv_silu_mul_reference), sets, bytes_)
     for mt, bn, bk, nw in NV_SILU_SWEEP[m]:
       yield (f"nvfp4_silu/dense/M{m}/{mt}_bn{bn}_bk{bk}_w{nw}", "nvfp4", lbl,
              f"{mt} bn{bn} bk{bk} w{nw}",
@@ -387,6 +395,8 @@ def moe_cases(variants):
         yield (f"moe/{fmt}/M{m}/block_pallas", "moe", f"{fmt} M={m}", "route(XLA)+pallas",
                jax.jit(MOE.moe_block), bsets, bytes_ + E * D * 4)
       if variants:
+        yield (f"moe/{fmt}/M{m}/xla_sweep", "moe", f"{fmt} M={m}", "xla (gather+einsum ref)",
+               jax.jit(MOE.moe_decode_reference), sets, bytes_)
         meths = ("dot", "swap", "reduce") if m == 1 else ("dot", "swap")
         sweep = [dict(method=mt, block_n=bn, block_n_down=bnd, down_split=ds, num_warps=nw)
                  for mt in meths
@@ -503,12 +513,10 @@ def main():
   ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole run")
   ap.add_argument("--compile-threads", type=int, default=12)
   ap.add_argument("--variants", type=int, default=1)
-  ap.add_argument("--nvfp4-best", default="", help="decode,layout for the NVFP4 block sweep")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   t_start = time.perf_counter()
   print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
-  best = tuple(args.nvfp4_best.split(",")) if args.nvfp4_best else None
 
   # 1. Build every case (inputs on the device) in priority order: base cases of all groups,
   #    then the variant sweeps.
@@ -517,9 +525,8 @@ def main():
   if args.variants:
     passes += [(g, True) for g in args.groups.split(",")]
   for group, variants in passes:
-    kw = {"best": best} if group == "nvfp4" else {}
     try:
-      cases.extend(GROUPS[group](variants, **kw))
+      cases.extend(GROUPS[group](variants))
     except Exception as e:  # noqa: BLE001
       print(f"  FAILED building {group}: {e!r}"[:400], flush=True)
   print(f"{len(cases)} cases built in {time.perf_counter() - t_start:.0f}s", flush=True)

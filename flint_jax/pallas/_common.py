@@ -16,8 +16,6 @@ Rules these helpers encode (measured or read in jax 0.11.2, see ``shared/NOTES_P
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -148,5 +146,5 @@ __all__ = [
     "METHODS", "check_method", "mm_tile", "load_x", "acc_shape", "store_tile",
     "MASK_VALUE", "next_pow2", "pad_rows", "is_pow2", "pow2_divisor", "row_load_index",
     "row_store_index", "dot_nt", "dot_nn", "silu_mul_f32", "compiler_params", "check", "cdiv",
-    "as_index_array", "math",
+    "as_index_array",
 ]

@@ -61,7 +61,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
 import flint_jax.pallas.nvfp4_gemv  # noqa: F401  (module, not the function the package re-exports)

@@ -18,29 +18,46 @@ from flax import nnx
 
 from flint_jax.cache import KVCache
 from flint_jax.config import FlintConfig
-from flint_jax.pallas import (NVFP4Weight, add_rms_norm, decode_attention, gemv,
-                              gemv_silu_mul, moe_block, nvfp4_gemv, nvfp4_gemv_silu_mul,
-                              qk_norm_rope, rms_norm)
+from flint_jax import layers
+from flint_jax.pallas import (NVFP4Weight, add_rms_norm, decode_attention, moe_block,
+                              nvfp4_gemv, nvfp4_gemv_silu_mul, qk_norm_rope, rms_norm)
 
 MAX_BATCH = 16
 
 
+# Which implementation each op uses, from the H200 measurements in docs/kernels.md:
+# - NVFP4 GEMVs and the NVFP4 MoE: Pallas (1.7-2.2x XLA's dequantize + dot at M=1).
+# - BF16 GEMVs and the BF16 MoE: XLA (its GEMV reaches 3 TB/s where the Pallas one reaches 2;
+#   its gather + einsum MoE is at parity at M=1 and 1.3x faster at M=8).
+# - Attention, Q/K-norm + RoPE + cache write, residual add + RMSNorm: Pallas (1.1-30x).
+
+
 def _linear(lin, x, interpret, out_dtype=jnp.bfloat16):
-    """x [M, K] -> [M, N] through the BF16 or NVFP4 GEMV kernel."""
+    """x [M, K] -> [M, N]."""
     if lin.quant:
         return nvfp4_gemv(x, lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...],
-                             out_dtype=out_dtype, interpret=interpret)
-    return gemv(x, lin.weight[...], out_dtype=out_dtype, interpret=interpret)
+                          out_dtype=out_dtype, interpret=interpret)
+    return layers.matmul_t(x, lin.weight[...]).astype(out_dtype)
 
 
 def _silu_mul(mlp, x, interpret):
-    """bf16(silu(x Wg^T) * (x Wu^T)) in one kernel."""
+    """bf16(silu(x Wg^T) * (x Wu^T)), gate and up in fp32, one rounding."""
     g, u = mlp.gate_proj, mlp.up_proj
     if g.quant:
         return nvfp4_gemv_silu_mul(
             x, (g.qweight[...], g.weight_scale[...], g.weight_scale_2[...]),
             (u.qweight[...], u.weight_scale[...], u.weight_scale_2[...]), interpret=interpret)
-    return gemv_silu_mul(x, g.weight[...], u.weight[...], interpret=interpret)
+    gate = layers.matmul_t(x, g.weight[...])
+    return (gate * jax.nn.sigmoid(gate) * layers.matmul_t(x, u.weight[...])).astype(x.dtype)
+
+
+def _moe(mlp, cfg, x, interpret):
+    if mlp.experts.quant:
+        return moe_block(
+            x, mlp.gate.weight[...], _experts_arg(mlp.experts),
+            {n: _lin_arg(getattr(mlp.shared_expert, n)) for n in ("gate_proj", "up_proj", "down_proj")},
+            top_k=cfg.num_experts_per_tok, interpret=interpret)
+    return mlp(x[:, None, :])[:, 0]  # the XLA path: gathered experts, einsums
 
 
 def _lin_arg(lin):
@@ -101,11 +118,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                         interpret=interpret)
                 mlp = layer.mlp
                 if cfg.is_moe(i):
-                    y = moe_block(
-                        x, mlp.gate.weight[...], _experts_arg(mlp.experts),
-                        {n: _lin_arg(getattr(mlp.shared_expert, n))
-                         for n in ("gate_proj", "up_proj", "down_proj")},
-                        top_k=cfg.num_experts_per_tok, interpret=interpret)
+                    y = _moe(mlp, cfg, x, interpret)
                 else:
                     y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret), interpret)
                 nxt = (layers[i + 1].input_layernorm.weight[...] if i + 1 < len(layers)

@@ -1,0 +1,118 @@
+"""The full-size GPU suite for one weight format, in one process (weights built once):
+
+1. parity: Pallas path vs XLA path from the same prefilled cache, greedy for `--steps` steps
+   (logits' relative L2 error per step while the inputs agree; identical tokens?);
+2. bench: decode ms/step of both paths (median of windows of back-to-back steps), tokens/s,
+   percent of the HBM floor, kernels per step from a profiler trace, for each (batch, context).
+
+Results are rewritten to `--out` after every case, so a run cut short still reports what it
+measured; `--budget-s` stops starting new cases past that many seconds.
+
+    python benchmarks/gpu_suite.py --format bf16 --out $OUT/bf16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import decode_bench
+from flint_jax.config import preset
+from flint_jax.decode import prefill
+from flint_jax.engine import Flint
+
+
+def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600):
+    xla = Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels="xla")
+    pal = Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels="pallas")
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, cfg.vocab_size, size=prompt_len - 37 * i).tolist() for i in range(batch)]
+    logits, cache_x = prefill(xla, rows, cache_length=1024)
+    first = jnp.argmax(logits, -1).astype(jnp.int32)
+    _, cache_p = prefill(xla, rows, cache_length=1024)
+    fx, fp = xla.decode_logits_fn(), pal.decode_logits_fn()
+    tx = tp = first
+    toks_x, toks_p, errs = [np.asarray(first)], [np.asarray(first)], []
+    for _ in range(steps):
+        lx, cache_x = fx(state, cache_x, tx)
+        lp, cache_p = fp(state, cache_p, tp)
+        a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
+        if np.array_equal(np.asarray(tx), np.asarray(tp)):
+            errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(a)))
+        tx, tp = jnp.argmax(lx, -1).astype(jnp.int32), jnp.argmax(lp, -1).astype(jnp.int32)
+        toks_x.append(np.asarray(tx))
+        toks_p.append(np.asarray(tp))
+    same = [bool(np.array_equal(x, p)) for x, p in zip(toks_x, toks_p)]
+    return {"batch": batch, "prompt_lens": [len(r) for r in rows], "steps": steps,
+            "tokens_identical": all(same),
+            "first_divergence": None if all(same) else same.index(False),
+            "rel_l2_max": max(errs), "rel_l2_median": float(np.median(errs)),
+            "rel_l2_per_step": errs}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--format", choices=["bf16", "nvfp4"], required=True)
+    ap.add_argument("--config", default="flint")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--parity-steps", type=int, default=32)
+    ap.add_argument("--cases", default="1x1024,8x1024,1x100000,8x100000,1x8192,8x8192",
+                    help="comma-separated BATCHxCONTEXT, in order")
+    ap.add_argument("--steps", type=int, default=20, help="decode steps per timing window")
+    ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=470)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    t_start = time.perf_counter()
+    cfg = preset(a.config)
+    if a.layers:
+        cfg = cfg.replace(num_hidden_layers=a.layers)
+    quant = a.format == "nvfp4"
+    res = {"device": jax.devices()[0].device_kind, "format": a.format,
+           "layers": cfg.num_hidden_layers, "timeline": {}, "cases": []}
+
+    def save():
+        res["timeline"]["elapsed_s"] = time.perf_counter() - t_start
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    graphdef, state = decode_bench.build_state(cfg, quant)
+    jax.block_until_ready(state)
+    res["timeline"]["weights_built_s"] = time.perf_counter() - t_start
+    print(f"[{a.format}] weights built in {res['timeline']['weights_built_s']:.1f} s", flush=True)
+    save()
+    if a.parity_steps:
+        t0 = time.perf_counter()
+        res["parity"] = parity(cfg, graphdef, state, quant, a.parity_steps)
+        res["timeline"]["parity_s"] = time.perf_counter() - t0
+        p = res["parity"]
+        print(f"[{a.format}] parity: tokens identical over {p['steps']} steps: "
+              f"{p['tokens_identical']} (first divergence {p['first_divergence']}); logits rel-L2 "
+              f"max {p['rel_l2_max']:.2e} median {p['rel_l2_median']:.2e} "
+              f"({res['timeline']['parity_s']:.0f} s)", flush=True)
+        save()
+    for case in a.cases.split(","):
+        if time.perf_counter() - t_start > a.budget_s:
+            print(f"[{a.format}] budget reached: skipping {case} and later cases", flush=True)
+            res.setdefault("skipped", []).append(case)
+            continue
+        batch, context = (int(v) for v in case.split("x"))
+        t0 = time.perf_counter()
+        row = decode_bench.run_case(cfg, graphdef, state, quant, batch, context,
+                                    ["xla", "pallas"], a.steps, a.trace)
+        row["case_s"] = time.perf_counter() - t0
+        res["cases"].append(row)
+        print(decode_bench.format_row(row, ["xla", "pallas"]) + f" [{row['case_s']:.0f} s]",
+              flush=True)
+        save()
+    print(decode_bench.table(res["cases"], ["xla", "pallas"]))
+    save()
+
+
+if __name__ == "__main__":
+    main()

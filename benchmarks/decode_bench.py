@@ -13,6 +13,7 @@ JSON with --out.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import glob
 import json
@@ -60,18 +61,59 @@ def step_bytes(cfg: FlintConfig, batch: int, context: int, quant: bool) -> float
     return total
 
 
+def _leaf_kind(name: str) -> str:
+    if name.endswith("qweight"):
+        return "codes"
+    if name.endswith("weight_scale"):
+        return "block_scale"
+    if name.endswith("weight_scale_2"):
+        return "tensor_scale"
+    if name.endswith("norm.weight"):
+        return "norm"
+    if name.endswith("self_attn.sinks"):
+        return "sinks"
+    if name.endswith("mlp.gate.weight"):
+        return "router"
+    if name.endswith("embed_tokens.weight"):
+        return "embedding"
+    return "linear"
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "kind", "hidden"))
+def _random_leaf(key, *, shape, dtype, kind, hidden):
+    # The value ranges of model.py's initialisers, one small compiled generator per distinct
+    # (shape, kind): jitting the whole module's init at full size took 4 minutes to compile.
+    f32 = jnp.float32
+    if kind == "codes":
+        return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(dtype)
+    if kind == "block_scale":
+        return jax.random.uniform(key, shape, f32, 64.0, 448.0).astype(dtype)
+    if kind == "tensor_scale":
+        return jnp.full(shape, 0.02 / (2.93 * 256.0), dtype)
+    if kind == "norm":
+        return (1.0 + 0.1 * jax.random.normal(key, shape, f32)).astype(dtype)
+    if kind == "sinks":
+        return jax.random.normal(key, shape, dtype)
+    if kind == "router":
+        return (0.5 / hidden ** 0.5) * jax.random.normal(key, shape, dtype)
+    std = 1.0 if kind == "embedding" else 0.02
+    return jax.random.normal(key, shape, dtype) * jnp.asarray(std, dtype)
+
+
 def build_state(cfg: FlintConfig, quant: bool, seed: int = 0):
-    """Random full-size weights generated on the device (no host copy)."""
+    """Random full-size weights generated on the device, leaf by leaf (no host copy)."""
     abstract = nnx.eval_shape(lambda: FlintForCausalLM(cfg, dtype=jnp.bfloat16, quant=quant,
                                                        rngs=nnx.Rngs(seed)))
-    graphdef, _ = nnx.split(abstract)
-
-    @jax.jit
-    def init():
-        return nnx.state(FlintForCausalLM(cfg, dtype=jnp.bfloat16, quant=quant,
-                                          rngs=nnx.Rngs(seed)))
-
-    return graphdef, init()
+    graphdef, abs_state = nnx.split(abstract)
+    pairs = []
+    for i, (path, var) in enumerate(nnx.to_flat_state(abs_state)):
+        sds = var.get_value()
+        name = ".".join(str(p) for p in path)
+        value = _random_leaf(jax.random.key(seed * 100003 + i), shape=tuple(sds.shape),
+                             dtype=jnp.dtype(sds.dtype), kind=_leaf_kind(name),
+                             hidden=cfg.hidden_size)
+        pairs.append((path, var.replace(value=value)))
+    return graphdef, nnx.from_flat_state(pairs)
 
 
 def random_cache(cfg: FlintConfig, batch: int, length: int, context: int, seed: int = 1) -> KVCache:

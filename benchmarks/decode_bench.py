@@ -145,6 +145,24 @@ def time_steps(step, state, cache, tokens, steps: int, windows: int = 5):
     return statistics.median(per_step), per_step, logits, cache
 
 
+def time_loop(model, cache, tokens, block: int, calls: int, windows: int = 5):
+    """Median per-step time (ms) of greedy decoding `block` steps per device call (the
+    `generate` loop: a fori_loop of steps with sampling inside)."""
+    from flint_jax.sampling import SamplingParams
+    fn = model.decode_fn(SamplingParams(temperature=0.0), False, block)
+    rng = jax.random.key(0)
+    toks, _, cache, _, rng = fn(model.leaves, cache, tokens, rng, None)  # compile + warm up
+    jax.block_until_ready(toks)
+    per_step = []
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            toks, _, cache, _, rng = fn(model.leaves, cache, toks[:, -1], rng, None)
+        jax.block_until_ready(toks)
+        per_step.append((time.perf_counter() - t0) * 1e3 / (calls * block))
+    return statistics.median(per_step), cache
+
+
 def count_kernels(step, state, cache, tokens, steps: int = 3):
     """GPU kernels launched per step, from a profiler trace (XLA command buffers are off while
     profiling, so time without it)."""
@@ -168,10 +186,10 @@ def count_kernels(step, state, cache, tokens, steps: int = 3):
     return n / steps, cache
 
 
-def run_case(cfg, graphdef, state, quant, batch, context, paths, steps, trace):
+def run_case(cfg, graphdef, state, quant, batch, context, paths, steps, trace, loop_block=8):
     from flint_jax.decode import bucket_length
     # Room for the warm-up, the timed windows and the parity logits after `context`.
-    length = bucket_length(context + steps * 7 + 64, 1 << 30, minimum=256)
+    length = bucket_length(context + steps * 14 + 64, 1 << 30, minimum=256)
     tokens = jax.random.randint(jax.random.key(3), (batch,), 0, cfg.vocab_size, jnp.int32)
     floor_ms = step_bytes(cfg, batch, context, quant) / HBM_BYTES_PER_S * 1e3
     row = {"format": "nvfp4" if quant else "bf16", "batch": batch, "context": context,
@@ -181,17 +199,21 @@ def run_case(cfg, graphdef, state, quant, batch, context, paths, steps, trace):
         model = Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=path)
         step = model.decode_logits_fn()
         cache = random_cache(cfg, batch, length, context)
-        ms, windows, logits, cache = time_steps(step, state, cache, tokens, steps)
+        ms, windows, logits, cache = time_steps(step, model.leaves, cache, tokens, steps)
         row[f"{path}_ms"] = ms
         row[f"{path}_windows_ms"] = windows
         row[f"{path}_tok_s"] = batch / ms * 1e3
         row[f"{path}_pct_floor"] = 100 * floor_ms / ms
+        if loop_block:
+            row[f"{path}_loop_ms"], cache = time_loop(model, cache, tokens, loop_block,
+                                                      max(1, steps // loop_block))
+            row[f"{path}_loop_pct_floor"] = 100 * floor_ms / row[f"{path}_loop_ms"]
         if trace and jax.default_backend() == "gpu":
-            row[f"{path}_kernels"], cache = count_kernels(step, state, cache, tokens)
+            row[f"{path}_kernels"], cache = count_kernels(step, model.leaves, cache, tokens)
         # Same inputs for both paths: the logits of one step from the same cache contents.
         del cache, logits
         cache = random_cache(cfg, batch, length, context)
-        logits_by_path[path], cache = step(state, cache, tokens)
+        logits_by_path[path], cache = step(model.leaves, cache, tokens)
         del cache
     if len(logits_by_path) == 2:
         a, b = (np.asarray(logits_by_path[p], np.float32) for p in paths)
@@ -231,7 +253,8 @@ def format_row(r, paths):
     parts = [f"{r['format']:5s} B={r['batch']} ctx={r['context']:6d} floor {r['floor_ms']:.3f} ms"]
     for p in paths:
         parts.append(f"{p} {r[f'{p}_ms']:.3f} ms ({r[f'{p}_pct_floor']:.0f}% of floor"
-                     + (f", {r[f'{p}_kernels']:.0f} kernels" if r.get(f"{p}_kernels") else "") + ")")
+                     + (f", {r[f'{p}_kernels']:.0f} kernels" if r.get(f"{p}_kernels") else "") + ")"
+                     + (f" loop {r[f'{p}_loop_ms']:.3f} ms" if r.get(f"{p}_loop_ms") else ""))
     if "rel_l2_pallas_vs_xla" in r:
         parts.append(f"rel-L2 {r['rel_l2_pallas_vs_xla']:.2e}")
     return " | ".join(parts)
@@ -239,14 +262,17 @@ def format_row(r, paths):
 
 def table(rows, paths):
     head = "| format | batch | context | floor ms |" + "".join(
-        f" {p} ms | {p} tok/s | {p} % floor | {p} kernels |" for p in paths)
-    sep = "|" + "---|" * (4 + 4 * len(paths))
+        f" {p} ms/step | {p} in-loop ms/step | {p} tok/s (loop) | {p} % floor (loop) | {p} kernels |"
+        for p in paths)
+    sep = "|" + "---|" * (4 + 5 * len(paths))
     lines = [head, sep]
     for r in rows:
         cells = [r["format"], str(r["batch"]), str(r["context"]), f"{r['floor_ms']:.3f}"]
         for p in paths:
             k = r.get(f"{p}_kernels")
-            cells += [f"{r[f'{p}_ms']:.3f}", f"{r[f'{p}_tok_s']:.0f}",
-                      f"{r[f'{p}_pct_floor']:.0f}", f"{k:.0f}" if k else "-"]
+            loop = r.get(f"{p}_loop_ms")
+            cells += [f"{r[f'{p}_ms']:.3f}", f"{loop:.3f}" if loop else "-",
+                      f"{r['batch'] / (loop or r[f'{p}_ms']) * 1e3:.0f}",
+                      f"{100 * r['floor_ms'] / (loop or r[f'{p}_ms']):.0f}", f"{k:.0f}" if k else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -39,8 +39,8 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600):
     tx = tp = first
     toks_x, toks_p, errs = [np.asarray(first)], [np.asarray(first)], []
     for _ in range(steps):
-        lx, cache_x = fx(state, cache_x, tx)
-        lp, cache_p = fp(state, cache_p, tp)
+        lx, cache_x = fx(xla.leaves, cache_x, tx)
+        lp, cache_p = fp(pal.leaves, cache_p, tp)
         a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
         if np.array_equal(np.asarray(tx), np.asarray(tp)):
             errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(a)))

@@ -133,7 +133,7 @@ def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: 
     last = None
     for c in range(n_chunks):
         n = np.clip(lengths - c * chunk, 0, chunk).astype(np.int32)
-        logits, cache, _ = fn(model.state, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]), cache,
+        logits, cache, _ = fn(model.leaves, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]), cache,
                               jnp.asarray(n))
         last = logits if last is None else jnp.where(jnp.asarray(n > 0)[:, None], logits, last)
     return last, cache
@@ -167,8 +167,13 @@ def stream_generate(model: Flint, rows: list[list[int]], *, max_new_tokens: int 
                     params: sampling.SamplingParams | None = None, seed: int | None = None,
                     key: jax.Array | None = None, stop_token_ids: Sequence[int] | None = None,
                     stop: Sequence[str] | None = None, chunk_size: int = 256,
-                    ) -> Iterator[StreamEvent]:
-    """Yields a `StreamEvent` per generated token per live row, in step order."""
+                    decode_block: int | None = None) -> Iterator[StreamEvent]:
+    """Yields a `StreamEvent` per generated token per live row, in step order.
+
+    `decode_block` decode steps run per device call (default 8 on GPU, 1 elsewhere): the host's
+    per-call cost is paid once per block, and tokens stream out block by block. Rows may run a
+    few steps past their stop inside a block; those tokens are dropped.
+    """
     params = (params or sampling.SamplingParams()).validate()
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -190,40 +195,50 @@ def stream_generate(model: Flint, rows: list[list[int]], *, max_new_tokens: int 
     rng = _key_of(seed, key)
     rng, step_rng = jax.random.split(rng)
     nxt, lp, seen = model.sample_fn(params, with_seen)(logits, step_rng, seen)
-    step_fn = model.decode_fn(params, with_seen)
+    if decode_block is None:
+        decode_block = 8 if jax.default_backend() == "gpu" else 1
+    step_fn = model.decode_fn(params, with_seen, decode_block)
     trackers = [_TextTracker(model.tokenizer) for _ in range(b)]
     done = [False] * b
-    for step in range(max_new_tokens):
-        cur_tokens, cur_lp = nxt, lp
-        last_step = step == max_new_tokens - 1
-        if not last_step:  # dispatch the next step before the host looks at this one
-            rng, step_rng = jax.random.split(rng)
-            nxt, lp, cache, seen = step_fn(model.state, cache, nxt, step_rng, seen)
-        toks, lps = np.asarray(cur_tokens), np.asarray(cur_lp)
-        for i in range(b):
-            if done[i]:
-                continue
-            tid = int(toks[i])
-            reason = None
-            if tid in stop_ids:
-                reason, text = "stop", ""
-                trackers[i].ids.append(tid)
-            else:
-                text = trackers[i].add(tid)
-                for s in stop:
-                    cut = trackers[i].text.find(s)
-                    if cut >= 0:
-                        keep = cut - (len(trackers[i].text) - len(text))
-                        text = text[:max(0, keep)]
-                        trackers[i].text = trackers[i].text[:cut]
-                        reason = "stop"
-                        break
-            if reason is None and last_step:
-                reason = "length"
-            done[i] = reason is not None
-            yield StreamEvent(i, tid, text, float(lps[i]), reason)
-        if all(done):
+    block = (nxt[:, None], lp[:, None])  # the first token, from the prefill logits
+    produced, dispatched, last = 0, 1, nxt
+    while block is not None:
+        nxt_block = None
+        if dispatched < max_new_tokens:  # dispatch the next block before reading this one
+            toks_d, lps_d, cache, seen, rng = step_fn(model.leaves, cache, last, rng, seen)
+            last, nxt_block = toks_d[:, -1], (toks_d, lps_d)
+            dispatched += decode_block
+        toks, lps = np.asarray(block[0]), np.asarray(block[1])
+        for j in range(toks.shape[1]):
+            if produced == max_new_tokens or all(done):
+                break
+            produced += 1
+            last_step = produced == max_new_tokens
+            for i in range(b):
+                if done[i]:
+                    continue
+                tid = int(toks[i, j])
+                reason = None
+                if tid in stop_ids:
+                    reason, text = "stop", ""
+                    trackers[i].ids.append(tid)
+                else:
+                    text = trackers[i].add(tid)
+                    for s in stop:
+                        cut = trackers[i].text.find(s)
+                        if cut >= 0:
+                            keep = cut - (len(trackers[i].text) - len(text))
+                            text = text[:max(0, keep)]
+                            trackers[i].text = trackers[i].text[:cut]
+                            reason = "stop"
+                            break
+                if reason is None and last_step:
+                    reason = "length"
+                done[i] = reason is not None
+                yield StreamEvent(i, tid, text, float(lps[i, j]), reason)
+        if produced == max_new_tokens or all(done):
             break
+        block = nxt_block
 
 
 def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: float | None = None,
@@ -231,7 +246,8 @@ def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: fl
              repetition_penalty: float | None = None, seed: int | None = None,
              key: jax.Array | None = None, stop: str | Sequence[str] | None = None,
              stop_token_ids: Sequence[int] | None = None, stream: bool = False,
-             logprobs: bool = False, return_details: bool = False, chunk_size: int = 256):
+             logprobs: bool = False, return_details: bool = False, chunk_size: int = 256,
+             decode_block: int | None = None):
     """Generates continuations of one or several prompts.
 
     Args:
@@ -250,6 +266,8 @@ def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: fl
       stream: return an iterator of `StreamEvent` instead.
       logprobs: keep per-token logprobs (log-softmax of the raw logits).
       return_details: return `GenerationOutput` objects.
+      decode_block: decode steps per device call (default 8 on GPU, 1 elsewhere); the same
+        tokens come out whatever its value.
 
     Returns: for a string prompt a `GeneratedText` (a str with `.token_ids`, `.finish_reason`,
     `.logprobs`); for a list of strings a list of them; for token ids `[T]` an int32 array of the
@@ -266,7 +284,7 @@ def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: fl
         stop = [stop]
     events = stream_generate(model, rows, max_new_tokens=max_new_tokens, params=params, seed=seed,
                              key=key, stop_token_ids=stop_token_ids, stop=stop,
-                             chunk_size=chunk_size)
+                             chunk_size=chunk_size, decode_block=decode_block)
     if stream:
         return events
     ids = [[] for _ in rows]

@@ -20,7 +20,7 @@ def test_incremental_decoding_equals_full_sequence(fp32_models):
     step = m.decode_logits_fn()
     worst = 0.0
     for t in range(10, 200):
-        logits, cache = step(m.state, cache, jnp.asarray(seq[t:t + 1], jnp.int32))
+        logits, cache = step(m.leaves, cache, jnp.asarray(seq[t:t + 1], jnp.int32))
         worst = max(worst, float(np.abs(np.asarray(logits)[0] - full[t]).max()))
     assert int(cache.lengths[0]) == 200
     assert worst <= 1e-4 * np.abs(full).max(), worst
@@ -128,3 +128,14 @@ def test_bad_prompts(bf16_tiny_a):
         flint_jax.generate(bf16_tiny_a, [[1, 2], []], max_new_tokens=2)
     with pytest.raises(ValueError, match="prompt must be"):
         flint_jax.generate(bf16_tiny_a, 3.5, max_new_tokens=2)
+
+
+def test_decode_blocks_give_the_same_tokens(bf16_tiny_a):
+    # Several decode steps per device call (a fori_loop) sample exactly what single steps do.
+    kw = dict(max_new_tokens=11, temperature=0.9, seed=4, stop_token_ids=[], logprobs=True,
+              return_details=True)
+    one = flint_jax.generate(bf16_tiny_a, np.arange(3, 12), decode_block=1, **kw)
+    four = flint_jax.generate(bf16_tiny_a, np.arange(3, 12), decode_block=4, **kw)
+    np.testing.assert_array_equal(one.token_ids, four.token_ids)
+    np.testing.assert_allclose(one.logprobs, four.logprobs, atol=1e-5)
+    assert len(four.token_ids) == 11

@@ -56,7 +56,7 @@ def step_bytes(cfg: FlintConfig, batch: int, context: int, quant: bool) -> float
         else:
             total += 3 * d * cfg.intermediate_size * wb
     kv_token = 2 * kv * hd * 2
-    total += batch * kv_token * (len(cfg.full_layers) * min(context, 1 << 62)
+    total += batch * kv_token * (len(cfg.full_layers) * context
                                  + len(cfg.sliding_layers) * min(context, cfg.sliding_window))
     return total
 

@@ -284,7 +284,8 @@ def main(argv=None) -> int:
         return run_phase(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cmd", choices=["run"])
-    p.add_argument("--mode", choices=["nvfp4", "bf16", "sharded", "all"], default="nvfp4")
+    p.add_argument("--mode", default="nvfp4",
+                   help="nvfp4, bf16, sharded, all, or a comma-separated list (bf16,sharded)")
     p.add_argument("--config", default="flint", help="flint (full size) or a tiny preset")
     p.add_argument("--bf16-layers", type=int, default=12,
                    help="full-size BF16 layers (each MoE layer ~1.6 GB, twice on disk)")
@@ -295,6 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=max(1, min(16, os.cpu_count() or 1)))
     p.add_argument("--keep", action="store_true", help="keep sources and conversions")
     a = p.parse_args(argv)
+    modes = {"nvfp4", "bf16", "sharded"} if a.mode == "all" else set(a.mode.split(","))
+    if not modes or not modes <= {"nvfp4", "bf16", "sharded"}:
+        p.error(f"--mode: expected nvfp4, bf16, sharded, all or a comma-separated list, got {a.mode!r}")
     os.makedirs(a.workdir, exist_ok=True)
     import platform
     meta = {"host": platform.node(), "cpus": os.cpu_count(), "mode": a.mode, "config": a.config,
@@ -311,11 +315,11 @@ def main(argv=None) -> int:
         meta["env_error"] = repr(e)
     res = Results(a.out, meta)
     t0 = time.time()
-    if a.mode in ("nvfp4", "all"):
+    if "nvfp4" in modes:
         run_pipeline(a, res, "gguf", None, "nvfp4")
-    if a.mode in ("bf16", "all"):
+    if "bf16" in modes:
         run_pipeline(a, res, "hf", a.bf16_layers if a.config == "flint" else None, "bf16")
-    if a.mode in ("sharded", "all"):
+    if "sharded" in modes:
         run_sharded(a, res)
     res.data["meta"]["total_s"] = round(time.time() - t0, 1)
     res.save()

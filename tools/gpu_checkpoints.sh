@@ -9,6 +9,7 @@
 #   sharded  (nvidia-h200-x2): restore a BF16 checkpoint (4 full-size layers) on 1 GPU and
 #            sharded over a Mesh of 2 GPUs; logits and greedy tokens compared (fp32 and bf16)
 #   all      all three (one machine with >= 2 GPUs; may not fit one 10-minute command)
+#   bf16,sharded   a comma-separated list runs those stages in order
 #
 # Reports file sizes, conversion / load / generation times and each stage's peak host memory
 # (VmHWM and getrusage max RSS of the stage's own process) in $OUT/checkpoints.json.

@@ -162,7 +162,9 @@ def phase_load(a) -> dict:
 
 
 def phase_sharded(a) -> dict:
-    """Restore the same checkpoint on 1 device and sharded over 2; compare logits."""
+    """Restore the same checkpoint on 1 device and sharded over 2; compare logits, per-layer
+    hidden states and the routed expert sets (a near-tie flip of one expert explains a large
+    logit difference; the per-layer figures show where differences start)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -172,31 +174,51 @@ def phase_sharded(a) -> dict:
         raise SystemExit(f"sharded mode needs 2 devices, found {len(devs)}")
     rng = np.random.default_rng(1)
     out = {"devices": [str(d) for d in devs[:2]]}
-    for dtype in ("float32", "bfloat16"):
-        one = flint_jax.load(a.path, dtype=dtype, kernels="xla", max_length=256)
-        ids = rng.integers(0, one.config.vocab_size, (2, 32))
-        t0 = time.time()
-        l1 = np.asarray(flint_jax.forward(one, ids), np.float32)
-        t_one = time.time() - t0
-        g1 = flint_jax.generate(one, ids[:, :8].tolist(), max_new_tokens=8, temperature=0.0)
-        del one
-        mesh = Mesh(np.array(devs[:2]), ("model",))
-        t0 = time.time()
-        sh = flint_jax.load(a.path, dtype=dtype, kernels="xla", mesh=mesh, max_length=256)
-        jax.block_until_ready(jax.tree.leaves(sh.state))
-        load_s = time.time() - t0
-        split = sum(1 for x in jax.tree.leaves(sh.state)
-                    if any(s is not None for s in getattr(x.sharding, "spec", ())))
-        per_dev = [d.memory_stats().get("bytes_in_use") if d.memory_stats() else None
-                   for d in devs[:2]]
-        l2 = np.asarray(flint_jax.forward(sh, ids), np.float32)
-        g2 = flint_jax.generate(sh, ids[:, :8].tolist(), max_new_tokens=8, temperature=0.0)
-        del sh
+    mesh = Mesh(np.array(devs[:2]), ("model",))
+    cap = ("hidden_states", "router_ids")
+    # fp32 with "highest" matmul precision (no TF32), then the checkpoint's own bf16.
+    for dtype, prec in (("float32", "highest"), ("bfloat16", "default")):
+        with jax.default_matmul_precision(prec):
+            one = flint_jax.load(a.path, dtype=dtype, kernels="xla", max_length=256)
+            ids = rng.integers(0, one.config.vocab_size, (2, 32))
+            t0 = time.time()
+            l1, c1 = flint_jax.forward(one, ids, capture=cap)
+            l1 = np.asarray(l1, np.float32)
+            t_one = time.time() - t0
+            g1 = flint_jax.generate(one, ids[:, :8].tolist(), max_new_tokens=8, temperature=0.0)
+            c1 = {k: np.asarray(v, np.float32 if k == "hidden_states" else np.int32)
+                  for k, v in c1.items()}
+            del one
+            t0 = time.time()
+            sh = flint_jax.load(a.path, dtype=dtype, kernels="xla", mesh=mesh, max_length=256)
+            jax.block_until_ready(jax.tree.leaves(sh.state))
+            load_s = time.time() - t0
+            split = sum(1 for x in jax.tree.leaves(sh.state)
+                        if any(s is not None for s in getattr(x.sharding, "spec", ())))
+            per_dev = [d.memory_stats().get("bytes_in_use") if d.memory_stats() else None
+                       for d in devs[:2]]
+            l2, c2 = flint_jax.forward(sh, ids, capture=cap)
+            l2 = np.asarray(l2, np.float32)
+            g2 = flint_jax.generate(sh, ids[:, :8].tolist(), max_new_tokens=8, temperature=0.0)
+            c2 = {k: np.asarray(v, np.float32 if k == "hidden_states" else np.int32)
+                  for k, v in c2.items()}
+            del sh
         diff = float(np.abs(l1 - l2).max())
-        out[dtype] = {"max_abs_diff": diff, "rel_diff": diff / float(np.abs(l1).max()),
-                      "bit_identical": bool((l1 == l2).all()), "sharded_leaves": split,
-                      "sharded_load_s": round(load_s, 2), "bytes_in_use_per_device": per_dev,
-                      "forward_one_s": round(t_one, 2),
+        h1, h2 = c1["hidden_states"], c2["hidden_states"]
+        hid = [float(np.abs(h1[i] - h2[i]).max() / max(np.abs(h1[i]).max(), 1e-30))
+               for i in range(h1.shape[0])]
+        r1, r2 = np.sort(c1["router_ids"], -1), np.sort(c2["router_ids"], -1)
+        same_sets = (r1 == r2).all(-1)                                 # [L_moe, B, T]
+        out[dtype] = {"matmul_precision": prec, "max_abs_diff": diff,
+                      "rel_diff": diff / float(np.abs(l1).max()),
+                      "bit_identical": bool((l1 == l2).all()),
+                      "argmax_agreement": float((l1.argmax(-1) == l2.argmax(-1)).mean()),
+                      "hidden_rel_diff_per_layer (embeddings, then each layer's output)": hid,
+                      "routed_sets_equal_per_moe_layer": [float(x.mean()) for x in same_sets],
+                      "tokens_with_any_routing_difference": int((~same_sets).any(0).sum()),
+                      "tokens": int(np.prod(ids.shape)),
+                      "sharded_leaves": split, "sharded_load_s": round(load_s, 2),
+                      "bytes_in_use_per_device": per_dev, "forward_one_s": round(t_one, 2),
                       "greedy_equal": [list(map(int, x)) for x in g1] == [list(map(int, x)) for x in g2]}
     return out
 

@@ -121,6 +121,7 @@ def _validate(x, weights, fmt, block_n, block_k):
               f"weights[{i}].weight_scale_2 must be a scalar, got {jnp.shape(s2)=}")
     ns.append(_n_rows(w, fmt))
   for i, n in enumerate(ns):
+    C.check(n > 0, f"weights[{i}] has no rows")
     C.check(C.is_pow2(block_n) and block_n >= 16 and n % block_n == 0,
             f"block_n must be a power of two >= 16 dividing every N_i: {block_n=} N={ns} "
             f"(weights[{i}])")

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 from flint_jax.pallas import (add_rms_norm, decode_attention, gemv, gemv_silu_mul, moe_decode,
-                              nvfp4_gemv, nvfp4_gemv_silu_mul, qk_norm_rope, rms_norm)
+                              multi_gemv, nvfp4_gemv, nvfp4_gemv_silu_mul, qk_norm_rope,
+                              rms_norm)
 from flint_jax.pallas.nvfp4_gemv import NVFP4Weight
 from flint_jax.pallas.testing import lower_for_h200
 
@@ -74,6 +75,27 @@ def test_nvfp4_gemv_lowers(decode, layout, m, method, n, k):
 def test_nvfp4_gemv_silu_mul_lowers(decode, m):
   fn = functools.partial(nvfp4_gemv_silu_mul, decode=decode)
   lower(fn, S((m, D), BF), nv(DENSE, D), nv(DENSE, D))
+
+
+QKV = (H * DH, KVH * DH, KVH * DH)
+
+
+@pytest.mark.parametrize("fmt,decode", [("bf16", None), ("nvfp4", "fp8"), ("nvfp4", "asm")])
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("ns", [QKV, (KVH * DH, KVH * DH)])
+def test_multi_gemv_lowers(fmt, decode, m, ns):
+  ws = tuple(S((n, D), BF) if fmt == "bf16" else nv(n, D) for n in ns)
+  kw = {} if decode is None else dict(decode=decode)
+  lower(functools.partial(multi_gemv, **kw), S((m, D), BF), ws)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m,method", [(1, "dot"), (1, "swap"), (1, "reduce"), (8, "swap")])
+def test_multi_gemv_methods_lower(fmt, m, method):
+  ws = tuple(S((n, D), BF) if fmt == "bf16" else nv(n, D) for n in QKV)
+  lower(functools.partial(multi_gemv, method=method), S((m, D), BF), ws)
+  if fmt == "nvfp4":
+    lower(functools.partial(multi_gemv, method=method, layout="chunk"), S((m, D), BF), ws)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

@@ -6,6 +6,7 @@ numerical contract of the kernel and the XLA fallback):
 | module | op |
 |---|---|
 | ``gemv`` | ``gemv``, ``gemv_silu_mul``: bf16 small-batch GEMV, fused gate/up + SiLU |
+| ``multi_gemv`` | ``multi_gemv``: 1-4 GEMVs sharing x (fused q, k, v), bf16 or NVFP4 |
 | ``nvfp4_gemv`` | ``nvfp4_gemv``, ``nvfp4_gemv_silu_mul``: W4A16 GEMV on the half-split layout |
 | ``moe`` | ``moe_route`` (XLA), ``moe_decode``, ``moe_block``: expert-indexed MoE decode |
 | ``decode_attention`` | ``decode_attention``: split-KV sink-softmax attention, full or ring cache |
@@ -21,6 +22,7 @@ from flint_jax.pallas.decode_attention import decode_attention, decode_attention
 from flint_jax.pallas.gemv import gemv, gemv_reference, gemv_silu_mul, gemv_silu_mul_reference
 from flint_jax.pallas.moe import (moe_block, moe_block_reference, moe_decode,
                                   moe_decode_reference, moe_route, moe_slots)
+from flint_jax.pallas.multi_gemv import multi_gemv, multi_gemv_reference
 from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, dequantize_nvfp4_reference, nvfp4_gemv,
                                          nvfp4_gemv_reference, nvfp4_gemv_silu_mul,
                                          nvfp4_gemv_silu_mul_reference)
@@ -32,6 +34,7 @@ __all__ = [
     "gemv", "gemv_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
     "moe_block", "moe_block_reference", "moe_decode", "moe_decode_reference", "moe_route",
     "moe_slots",
+    "multi_gemv", "multi_gemv_reference",
     "NVFP4Weight", "dequantize_nvfp4_reference", "nvfp4_gemv", "nvfp4_gemv_reference",
     "nvfp4_gemv_silu_mul", "nvfp4_gemv_silu_mul_reference",
     "qk_norm_rope", "qk_norm_rope_reference",

@@ -1,0 +1,248 @@
+"""Several small-batch GEMVs sharing one input in one kernel (fused q|k|v projections).
+
+``multi_gemv``: ``y_i[M, N_i] = out_dtype(x[M, K] @ W_i[N_i, K]^T)`` for 1 to 4 matrices
+``W_i`` that share ``x`` and ``K`` (the attention ``q_proj``, ``k_proj``, ``v_proj`` at decode:
+Flint K = 2048, N = 4096, 512, 512), all bf16 (like ``gemv.gemv``) or all NVFP4 (like
+``nvfp4_gemv.nvfp4_gemv``, each matrix with its own fp32 ``weight_scale_2`` applied to its fp32
+accumulator). What it fuses: the per-matrix launches (three GPU kernels -> one ``pallas_call``
+with one output per matrix); the math of every output is that of the single-matrix kernel with
+the same ``method`` / ``block_k`` (fp32 accumulation over the same K steps, one rounding), so the
+results are bit-compatible with ``gemv`` / ``nvfp4_gemv`` run with ``split_k=1`` and the same
+tile knobs.
+
+Grid: ``(sum_i N_i / block_n,)``, the row blocks of all matrices one after the other: programs
+``[0, N_0/BN)`` compute rows of ``W_0``, the next ``N_1/BN`` programs rows of ``W_1``, and so on.
+Each program picks its matrix with one ``pl.when`` per matrix (static program ranges; Triton
+``scf.if``), runs the K loop of the single-matrix kernel (``_common.mm_tile`` for bf16,
+``nvfp4_gemv.nvfp4_tile_dot`` for NVFP4) and stores into its own output. ``block_n`` is shared by
+all matrices and must divide every ``N_i``; no split-K (the grid of a fused q|k|v already has
+``(4096 + 2 * 512) / BN`` programs).
+
+Tile method (knob ``method``): ``dot`` / ``swap`` / ``reduce`` as in ``_common.mm_tile``; defaults
+follow the single-matrix kernels: bf16 ``swap`` at M = 1, NVFP4 ``reduce`` at M = 1, ``dot`` for
+M > 1. Block defaults are those measured on the H200 for the *largest* matrix alone
+(``default_gemv_blocks`` / ``default_nvfp4_blocks`` without split-K: q_proj-sized bf16 bn64 bk256,
+NVFP4 M = 1 bn32 bk512, M > 1 bn64 bk256), with block_n lowered to the largest power of two that
+divides every ``N_i``. They are NOT yet measured for the fused kernel.
+
+K: like the single-matrix kernels, K is not masked: bf16 needs ``block_k`` (a power of two >= 16)
+to divide K, so any K % 16 == 0 works (K = 2880 -> block_k 64); NVFP4 needs K % 64 == 0.
+
+Shapes / dtypes:
+  x: [M, K] bf16 (or f32 with f32 weights, bf16 path only), 1 <= M <= 16.
+  weights: tuple of 1..4 bf16 [N_i, K] arrays, or of 1..4 ``NVFP4Weight`` (qweight uint8
+    [N_i, K/2], weight_scale float8_e4m3fn [N_i, K/16], weight_scale_2 f32 scalar).
+  returns: tuple of [M, N_i] ``out_dtype`` (bf16 default).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from flint_jax.pallas import _common as C
+import flint_jax.pallas.gemv  # noqa: F401  (modules, not the functions the package re-exports)
+import flint_jax.pallas.nvfp4_gemv  # noqa: F401
+
+G = sys.modules["flint_jax.pallas.gemv"]
+NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
+
+__all__ = ["multi_gemv", "multi_gemv_reference", "default_multi_gemv_blocks", "MAX_MATRICES"]
+
+MAX_ROWS = 16
+MAX_MATRICES = 4
+
+
+def _is_nvfp4(w) -> bool:
+  return isinstance(w, (tuple, list))
+
+
+def _format(weights) -> str:
+  """'bf16' or 'nvfp4' for a tuple of weights of one format; ValueError otherwise."""
+  C.check(isinstance(weights, (tuple, list)) and 1 <= len(weights) <= MAX_MATRICES,
+          f"weights must be a tuple of 1..{MAX_MATRICES} matrices, got "
+          f"{type(weights).__name__} of length {len(weights) if hasattr(weights, '__len__') else '?'}")
+  C.check(not isinstance(weights, NV.NVFP4Weight),
+          "weights must be a tuple of matrices: wrap a single NVFP4Weight as (w,)")
+  kinds = {_is_nvfp4(w) for w in weights}
+  C.check(len(kinds) == 1, "weights mix formats: all must be bf16 arrays or all NVFP4Weight")
+  return "nvfp4" if kinds.pop() else "bf16"
+
+
+def _n_rows(w, fmt) -> int:
+  return (w[0] if fmt == "nvfp4" else w).shape[0]
+
+
+def default_multi_gemv_blocks(ns, k: int, *, m: int = 1, fmt: str = "bf16"):
+  """(block_n, block_k, num_warps) for the fused GEMV of matrices with row counts ``ns``.
+
+  The single-matrix H200 defaults of the largest matrix (no split-K), block_n lowered to the
+  largest power of two <= that default dividing every N_i. Not measured for the fused kernel.
+  """
+  nmax = max(ns)
+  if fmt == "bf16":
+    bn, bk, _, warps = G.default_gemv_blocks(nmax, k, m=m)
+  else:
+    bn, bk, _, warps = NV.default_nvfp4_blocks(nmax, k, m=m)
+  bn = C.pow2_divisor(math.gcd(*ns), bn)
+  return bn, bk, warps
+
+
+def _validate(x, weights, fmt, block_n, block_k):
+  C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
+  m, k = x.shape
+  C.check(1 <= m <= MAX_ROWS, f"multi_gemv handles 1..{MAX_ROWS} rows, got {m=}")
+  ns = []
+  for i, w in enumerate(weights):
+    if fmt == "bf16":
+      C.check(w.ndim == 2 and w.shape[1] == k,
+              f"weights[{i}] must be [N, K={k}] (K shared with x), got {w.shape=}")
+      C.check(w.dtype == x.dtype,
+              f"x and weights[{i}] must share a dtype, got {x.dtype=} {w.dtype=}")
+    else:
+      C.check(len(w) == 3, f"weights[{i}] must be NVFP4Weight(qweight, weight_scale, "
+              f"weight_scale_2), got {len(w)} arrays")
+      q, s, s2 = w
+      C.check(x.dtype == jnp.bfloat16, f"NVFP4 multi_gemv needs bf16 x, got {x.dtype=}")
+      C.check(k % 64 == 0, f"NVFP4 needs K to be a multiple of 64, got {k=}")
+      C.check(q.dtype == jnp.uint8 and q.ndim == 2 and q.shape[1] * 2 == k,
+              f"weights[{i}].qweight must be uint8 [N, K/2={k // 2}] (K shared with x), got "
+              f"{q.shape=} {q.dtype=}")
+      C.check(s.dtype == jnp.float8_e4m3fn and s.shape == (q.shape[0], k // 16),
+              f"weights[{i}].weight_scale must be float8_e4m3fn [N, K/16], got {s.shape=} "
+              f"{s.dtype=}")
+      C.check(math.prod(jnp.shape(s2)) == 1,
+              f"weights[{i}].weight_scale_2 must be a scalar, got {jnp.shape(s2)=}")
+    ns.append(_n_rows(w, fmt))
+  for i, n in enumerate(ns):
+    C.check(n > 0, f"weights[{i}] has no rows")
+    C.check(C.is_pow2(block_n) and block_n >= 16 and n % block_n == 0,
+            f"block_n must be a power of two >= 16 dividing every N_i: {block_n=} N={ns} "
+            f"(weights[{i}])")
+  kmin = 16 if fmt == "bf16" else 64
+  C.check(C.is_pow2(block_k) and block_k >= kmin and k % block_k == 0,
+          f"block_k must be a power of two >= {kmin} dividing K: {block_k=} {k=}")
+  return m, k, tuple(ns)
+
+
+def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode, layout,
+                       method):
+  """Programs [starts[i], starts[i+1]) compute BN-row tiles of matrix i into output i.
+
+  refs (bf16): x [M, K], w_0..w_{n-1} [N_i, K], o_0..o_{n-1} [M, N_i].
+  refs (nvfp4): x view [M, K/64, 2, 2, 16], (codes, scales) views per matrix, s2 [n] f32,
+  o_0..o_{n-1}.
+  """
+  pid = pl.program_id(0)
+  x_ref = refs[0]
+  if fmt == "bf16":
+    w_refs = [(r,) for r in refs[1:1 + n_mats]]
+    s2_ref = None
+  else:
+    w_refs = [tuple(refs[1 + 2 * i:3 + 2 * i]) for i in range(n_mats)]
+    s2_ref = refs[1 + 2 * n_mats]
+  o_refs = refs[len(refs) - n_mats:]
+
+  def matrix(i):
+    n0 = pl.multiple_of((pid - starts[i]) * bn, bn)
+    if fmt == "bf16":
+      (w_ref,) = w_refs[i]
+
+      def body(j, acc):
+        k0 = pl.multiple_of(j * bk, bk)
+        xt = C.load_x(x_ref, (), m, mp, pl.ds(k0, bk), method)  # [Mp, BK] ([BK] for reduce)
+        w = w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]                # [BN, BK]
+        return acc + C.mm_tile(xt, w, method)
+    else:
+      q_ref, s_ref = w_refs[i]
+      nb = bk // 64
+
+      def body(j, acc):
+        b0 = pl.multiple_of(j * nb, nb)
+        return acc + NV.nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb,
+                                       decode=decode, layout=layout, method=method)
+
+    acc = lax.fori_loop(0, n_iter, body, jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32))
+    if fmt == "nvfp4":
+      acc = acc * (s2_ref[i] * NV.decode_factor(decode))
+    C.store_tile(o_refs[i], (), acc, n0, bn, m, mp, method)
+
+  for i in range(n_mats):
+    if n_mats == 1:
+      matrix(i)
+    elif i == 0:
+      pl.when(pid < starts[1])(functools.partial(matrix, i))
+    elif i == n_mats - 1:
+      pl.when(pid >= starts[i])(functools.partial(matrix, i))
+    else:
+      pl.when((pid >= starts[i]) & (pid < starts[i + 1]))(functools.partial(matrix, i))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "out_dtype", "block_n", "block_k", "method", "decode", "layout", "num_warps", "num_stages",
+    "interpret"))
+def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
+               block_k: int | None = None, method: str | None = None, decode: str = "asm",
+               layout: str = "tile", num_warps: int | None = None, num_stages: int = 3,
+               interpret: bool = False):
+  """(y_0, ..., y_{n-1}), y_i[M, N_i] = out_dtype(x @ W_i^T [* weight_scale_2_i]), one kernel.
+
+  weights: tuple of 1..4 bf16 [N_i, K] arrays, or tuple of 1..4 ``NVFP4Weight``. ``method``:
+  "dot" / "swap" / "reduce" (M == 1), default ``gemv.default_method`` (bf16) or
+  ``nvfp4_gemv.default_method`` (NVFP4). ``decode`` / ``layout``: NVFP4 only (see
+  ``nvfp4_gemv``; ``decode="asm"`` falls back to ``"fp8"`` in interpret mode). Block defaults:
+  ``default_multi_gemv_blocks`` (not yet measured for the fused kernel).
+  """
+  fmt = _format(weights)
+  C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
+  m, k = x.shape
+  ns = tuple(_n_rows(w, fmt) for w in weights)
+  dbn, dbk, dwarps = default_multi_gemv_blocks(ns, k, m=m, fmt=fmt)
+  block_n, block_k = block_n or dbn, block_k or dbk
+  num_warps = num_warps or dwarps
+  m, k, ns = _validate(x, weights, fmt, block_n, block_k)
+  if fmt == "bf16":
+    method = method or G.default_method(m)
+  else:
+    C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}, got {layout=}")
+    decode = NV.resolve_decode(decode, interpret)
+    method = method or NV.default_method(m)
+  C.check_method(method, m)
+  mp = C.pad_rows(m)
+  n_mats = len(weights)
+  starts = tuple(sum(ns[:i]) // block_n for i in range(n_mats + 1))
+
+  if fmt == "bf16":
+    args = (x, *weights)
+    tag = f"bf16_{method}"
+  else:
+    args = [NV.x_view(x)]
+    for w in weights:
+      args += NV.nvfp4_views(w[0], w[1])
+    args.append(jnp.stack([jnp.asarray(w[2], jnp.float32).reshape(()) for w in weights]))
+    tag = f"nvfp4_{method}_{decode}_{layout}"
+  kernel = functools.partial(_multi_gemv_kernel, fmt=fmt, n_mats=n_mats, starts=starts, m=m,
+                             mp=mp, bn=block_n, bk=block_k, n_iter=k // block_k, decode=decode,
+                             layout=layout, method=method)
+  out_shape = tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns)
+  return tuple(pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(starts[-1],),
+      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      name=f"flint_multi_gemv{n_mats}_{tag}_bn{block_n}_bk{block_k}",
+  )(*args))
+
+
+def multi_gemv_reference(x, weights, *, out_dtype=jnp.bfloat16, **unused_tuning):
+  """Plain jnp: per matrix the fp32 dot (NVFP4: exact dequantisation, times weight_scale_2),
+  rounded once to ``out_dtype``; returns a tuple."""
+  del unused_tuning
+  fmt = _format(weights)
+  if fmt == "bf16":
+    return tuple(G.gemv_reference(x, w, out_dtype=out_dtype) for w in weights)
+  return tuple(NV.nvfp4_gemv_reference(x, *w, out_dtype=out_dtype) for w in weights)

@@ -1,0 +1,162 @@
+"""multi_gemv (fused q|k|v GEMVs sharing x) vs its reference and vs per-matrix gemv / nvfp4_gemv.
+
+Interpret mode starts every Pallas output as NaN, so a row block that no program writes (a wrong
+branch range) fails the finiteness check of ``assert_close``. The NVFP4 ``asm`` decode runs only
+compiled on a GPU (interpret mode falls back to ``fp8``).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax.pallas import (gemv, multi_gemv, multi_gemv_reference, nvfp4_gemv,
+                              nvfp4_gemv_reference)
+from flint_jax.pallas.multi_gemv import default_multi_gemv_blocks
+from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
+
+INTERPRET = jax.default_backend() == "cpu"
+DECODE = "fp8" if INTERPRET else "asm"
+
+
+def bf16_weights(g, ns, k):
+  return tuple(randn(g, (n, k), scale=(i + 1) * k ** -0.5) for i, n in enumerate(ns))
+
+
+def nvfp4_weights(g, ns, k):
+  # Distinct tensor scales per matrix: a swapped weight_scale_2 index shows up as an error.
+  return tuple(random_nvfp4(g, (n, k), scale_2=(i + 1) * k ** -0.5) for i, n in enumerate(ns))
+
+
+def check_all(out, ref, ns, m, what):
+  assert isinstance(out, tuple) and len(out) == len(ns), f"{what}: {type(out)} {len(out)}"
+  for i, (o, r) in enumerate(zip(out, ref)):
+    assert o.shape == (m, ns[i]), f"{what}[{i}]: shape {o.shape}"
+    assert_close(o, r, what=f"{what}[{i}]")
+
+
+@pytest.mark.parametrize("m,ns,k,kw", [
+    (1, (256, 64, 64), 256, {}),                                   # default swap
+    (1, (128, 64), 128, dict(method="reduce")),
+    (1, (128, 64), 256, dict(method="dot", block_k=64)),
+    (3, (256, 64, 64), 128, {}),                                   # odd M
+    (3, (128, 64), 256, dict(method="swap", block_n=32)),
+    (8, (256, 64, 64), 256, {}),
+    (16, (128, 64), 128, {}),
+    (16, (256, 64, 64), 256, dict(method="swap")),
+    (5, (64, 32, 32, 16), 192, {}),                                # 4 matrices, K not pow2
+    (2, (96,), 128, dict(block_n=32)),                             # 1 matrix, 3 blocks
+])
+def test_multi_gemv_bf16(m, ns, k, kw):
+  g = rng("bf16", m, ns, k, kw)
+  x = randn(g, (m, k))
+  ws = bf16_weights(g, ns, k)
+  out = multi_gemv(x, ws, interpret=INTERPRET, **kw)
+  check_all(out, multi_gemv_reference(x, ws), ns, m, "multi_gemv bf16")
+
+
+@pytest.mark.parametrize("m,ns,k,kw", [
+    (1, (256, 64, 64), 256, {}),                                   # default reduce
+    (1, (128, 64), 128, dict(method="swap")),
+    (1, (128, 64), 256, dict(layout="chunk", block_k=64)),
+    (3, (256, 64, 64), 128, {}),                                   # odd M
+    (3, (128, 64), 256, dict(layout="chunk", block_n=32, block_k=128)),
+    (8, (256, 64, 64), 256, {}),
+    (16, (128, 64), 128, dict(method="swap")),
+    (16, (256, 64, 64), 256, {}),
+    (5, (64, 32, 32, 16), 192, {}),                                # 4 matrices, K = 3 * 64
+])
+def test_multi_gemv_nvfp4(m, ns, k, kw):
+  g = rng("nvfp4", m, ns, k, kw)
+  x = randn(g, (m, k))
+  ws = nvfp4_weights(g, ns, k)
+  out = multi_gemv(x, ws, decode=DECODE, interpret=INTERPRET, **kw)
+  check_all(out, multi_gemv_reference(x, ws), ns, m, "multi_gemv nvfp4")
+
+
+def test_multi_gemv_f32_out():
+  g = rng("f32")
+  x = randn(g, (4, 128))
+  ws = bf16_weights(g, (64, 32), 128)
+  out = multi_gemv(x, ws, out_dtype=jnp.float32, interpret=INTERPRET)
+  check_all(out, multi_gemv_reference(x, ws, out_dtype=jnp.float32), (64, 32), 4, "f32 out")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_multi_gemv_flint_qkv(fmt):
+  """Flint's q|k|v at M = 1: K = 2048, N = 4096, 512, 512, default blocks."""
+  ns, k = (4096, 512, 512), 2048
+  g = rng("flint", fmt)
+  x = randn(g, (1, k))
+  ws = bf16_weights(g, ns, k) if fmt == "bf16" else nvfp4_weights(g, ns, k)
+  out = multi_gemv(x, ws, decode=DECODE, interpret=INTERPRET)
+  check_all(out, multi_gemv_reference(x, ws), ns, 1, f"flint qkv {fmt}")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m,method", [(1, None), (1, "dot"), (8, None), (8, "swap")])
+def test_matches_single_matrix_kernels(fmt, m, method):
+  """Bit-compatible with gemv / nvfp4_gemv per matrix for the same tile knobs (split_k=1)."""
+  ns, k = (256, 64, 64), 256
+  g = rng("single", fmt, m, method)
+  x = randn(g, (m, k))
+  bn, bk, warps = default_multi_gemv_blocks(ns, k, m=m, fmt=fmt)
+  knobs = dict(block_n=bn, block_k=bk, method=method, num_warps=warps, interpret=INTERPRET)
+  if fmt == "bf16":
+    ws = bf16_weights(g, ns, k)
+    single = [gemv(x, w, split_k=1, **knobs) for w in ws]
+  else:
+    ws = nvfp4_weights(g, ns, k)
+    single = [nvfp4_gemv(x, *w, split_k=1, decode=DECODE, **knobs) for w in ws]
+  out = multi_gemv(x, ws, decode=DECODE, **knobs)
+  for i, (o, s) in enumerate(zip(out, single)):
+    assert_close(o, s, what=f"vs single [{i}]")
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(s, np.float32),
+                                  err_msg=f"{fmt} matrix {i}: not bit-equal to the single kernel")
+
+
+def test_default_blocks():
+  # q_proj-sized defaults, block_n lowered to divide every N_i.
+  assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=1) == (64, 256, 4)
+  assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=8) == (64, 256, 4)
+  assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=1, fmt="nvfp4") == (32, 512, 4)
+  assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=8, fmt="nvfp4") == (64, 256, 4)
+  assert default_multi_gemv_blocks((4096, 48), 2048, m=1)[0] == 16
+
+
+def test_multi_gemv_rejects_bad_inputs():
+  g = rng("bad")
+  x = randn(g, (2, 128))
+  w = randn(g, (64, 128))
+  nw = random_nvfp4(g, (64, 128))
+  with pytest.raises(ValueError, match="K shared"):
+    multi_gemv(x, (w, randn(g, (64, 256))), interpret=True)
+  with pytest.raises(ValueError, match="K shared"):
+    multi_gemv(x, (nw, random_nvfp4(g, (64, 256))), interpret=True)
+  with pytest.raises(ValueError, match="mix formats"):
+    multi_gemv(x, (w, nw), interpret=True)
+  with pytest.raises(ValueError, match="rows"):
+    multi_gemv(randn(g, (17, 128)), (w, w), interpret=True)
+  with pytest.raises(ValueError, match="block_n"):
+    multi_gemv(x, (w, randn(g, (40, 128))), block_n=16, interpret=True)
+  with pytest.raises(ValueError, match="1..4"):
+    multi_gemv(x, (w,) * 5, interpret=True)
+  with pytest.raises(ValueError, match="1..4"):
+    multi_gemv(x, (), interpret=True)
+  with pytest.raises(ValueError, match="wrap"):
+    multi_gemv(x, nw, interpret=True)
+  with pytest.raises(ValueError, match="dtype"):
+    multi_gemv(x, (w, w.astype(jnp.float32)), interpret=True)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    multi_gemv(randn(g, (2, 96)), (random_nvfp4(g, (32, 96)),), interpret=True)
+  with pytest.raises(ValueError, match="reduce"):
+    multi_gemv(x, (w,), method="reduce", interpret=True)
+
+
+def test_reference_matches_per_matrix():
+  g = rng("ref")
+  x = randn(g, (3, 128))
+  ws = nvfp4_weights(g, (64, 32), 128)
+  for r, w in zip(multi_gemv_reference(x, ws), ws):
+    np.testing.assert_array_equal(np.asarray(r, np.float32),
+                                  np.asarray(nvfp4_gemv_reference(x, *w), np.float32))

@@ -169,6 +169,12 @@ def _factor(fmt, decode):
   return 1.0 if fmt == "bf16" else NV.decode_factor(decode)
 
 
+def _scalar_f32(v):
+  """A tensor scale as an f32 [1] kernel input (a free reshape of an f32 scalar: no XLA op, unlike
+  stacking several scales into one array)."""
+  return jnp.asarray(v, jnp.float32).reshape(1)
+
+
 def _weight_args(fmt, w, name):
   """Kernel inputs for one weight: bf16 -> [w]; nvfp4 -> [codes view, scales view]."""
   if fmt == "bf16":
@@ -264,8 +270,8 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     ag, au = gemv2(wg, wu, (), j * bn, j * bn, fs, bk_s)
     if fs == "nvfp4":
       f = NV.decode_factor(decode)
-      ag = ag * (r["s_s2"][0] * f)
-      au = au * (r["s_s2"][1] * f)
+      ag = ag * (r["sg_s2"][0] * f)
+      au = au * (r["su_s2"][0] * f)
     C.store_tile(r["hs"], (), C.silu_mul_f32(ag, au), j * bn, bn, m, mp, method)
 
   lax.cond(pid < n_routed, routed, shared)
@@ -290,7 +296,7 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
         0, inter_s // bk_s,
         lambda i, a: a + _tile_dot(fs, hs, (), m, mp, wsd, (), n0, bn, i, bk_s, **kw), zeros)
     if fs == "nvfp4":
-      acc = acc * (r["s_s2"][2] * NV.decode_factor(decode))
+      acc = acc * (r["sd_s2"][0] * NV.decode_factor(decode))
     return acc.astype(dt)
 
   def slot_y(u):    # y_k = bf16(h_u . Wd_e^T * scale_2[e])
@@ -414,10 +420,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     names += ["sg_w", "su_w"]
     args += [shared["gate_proj"], shared["up_proj"]]
   else:
-    names += ["sg_q", "sg_s", "su_q", "su_s", "s_s2"]
+    names += ["sg_q", "sg_s", "su_q", "su_s", "sg_s2", "su_s2"]
     args += _weight_args(fs, shared["gate_proj"], "") + _weight_args(fs, shared["up_proj"], "")
-    args += [jnp.stack([jnp.asarray(shared[k][2], jnp.float32).reshape(())
-                        for k in ("gate_proj", "up_proj", "down_proj")])]
+    args += [_scalar_f32(shared["gate_proj"][2]), _scalar_f32(shared["up_proj"][2])]
   names += ["h", "hs"]
   kernel = functools.partial(
       _gate_up_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn, bk=bk,
@@ -447,10 +452,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     names += ["sd_w"]
     args += [shared["down_proj"]]
   else:
-    names += ["sd_q", "sd_s", "s_s2"]
-    args += _weight_args(fs, shared["down_proj"], "")
-    args += [jnp.stack([jnp.asarray(shared[k][2], jnp.float32).reshape(())
-                        for k in ("gate_proj", "up_proj", "down_proj")])]
+    names += ["sd_q", "sd_s", "sd_s2"]
+    args += _weight_args(fs, shared["down_proj"], "") + [_scalar_f32(shared["down_proj"][2])]
   names += ["out"]
   kernel = functools.partial(
       _down_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn_dn,

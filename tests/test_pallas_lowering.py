@@ -111,6 +111,8 @@ def test_moe_routed_lowers(fmt, m):
   lower(moe_decode_routed, S((m, D), BF), S((m, E), F32), experts, shared)
   lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 6 + 1, m, D), BF), S((m, E), F32),
         S((D,), BF))
+  lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 6 + 1, m, D), BF), S((m, 200), F32),
+        S((D,), BF))   # E not a power of two: masked logits load
   text = lower(moe_block_add_rms_norm, S((m, D), BF), S((m, D), BF), S((E, D), F32), experts,
                shared, S((D,), BF))
   assert text.count("__gpu$xla.gpu.triton") == 3

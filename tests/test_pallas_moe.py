@@ -157,7 +157,7 @@ def _routed_case(fmt, m, e, top_k, d, inter, inter_s, ties, *params):
   gen = rng("routed", fmt, m, e, top_k, d, inter, inter_s, ties, *params)
   experts, shared = make_weights(fmt, e, d, inter, inter_s, gen)
   x = randn(gen, (m, d))
-  # logits ~ N(0, 1), as a trained router's: |logit| > 16.6 rounds sigmoid to 1.0 in fp32, where
+  # logits ~ N(0, 1), as a trained router's: logits above ~17 round sigmoid to 1.0 in fp32, where
   # moe_route's top-k of the scores breaks the tie by index (see moe_route_from_logits)
   router = randn(gen, (e, d), jnp.float32, d ** -0.5)
   if ties:

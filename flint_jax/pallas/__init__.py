@@ -8,7 +8,7 @@ numerical contract of the kernel and the XLA fallback):
 | ``gemv`` | ``gemv``, ``gemv_silu_mul``: bf16 small-batch GEMV, fused gate/up + SiLU |
 | ``nvfp4_gemv`` | ``nvfp4_gemv``, ``nvfp4_gemv_silu_mul``: W4A16 GEMV on the half-split layout |
 | ``moe`` | ``moe_route`` (XLA), ``moe_decode``, ``moe_block``: expert-indexed MoE decode; |
-| | ``moe_decode_routed`` + ``moe_combine_add_rms_norm`` (``moe_block_add_rms_norm``): routed in-kernel |
+| | ``moe_block_add_rms_norm``: routing in-kernel + fused combine/add/norm (4 launches) |
 | ``decode_attention`` | ``decode_attention``: split-KV sink-softmax attention, full or ring cache |
 | ``qk_norm_rope`` | ``qk_norm_rope``: per-head q/k RMSNorm + NeoX RoPE + KV-cache write |
 | ``add_rms_norm`` | ``add_rms_norm``, ``rms_norm`` |

@@ -41,6 +41,26 @@ at the number of distinct experts. De-duplicated sums run in slot (expert id) or
 top-k order: the fp32 result can differ in the last bit, so ``dedupe=False`` is the bit-faithful
 mode.
 
+Routed path, 4 launches per MoE layer (``moe_block_add_rms_norm``; the old path above is
+``moe_route`` 3-4 XLA kernels + ``moe_slots`` 1-2 + 2 Pallas + 1 XLA combine + ``add_rms_norm``):
+
+1. ``moe_router_logits``: ``f32(x) . f32(W_router)^T`` [M, E], one XLA dot (precision HIGHEST;
+   the cast of x to f32 is an elementwise producer XLA may or may not fuse into the dot).
+2. + 3. ``moe_decode_routed``: the same gate_up and down (split) kernels, but every program
+   computes its slot's expert id from the logits row of its token (``_topk_logits``: repeated
+   max + lowest-index argmax over E (padded to a power of two), the set and order of
+   ``lax.top_k``; sigmoid is monotonic, so no sigmoid is needed for the ids). No
+   de-duplication: slot u = t * top_k + j is token t's j-th expert, all U = M * top_k slots
+   live. Returns y [U + 1, M, D] bf16 (last = shared expert).
+4. ``moe_combine_add_rms_norm``: one program per token recomputes the top-k logits, the
+   weights w_j = sigmoid(l_j) / sum sigmoid (fp32), ``moe = bf16(sum_j w_j y_j + y_s)`` in top-k
+   order, ``s = bf16(h + moe)`` and ``x_next`` with ``add_rms_norm``'s formula; returns (s, x_next).
+
+The routed path selects by ``lax.top_k`` of the *logits* (``moe_route_from_logits``), the old path
+by ``lax.top_k`` of the sigmoid *scores*: identical except where fp32 sigmoid maps distinct
+logits to one value (logits above ~17 all round to 1.0; adjacent-ulp logits), where the old path
+breaks the tie by index and the routed path keeps the logit order (the exact order).
+
 Expert weights (``experts`` dict), either
   BF16:  ``gate_up_proj`` [E, 2I, D] (gate rows first), ``down_proj`` [E, D, I]
   NVFP4: ``gate_up_qweight`` [E, 2I, D/2], ``gate_up_weight_scale`` [E, 2I, D/16],

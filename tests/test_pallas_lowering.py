@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from flint_jax.pallas import (add_rms_norm, decode_attention, gemv, gemv_silu_mul, moe_decode,
-                              multi_gemv, nvfp4_gemv, nvfp4_gemv_silu_mul, qk_norm_rope,
-                              rms_norm)
+from flint_jax.pallas import (add_rms_norm, decode_attention, gemv, gemv_silu_mul,
+                              moe_block_add_rms_norm, moe_combine_add_rms_norm, moe_decode,
+                              moe_decode_routed, multi_gemv, nvfp4_gemv, nvfp4_gemv_silu_mul,
+                              qk_norm_rope, rms_norm)
 from flint_jax.pallas.nvfp4_gemv import NVFP4Weight
 from flint_jax.pallas.testing import lower_for_h200
 
@@ -31,6 +32,7 @@ def lower(fn, *args):
     warnings.simplefilter("ignore", DeprecationWarning)
     lowered = lower_for_h200(fn, *args)
   assert "__gpu$xla.gpu.triton" in lowered.as_text()
+  return lowered.as_text()
 
 
 GEMV_SHAPES = [(4096, D), (512, D), (D, 4096), (D, DENSE), (V, D)]
@@ -98,10 +100,7 @@ def test_multi_gemv_methods_lower(fmt, m, method):
     lower(functools.partial(multi_gemv, method=method, layout="chunk"), S((m, D), BF), ws)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m", [1, 8])
-@pytest.mark.parametrize("down_split", [True, False])
-def test_moe_lowers(fmt, m, down_split):
+def moe_weights(fmt):
   if fmt == "bf16":
     experts = dict(gate_up_proj=S((E, 2 * I, D), BF), down_proj=S((E, D, I), BF))
     shared = dict(gate_proj=S((IS, D), BF), up_proj=S((IS, D), BF), down_proj=S((D, IS), BF))
@@ -112,8 +111,35 @@ def test_moe_lowers(fmt, m, down_split):
                    gate_up_weight_scale_2=S((E, 2), F32), down_qweight=dn.qweight,
                    down_weight_scale=dn.weight_scale, down_weight_scale_2=S((E,), F32))
     shared = dict(gate_proj=nv(IS, D), up_proj=nv(IS, D), down_proj=nv(D, IS))
+  return experts, shared
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("down_split", [True, False])
+def test_moe_lowers(fmt, m, down_split):
+  experts, shared = moe_weights(fmt)
   lower(functools.partial(moe_decode, down_split=down_split), S((m, D), BF), S((m, 6), I32),
         S((m, 6), F32), experts, shared)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 8])
+def test_moe_routed_lowers(fmt, m):
+  """The routed path's kernels, separately and composed: the composed MoE layer (router logits
+  through the next block's normalised input) is 3 Triton kernels and one XLA dot."""
+  experts, shared = moe_weights(fmt)
+  lower(moe_decode_routed, S((m, D), BF), S((m, E), F32), experts, shared)
+  lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 6 + 1, m, D), BF), S((m, E), F32),
+        S((D,), BF))
+  lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 6 + 1, m, D), BF), S((m, 200), F32),
+        S((D,), BF))   # E not a power of two: masked logits load
+  text = lower(moe_block_add_rms_norm, S((m, D), BF), S((m, D), BF), S((E, D), F32), experts,
+               shared, S((D,), BF))
+  assert text.count("__gpu$xla.gpu.triton") == 3
+  assert text.count("stablehlo.dot_general") == 1
+  for op in ("concatenate", "gather", "sort", "top_k", "reduce", "select", "scatter"):
+    assert f"stablehlo.{op}" not in text and f"chlo.{op}" not in text, op
 
 
 @pytest.mark.parametrize("b", [1, 8])

@@ -1,16 +1,27 @@
 """moe_decode (and routing / slot building) vs the token-by-token reference, BF16 and NVFP4."""
 
+import functools
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
-from flint_jax.pallas import moe_block, moe_block_reference, moe_decode, moe_decode_reference
+from flint_jax.pallas import (add_rms_norm_reference, moe_block, moe_block_add_rms_norm,
+                              moe_block_add_rms_norm_reference, moe_block_reference,
+                              moe_combine_add_rms_norm, moe_combine_add_rms_norm_reference,
+                              moe_decode, moe_decode_reference, moe_decode_routed,
+                              moe_decode_routed_reference, moe_route_from_logits,
+                              moe_router_logits)
+from flint_jax.pallas import _common as C
 from flint_jax.pallas.moe import moe_route, moe_slots
 from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
 
 INTERPRET = jax.default_backend() == "cpu"
 DECODE = "fp8" if INTERPRET else "asm"
+moe_mod = sys.modules["flint_jax.pallas.moe"]
 
 
 def make_weights(fmt, e, d, inter, inter_s, gen):
@@ -89,3 +100,161 @@ def test_moe_block_flint_size(fmt, m):
   router = randn(gen, (e, d), jnp.float32, d ** -0.5)
   out = moe_block(x, router, experts, shared, decode=DECODE, interpret=INTERPRET)
   assert_close(out, moe_block_reference(x, router, experts, shared), what=f"moe {fmt}")
+
+
+# ------------------------------------------------------------------------------------------
+# Routed path: expert ids from the router logits inside the kernels, fused combine + add + norm
+
+
+def _topk_ids_kernel(l_ref, ids_ref, vals_ref, *, top_k, n_exp, ep):
+  t = pl.program_id(0)
+  for j, (idx, v) in enumerate(moe_mod._topk_logits(l_ref, t, top_k, n_exp, ep)):
+    ids_ref[t, j] = idx
+    vals_ref[t, j] = v
+
+
+def kernel_topk(logits, top_k):
+  """The in-kernel top-k of moe_decode_routed / moe_combine_add_rms_norm, as (ids, logits)."""
+  m, e = logits.shape
+  kern = functools.partial(_topk_ids_kernel, top_k=top_k, n_exp=e, ep=C.next_pow2(e))
+  return pl.pallas_call(
+      kern, grid=(m,), interpret=True,
+      out_shape=(jax.ShapeDtypeStruct((m, top_k), jnp.int32),
+                 jax.ShapeDtypeStruct((m, top_k), jnp.float32)))(logits)
+
+
+def tie_logits(gen, m, e):
+  """Logits with many exact ties (values from a 3-level set, a row of all-equal logits, -inf)."""
+  lg = gen.integers(0, 3, (m, e)).astype(np.float32) * 0.5 - 0.5
+  lg[0] = 0.25
+  if m > 1:
+    lg[1, ::3] = -np.inf
+  return jnp.asarray(lg)
+
+
+@pytest.mark.parametrize("m,e,top_k,ties", [(1, 16, 6, False), (3, 20, 4, False),
+                                            (8, 256, 6, False), (16, 32, 2, False),
+                                            (5, 16, 6, True), (8, 20, 5, True),
+                                            (2, 256, 6, True)])
+def test_topk_logits_matches_lax_top_k(m, e, top_k, ties):
+  """In-kernel ids (and order) == lax.top_k's, lowest index first among equal logits; == the
+  ids of moe_route (top-k of the sigmoid scores) when sigmoid keeps the logits distinct."""
+  gen = rng("topk", m, e, top_k, ties)
+  lg = tie_logits(gen, m, e) if ties else randn(gen, (m, e), jnp.float32, 2.0)
+  ids, vals = kernel_topk(lg, top_k)
+  want_v, want_ids = jax.lax.top_k(lg, top_k)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+  np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_v))
+  np.testing.assert_array_equal(np.asarray(moe_route_from_logits(lg, top_k=top_k)[0]),
+                                np.asarray(want_ids))
+  if ties:   # lowest index first, explicitly: the all-equal row picks 0, 1, ..., k-1
+    np.testing.assert_array_equal(np.asarray(ids)[0], np.arange(top_k))
+  _, want_sig = jax.lax.top_k(jax.nn.sigmoid(lg), top_k)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_sig))
+
+
+def _routed_case(fmt, m, e, top_k, d, inter, inter_s, ties, *params):
+  gen = rng("routed", fmt, m, e, top_k, d, inter, inter_s, ties, *params)
+  experts, shared = make_weights(fmt, e, d, inter, inter_s, gen)
+  x = randn(gen, (m, d))
+  # logits ~ N(0, 1), as a trained router's: logits above ~17 round sigmoid to 1.0 in fp32, where
+  # moe_route's top-k of the scores breaks the tie by index (see moe_route_from_logits)
+  router = randn(gen, (e, d), jnp.float32, d ** -0.5)
+  if ties:
+    logits = tie_logits(gen, m, e)
+  else:
+    logits = moe_router_logits(x, router)
+  return gen, experts, shared, x, router, logits
+
+
+@pytest.mark.parametrize("fmt,m,e,top_k,d,inter,inter_s,ties", [
+    ("bf16", 1, 16, 6, 128, 64, 128, False),
+    ("bf16", 3, 20, 4, 256, 64, 128, True),     # E not a power of two, tied logits
+    ("nvfp4", 1, 16, 6, 128, 64, 128, False),   # reduce tiles
+    ("nvfp4", 2, 32, 3, 256, 128, 64, True),
+    ("mixed", 8, 16, 2, 128, 64, 128, False),   # tokens share experts: no de-duplication
+    ("bf16", 16, 16, 2, 128, 64, 64, False),
+])
+def test_moe_decode_routed(fmt, m, e, top_k, d, inter, inter_s, ties):
+  """Every slot's output (all M token rows) vs the reference routed by lax.top_k of the logits:
+  a wrong expert id in either kernel changes whole rows of y."""
+  _, experts, shared, x, _, logits = _routed_case(fmt, m, e, top_k, d, inter, inter_s, ties)
+  y = moe_decode_routed(x, logits, experts, shared, top_k=top_k, decode=DECODE,
+                        interpret=INTERPRET)
+  ref = moe_decode_routed_reference(x, logits, experts, shared, top_k=top_k)
+  assert y.shape == (m * top_k + 1, m, d)
+  assert_close(y, ref, what=f"moe routed {fmt}")
+
+
+@pytest.mark.parametrize("m,e,top_k,d,ties", [(1, 16, 6, 256, False), (3, 20, 4, 300, True),
+                                              (8, 256, 6, 2048, False), (16, 32, 2, 128, True)])
+def test_moe_combine_add_rms_norm(m, e, top_k, d, ties):
+  """The fused combine + residual add + RMSNorm vs its reference on random expert outputs."""
+  gen = rng("combine", m, e, top_k, d, ties)
+  y = randn(gen, (m * top_k + 1, m, d))
+  lg = tie_logits(gen, m, e) if ties else randn(gen, (m, e), jnp.float32, 2.0)
+  h = randn(gen, (m, d), scale=4.0)
+  w = randn(gen, (d,), scale=0.3) + 1
+  s, xn = moe_combine_add_rms_norm(h, y, lg, w, top_k=top_k, interpret=INTERPRET)
+  s_ref, xn_ref = moe_combine_add_rms_norm_reference(h, y, lg, w, top_k=top_k)
+  assert_close(s, s_ref, what="s")
+  assert_close(xn, xn_ref, what="x_next")
+  # the combine alone, written out: moe = bf16(sum_j w_j y[t*k+j, t] + y[-1, t]) in top-k order
+  sig = jax.nn.sigmoid(jax.lax.top_k(lg, top_k)[0])
+  wt = np.asarray(sig / jnp.sum(sig, -1, keepdims=True))
+  y32 = np.asarray(y, np.float32)
+  moe = np.stack([sum(wt[t, j] * y32[t * top_k + j, t] for j in range(top_k)) + y32[-1, t]
+                  for t in range(m)])
+  s_np = np.asarray(h, np.float32) + np.asarray(jnp.asarray(moe, jnp.bfloat16), np.float32)
+  assert_close(s, jnp.asarray(s_np, jnp.bfloat16), what="s vs numpy")
+
+
+@pytest.mark.parametrize("fmt,m,e,top_k,d,inter,inter_s", [
+    ("bf16", 1, 16, 6, 128, 64, 128),
+    ("bf16", 3, 32, 6, 256, 64, 128),
+    ("nvfp4", 2, 16, 4, 128, 64, 128),
+    ("nvfp4", 8, 16, 2, 128, 64, 64),
+    ("mixed", 3, 20, 6, 128, 64, 128),
+])
+def test_moe_block_add_rms_norm(fmt, m, e, top_k, d, inter, inter_s):
+  """The 4-launch path vs moe_block_reference followed by add_rms_norm_reference."""
+  gen, experts, shared, x, router, _ = _routed_case(fmt, m, e, top_k, d, inter, inter_s, False,
+                                                    "block")
+  h = randn(gen, (m, d), scale=4.0)
+  w = randn(gen, (d,), scale=0.3) + 1
+  s, xn = moe_block_add_rms_norm(x, h, router, experts, shared, w, top_k=top_k, decode=DECODE,
+                                 interpret=INTERPRET)
+  y_ref = moe_block_reference(x, router, experts, shared, top_k=top_k)
+  s_ref, xn_ref = add_rms_norm_reference(h, y_ref, w)
+  ref2 = moe_block_add_rms_norm_reference(x, h, router, experts, shared, w, top_k=top_k)
+  np.testing.assert_array_equal(np.asarray(s_ref, np.float32), np.asarray(ref2[0], np.float32))
+  assert_close(s, s_ref, what=f"s {fmt}")
+  assert_close(xn, xn_ref, what=f"x_next {fmt}")
+
+
+@pytest.mark.parametrize("fmt,m", [("bf16", 1), ("nvfp4", 1), ("bf16", 8), ("nvfp4", 8)])
+def test_moe_block_add_rms_norm_flint_size(fmt, m):
+  """Flint sizes (E=256, top-6, D=2048, I=512, I_s=1024). In interpret mode only bf16 M=1 runs
+  (~12 s, 2.5 GB: cheap integer-valued weights); the rest needs a GPU."""
+  if INTERPRET and (fmt, m) != ("bf16", 1):
+    pytest.skip("Flint-sized NVFP4 / M=8 MoE is slow in interpret mode")
+  e, d, inter, inter_s = 256, 2048, 512, 1024
+  gen = rng("flint-routed", fmt, m)
+  if fmt == "bf16":
+    def ri(shape, scale):   # integer-valued bf16 weights: 20x faster to draw than normals
+      q = jnp.asarray(gen.integers(-8, 9, shape, dtype=np.int8))
+      return q.astype(jnp.bfloat16) * jnp.bfloat16(scale / 5)
+    experts = dict(gate_up_proj=ri((e, 2 * inter, d), 2 * d ** -0.5),
+                   down_proj=ri((e, d, inter), inter ** -0.5))
+    _, shared = make_weights("bf16", 1, d, 64, inter_s, gen)
+  else:
+    experts, shared = make_weights(fmt, e, d, inter, inter_s, gen)
+  x = randn(gen, (m, d))
+  h = randn(gen, (m, d), scale=4.0)
+  router = randn(gen, (e, d), jnp.float32, d ** -0.5)
+  w = randn(gen, (d,), scale=0.3) + 1
+  s, xn = moe_block_add_rms_norm(x, h, router, experts, shared, w, decode=DECODE,
+                                 interpret=INTERPRET)
+  s_ref, xn_ref = moe_block_add_rms_norm_reference(x, h, router, experts, shared, w)
+  assert_close(s, s_ref, what=f"s {fmt}")
+  assert_close(xn, xn_ref, what=f"x_next {fmt}")

@@ -8,7 +8,8 @@ numerical contract of the kernel and the XLA fallback):
 | ``gemv`` | ``gemv``, ``gemv_silu_mul``: bf16 small-batch GEMV, fused gate/up + SiLU |
 | ``multi_gemv`` | ``multi_gemv``: 1-4 GEMVs sharing x (fused q, k, v), bf16 or NVFP4 |
 | ``nvfp4_gemv`` | ``nvfp4_gemv``, ``nvfp4_gemv_silu_mul``: W4A16 GEMV on the half-split layout |
-| ``moe`` | ``moe_route`` (XLA), ``moe_decode``, ``moe_block``: expert-indexed MoE decode |
+| ``moe`` | ``moe_route`` (XLA), ``moe_decode``, ``moe_block``: expert-indexed MoE decode; |
+| | ``moe_block_add_rms_norm``: routing in-kernel + fused combine/add/norm (4 launches) |
 | ``decode_attention`` | ``decode_attention``: split-KV sink-softmax attention, full or ring cache |
 | ``qk_norm_rope`` | ``qk_norm_rope``: per-head q/k RMSNorm + NeoX RoPE + KV-cache write |
 | ``add_rms_norm`` | ``add_rms_norm``, ``rms_norm`` |
@@ -20,8 +21,12 @@ Measurements and the tuning log live in ``docs/kernels.md``.
 from flint_jax.pallas.add_rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from flint_jax.pallas.decode_attention import decode_attention, decode_attention_reference
 from flint_jax.pallas.gemv import gemv, gemv_reference, gemv_silu_mul, gemv_silu_mul_reference
-from flint_jax.pallas.moe import (moe_block, moe_block_reference, moe_decode,
-                                  moe_decode_reference, moe_route, moe_slots)
+from flint_jax.pallas.moe import (moe_block, moe_block_add_rms_norm,
+                                  moe_block_add_rms_norm_reference, moe_block_reference,
+                                  moe_combine_add_rms_norm, moe_combine_add_rms_norm_reference,
+                                  moe_decode, moe_decode_reference, moe_decode_routed,
+                                  moe_decode_routed_reference, moe_route, moe_route_from_logits,
+                                  moe_router_logits, moe_slots)
 from flint_jax.pallas.multi_gemv import multi_gemv, multi_gemv_reference
 from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, dequantize_nvfp4_reference, nvfp4_gemv,
                                          nvfp4_gemv_reference, nvfp4_gemv_silu_mul,
@@ -33,7 +38,10 @@ __all__ = [
     "decode_attention", "decode_attention_reference",
     "gemv", "gemv_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
     "moe_block", "moe_block_reference", "moe_decode", "moe_decode_reference", "moe_route",
-    "moe_slots",
+    "moe_slots", "moe_router_logits", "moe_route_from_logits", "moe_decode_routed",
+    "moe_decode_routed_reference", "moe_combine_add_rms_norm",
+    "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
+    "moe_block_add_rms_norm_reference",
     "multi_gemv", "multi_gemv_reference",
     "NVFP4Weight", "dequantize_nvfp4_reference", "nvfp4_gemv", "nvfp4_gemv_reference",
     "nvfp4_gemv_silu_mul", "nvfp4_gemv_silu_mul_reference",

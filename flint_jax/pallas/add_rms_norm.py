@@ -8,6 +8,9 @@ computed from the *rounded* ``s`` (what the reference's next layer sees).
 
 ``rms_norm(x, w)``: the same without the add.
 
+``moe.moe_combine_add_rms_norm`` fuses the MoE combine in front of the same add + norm (it uses
+``_normalize`` and ``_num_warps`` from here: keep them in step).
+
 One program per row; the row (D = 2048 for Flint) is one block, padded to a power of two with a
 masked load when D is not one. Shapes: h, y, x [M, D] (any M) bf16 or f32; w [D] (any float
 dtype, used in fp32); outputs have x's dtype.

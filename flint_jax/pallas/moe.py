@@ -41,6 +41,26 @@ at the number of distinct experts. De-duplicated sums run in slot (expert id) or
 top-k order: the fp32 result can differ in the last bit, so ``dedupe=False`` is the bit-faithful
 mode.
 
+Routed path, 4 launches per MoE layer (``moe_block_add_rms_norm``; the old path above is
+``moe_route`` 3-4 XLA kernels + ``moe_slots`` 1-2 + 2 Pallas + 1 XLA combine + ``add_rms_norm``):
+
+1. ``moe_router_logits``: ``f32(x) . f32(W_router)^T`` [M, E], one XLA dot (precision HIGHEST;
+   the cast of x to f32 is an elementwise producer XLA may or may not fuse into the dot).
+2. + 3. ``moe_decode_routed``: the same gate_up and down (split) kernels, but every program
+   computes its slot's expert id from the logits row of its token (``_topk_logits``: repeated
+   max + lowest-index argmax over E (padded to a power of two), the set and order of
+   ``lax.top_k``; sigmoid is monotonic, so no sigmoid is needed for the ids). No
+   de-duplication: slot u = t * top_k + j is token t's j-th expert, all U = M * top_k slots
+   live. Returns y [U + 1, M, D] bf16 (last = shared expert).
+4. ``moe_combine_add_rms_norm``: one program per token recomputes the top-k logits, the
+   weights w_j = sigmoid(l_j) / sum sigmoid (fp32), ``moe = bf16(sum_j w_j y_j + y_s)`` in top-k
+   order, ``s = bf16(h + moe)`` and ``x_next`` with ``add_rms_norm``'s formula; returns (s, x_next).
+
+The routed path selects by ``lax.top_k`` of the *logits* (``moe_route_from_logits``), the old path
+by ``lax.top_k`` of the sigmoid *scores*: identical except where fp32 sigmoid maps distinct
+logits to one value (logits above ~17 all round to 1.0; adjacent-ulp logits), where the old path
+breaks the tie by index and the routed path keeps the logit order (the exact order).
+
 Expert weights (``experts`` dict), either
   BF16:  ``gate_up_proj`` [E, 2I, D] (gate rows first), ``down_proj`` [E, D, I]
   NVFP4: ``gate_up_qweight`` [E, 2I, D/2], ``gate_up_weight_scale`` [E, 2I, D/16],
@@ -61,14 +81,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
-import flint_jax.pallas.nvfp4_gemv  # noqa: F401  (module, not the function the package re-exports)
+import flint_jax.pallas.add_rms_norm  # noqa: F401  (modules, not the functions the package
+import flint_jax.pallas.nvfp4_gemv  # noqa: F401    re-exports under the same names)
 
 NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
+ARN = sys.modules["flint_jax.pallas.add_rms_norm"]
 
 __all__ = ["moe_route", "moe_slots", "moe_decode", "moe_decode_reference", "moe_block",
-           "moe_block_reference", "expert_format"]
+           "moe_block_reference", "expert_format", "moe_router_logits", "moe_route_from_logits",
+           "moe_decode_routed", "moe_decode_routed_reference", "moe_combine_add_rms_norm",
+           "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
+           "moe_block_add_rms_norm_reference"]
 
 MAX_ROWS = 16
 _UNROLL_SLOTS = 12   # down kernel: Python-unroll the slot loop up to this many slots
@@ -78,11 +104,16 @@ _UNROLL_SLOTS = 12   # down kernel: Python-unroll the slot loop up to this many 
 # Routing (XLA)
 
 
+def moe_router_logits(x, router_w):
+  """Router logits f32 [M, E] = f32(x) . f32(W_router)^T (one XLA dot, precision HIGHEST);
+  x [M, D], router_w [E, D] (fp32 or bf16)."""
+  return lax.dot_general(x.astype(jnp.float32), router_w.astype(jnp.float32),
+                         (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
+
+
 def moe_route(x, router_w, *, top_k: int = 6):
   """(ids [M, k] int32, weights [M, k] f32): sigmoid scores, top-k, renormalised (fp32)."""
-  logits = lax.dot_general(x.astype(jnp.float32), router_w.astype(jnp.float32),
-                           (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
-  scores = jax.nn.sigmoid(logits)
+  scores = jax.nn.sigmoid(moe_router_logits(x, router_w))
   w, ids = lax.top_k(scores, top_k)
   return ids.astype(jnp.int32), w / jnp.sum(w, axis=-1, keepdims=True)
 
@@ -158,6 +189,12 @@ def _factor(fmt, decode):
   return 1.0 if fmt == "bf16" else NV.decode_factor(decode)
 
 
+def _scalar_f32(v):
+  """A tensor scale as an f32 [1] kernel input (a free reshape of an f32 scalar: no XLA op, unlike
+  stacking several scales into one array)."""
+  return jnp.asarray(v, jnp.float32).reshape(1)
+
+
 def _weight_args(fmt, w, name):
   """Kernel inputs for one weight: bf16 -> [w]; nvfp4 -> [codes view, scales view]."""
   if fmt == "bf16":
@@ -170,8 +207,45 @@ def _weight_args(fmt, w, name):
 # Kernels
 
 
+def _topk_logits(l_ref, t, top_k, n_exp, ep):
+  """In-kernel top-k of row t of the router logits l_ref [M, E] f32 (E padded to ep = next_pow2
+  by a masked load): [(id, logit)] * top_k in ``lax.top_k`` order (descending, lowest index first
+  among equal values), by repeated max + masked argmin-of-index (Triton has no top_k / sort).
+  Sigmoid is monotonic, so these are the experts of the top-k sigmoid scores. A NaN logit is never
+  selected except as a clamped id (routing on NaN logits is unspecified, reads stay in bounds)."""
+  cols = jnp.arange(ep, dtype=jnp.int32)
+  if ep == n_exp:
+    lg = l_ref[t, pl.ds(0, ep)]
+  else:
+    lg = plgpu.load(l_ref.at[t, cols], mask=cols < n_exp, other=-jnp.inf)
+  taken = cols >= n_exp
+  sel = []
+  for _ in range(top_k):
+    v = jnp.where(taken, -jnp.inf, lg)
+    mx = jnp.max(v)
+    idx = jnp.min(jnp.where((v == mx) & jnp.logical_not(taken), cols, ep))
+    idx = jnp.minimum(idx, n_exp - 1)
+    taken = taken | (cols == idx)
+    sel.append((idx, mx))
+  return sel
+
+
+def _slot_expert(r, u, route):
+  """Expert id of slot u: loaded from ``slot_expert`` (route None), or, with
+  route = (top_k, n_exp, ep), token u // top_k's (u % top_k)-th expert from the logits."""
+  if route is None:
+    return r["slot_expert"][u]
+  top_k, n_exp, ep = route
+  sel = _topk_logits(r["logits"], u // top_k, top_k, n_exp, ep)
+  j = u % top_k
+  e = sel[0][0]
+  for it in range(1, top_k):
+    e = jnp.where(j == it, sel[it][0], e)
+  return e
+
+
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
-                    decode, layout, method):
+                    decode, layout, method, route=None):
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
   n_i = inter // bn
@@ -192,9 +266,8 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     u = pid // n_i
     j = pid % n_i
 
-    @pl.when(u < r["n_slots"][0])
-    def _():
-      e = r["slot_expert"][u]
+    def slot():
+      e = _slot_expert(r, u, route)
       wgu = [r["gu_w"]] if fe == "bf16" else [r["gu_q"], r["gu_s"]]
       ag, au = gemv2(wgu, wgu, (e,), j * bn, inter + j * bn, fe, bk)
       if fe == "nvfp4":
@@ -202,6 +275,11 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
         ag = ag * (r["gu_s2"][e, 0] * f)
         au = au * (r["gu_s2"][e, 1] * f)
       C.store_tile(r["h"], (u,), C.silu_mul_f32(ag, au), j * bn, bn, m, mp, method)
+
+    if route is None:
+      pl.when(u < r["n_slots"][0])(slot)
+    else:            # routing from logits: no de-duplication, every slot is live
+      slot()
 
   def shared():
     j = pid - n_routed
@@ -212,18 +290,19 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     ag, au = gemv2(wg, wu, (), j * bn, j * bn, fs, bk_s)
     if fs == "nvfp4":
       f = NV.decode_factor(decode)
-      ag = ag * (r["s_s2"][0] * f)
-      au = au * (r["s_s2"][1] * f)
+      ag = ag * (r["sg_s2"][0] * f)
+      au = au * (r["su_s2"][0] * f)
     C.store_tile(r["hs"], (), C.silu_mul_f32(ag, au), j * bn, bn, m, mp, method)
 
   lax.cond(pid < n_routed, routed, shared)
 
 
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
-                 decode, layout, unroll, method, split):
+                 decode, layout, unroll, method, split, route=None):
   """split=False: grid (D/BN,), every slot + shared + combine in one program, out [M, D].
   split=True: grid (D/BN, slots + 1), one (slot | shared) per program, y [slots + 1, M, D] bf16
-  (the combine is one XLA fusion)."""
+  (the combine is one XLA fusion, or ``moe_combine_add_rms_norm``). ``route``: see
+  ``_slot_expert`` (split only)."""
   r = dict(zip(names, refs))
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   dt = r["out"].dtype
@@ -237,11 +316,11 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
         0, inter_s // bk_s,
         lambda i, a: a + _tile_dot(fs, hs, (), m, mp, wsd, (), n0, bn, i, bk_s, **kw), zeros)
     if fs == "nvfp4":
-      acc = acc * (r["s_s2"][2] * NV.decode_factor(decode))
+      acc = acc * (r["sd_s2"][0] * NV.decode_factor(decode))
     return acc.astype(dt)
 
   def slot_y(u):    # y_k = bf16(h_u . Wd_e^T * scale_2[e])
-    e = r["slot_expert"][u]
+    e = _slot_expert(r, u, route)
     wd = [r["dn_w"]] if fe == "bf16" else [r["dn_q"], r["dn_s"]]
     h = (r["h"], r["h5"])
     acc = lax.fori_loop(
@@ -255,7 +334,10 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
     s_id = pl.program_id(1)
 
     def routed():
-      y = lax.cond(s_id < r["n_slots"][0], lambda: slot_y(s_id), lambda: zeros.astype(dt))
+      if route is None:
+        y = lax.cond(s_id < r["n_slots"][0], lambda: slot_y(s_id), lambda: zeros.astype(dt))
+      else:
+        y = slot_y(s_id)
       C.store_tile(r["out"], (s_id,), y, n0, bn, m, mp, method)
 
     def shared():
@@ -310,29 +392,16 @@ def _shapes(x, experts, shared):
   return fe, fs, m, d, e, i2 // 2, inter_s
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "dedupe", "block_n", "block_k", "block_n_down", "decode", "layout", "unroll_slots",
-    "method", "method_down", "down_split", "num_warps", "num_stages", "interpret"))
-def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
-               block_n: int | None = None, block_k: int = 256, block_n_down: int = 64,
-               decode: str = "asm", layout: str = "tile", unroll_slots: bool | None = None,
-               method: str | None = None, method_down: str | None = None,
-               down_split: bool = True, num_warps: int = 4, num_stages: int = 3,
-               interpret: bool = False):
-  """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring.
+_TUNING = ("block_n", "block_k", "block_n_down", "decode", "layout", "unroll_slots", "method",
+           "method_down", "num_warps", "num_stages", "interpret")
 
-  ``unroll_slots`` (default: when M * top_k <= 12) unrolls the down kernel's loop over slots in
-  Python so the compiler can issue every slot's weight loads before the first dot; otherwise a
-  ``fori_loop`` runs up to the number of (distinct) slots. ``method`` / ``method_down``: the tile
-  method of each kernel (``_common.mm_tile``). ``down_split``: one program per (column block,
-  slot) writing bf16 expert outputs, combined by one XLA fusion, instead of one program per
-  column block looping over the slots.
-  """
-  fe, fs, m, d, _, inter, inter_s = _shapes(x, experts, shared)
-  C.check(ids.shape == weights.shape and ids.shape[0] == m,
-          f"ids/weights must be [M={m}, k], got {ids.shape=} {weights.shape=}")
-  if dedupe is None:
-    dedupe = m > 1
+
+def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, route_args, *,
+            route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
+            unroll_slots, method, method_down, num_warps, num_stages, interpret):
+  """The gate_up and down pallas_calls. route_names/route_args: the slot inputs of both kernels
+  (["slot_expert", "n_slots"] or ["logits"]); coef [U, M] only for down_split=False.
+  Returns y [U + 1, M, D] (down_split) or out [M, D]."""
   # Defaults from the H200 sweep (docs/kernels.md, GPU run 2): split down kernel with 64-column
   # blocks; NVFP4 at M = 1: CUDA-core ``reduce`` tiles with 32-row gate|up blocks (31 us vs 58 us
   # for XLA's gather + einsum); otherwise tensor-core ``dot`` tiles with 64-row blocks.
@@ -355,12 +424,11 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
     C.check(min(bk, bk_dn, bk_s_dn) >= 64 and d % 64 == 0 and inter % 64 == 0,
             "NVFP4 needs D, I, I_s multiples of 64")
   mp = C.pad_rows(m)
-  slot_expert, coef, n_slots = moe_slots(ids, weights, dedupe=dedupe)
-  u = slot_expert.shape[0]
+  tag = "_routed" if route is not None else ""
 
   # ---- kernel 1: gate_up (+ shared gate/up)
-  names, args = ["x", "x5", "slot_expert", "n_slots"], [x, NV.x_view(x) if d % 64 == 0 else x,
-                                                         slot_expert, n_slots]
+  names = ["x", "x5"] + route_names
+  args = [x, NV.x_view(x) if d % 64 == 0 else x] + route_args
   if fe == "bf16":
     names += ["gu_w"]
     args += [experts["gate_up_proj"]]
@@ -372,26 +440,27 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
     names += ["sg_w", "su_w"]
     args += [shared["gate_proj"], shared["up_proj"]]
   else:
-    names += ["sg_q", "sg_s", "su_q", "su_s", "s_s2"]
+    names += ["sg_q", "sg_s", "su_q", "su_s", "sg_s2", "su_s2"]
     args += _weight_args(fs, shared["gate_proj"], "") + _weight_args(fs, shared["up_proj"], "")
-    args += [jnp.stack([jnp.asarray(shared[k][2], jnp.float32).reshape(())
-                        for k in ("gate_proj", "up_proj", "down_proj")])]
+    args += [_scalar_f32(shared["gate_proj"][2]), _scalar_f32(shared["up_proj"][2])]
   names += ["h", "hs"]
   kernel = functools.partial(
       _gate_up_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn, bk=bk,
-      bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout, method=method)
+      bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout, method=method,
+      route=route)
   h, hs = pl.pallas_call(
       kernel, grid=(u * (inter // bn) + inter_s // bn,),
       out_shape=(jax.ShapeDtypeStruct((u, m, inter), x.dtype),
                  jax.ShapeDtypeStruct((m, inter_s), x.dtype)),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_moe_gate_up_{fe}_{fs}_{method}_bn{bn}_bk{bk}",
+      name=f"flint_moe_gate_up{tag}_{fe}_{fs}_{method}_bn{bn}_bk{bk}",
   )(*args)
 
-  # ---- kernel 2: down + routing-weighted combine + shared down
-  names = ["h", "h5", "hs", "hs5", "slot_expert", "n_slots", "coef"]
+  # ---- kernel 2: down (+ routing-weighted combine unless split) + shared down
+  names = ["h", "h5", "hs", "hs5"] + route_names + (["coef"] if coef is not None else [])
   args = [h, NV.x_view(h) if inter % 64 == 0 else h, hs,
-          NV.x_view(hs) if inter_s % 64 == 0 else hs, slot_expert, n_slots, coef]
+          NV.x_view(hs) if inter_s % 64 == 0 else hs] + route_args
+  args += [coef] if coef is not None else []
   if fe == "bf16":
     names += ["dn_w"]
     args += [experts["down_proj"]]
@@ -403,30 +472,157 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
     names += ["sd_w"]
     args += [shared["down_proj"]]
   else:
-    names += ["sd_q", "sd_s", "s_s2"]
-    args += _weight_args(fs, shared["down_proj"], "")
-    args += [jnp.stack([jnp.asarray(shared[k][2], jnp.float32).reshape(())
-                        for k in ("gate_proj", "up_proj", "down_proj")])]
+    names += ["sd_q", "sd_s", "sd_s2"]
+    args += _weight_args(fs, shared["down_proj"], "") + [_scalar_f32(shared["down_proj"][2])]
   names += ["out"]
   kernel = functools.partial(
       _down_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn_dn,
       bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs, decode=decode, layout=layout,
       unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
-      method=method_down, split=down_split)
+      method=method_down, split=down_split, route=route)
   if down_split:
-    y = pl.pallas_call(
+    return pl.pallas_call(
         kernel, grid=(d // bn_dn, u + 1), out_shape=jax.ShapeDtypeStruct((u + 1, m, d), x.dtype),
         compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-        name=f"flint_moe_down_split_{fe}_{fs}_{method_down}_bn{bn_dn}",
+        name=f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}",
     )(*args)
-    yk = y[:u].astype(jnp.float32)                                      # [U, M, D]
-    tot = jnp.sum(jnp.where(coef[..., None] != 0.0, coef[..., None] * yk, 0.0), axis=0)
-    return (tot + y[u].astype(jnp.float32)).astype(x.dtype)
   return pl.pallas_call(
       kernel, grid=(d // bn_dn,), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_moe_down_combine_{fe}_{fs}_{method_down}_bn{bn_dn}",
   )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("dedupe", "down_split") + _TUNING)
+def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
+               block_n: int | None = None, block_k: int = 256, block_n_down: int = 64,
+               decode: str = "asm", layout: str = "tile", unroll_slots: bool | None = None,
+               method: str | None = None, method_down: str | None = None,
+               down_split: bool = True, num_warps: int = 4, num_stages: int = 3,
+               interpret: bool = False):
+  """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring.
+
+  ``unroll_slots`` (default: when M * top_k <= 12) unrolls the down kernel's loop over slots in
+  Python so the compiler can issue every slot's weight loads before the first dot; otherwise a
+  ``fori_loop`` runs up to the number of (distinct) slots. ``method`` / ``method_down``: the tile
+  method of each kernel (``_common.mm_tile``). ``down_split``: one program per (column block,
+  slot) writing bf16 expert outputs, combined by one XLA fusion, instead of one program per
+  column block looping over the slots.
+  """
+  fe, fs, m, d, _, inter, inter_s = _shapes(x, experts, shared)
+  C.check(ids.shape == weights.shape and ids.shape[0] == m,
+          f"ids/weights must be [M={m}, k], got {ids.shape=} {weights.shape=}")
+  if dedupe is None:
+    dedupe = m > 1
+  slot_expert, coef, n_slots = moe_slots(ids, weights, dedupe=dedupe)
+  u = slot_expert.shape[0]
+  out = _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, ["slot_expert", "n_slots"],
+                [slot_expert, n_slots], route=None, coef=None if down_split else coef,
+                down_split=down_split, block_n=block_n, block_k=block_k,
+                block_n_down=block_n_down, decode=decode, layout=layout,
+                unroll_slots=unroll_slots, method=method, method_down=method_down,
+                num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+  if not down_split:
+    return out
+  yk = out[:u].astype(jnp.float32)                                      # [U, M, D]
+  tot = jnp.sum(jnp.where(coef[..., None] != 0.0, coef[..., None] * yk, 0.0), axis=0)
+  return (tot + out[u].astype(jnp.float32)).astype(x.dtype)
+
+
+def _check_logits(logits, m, n_exp, top_k):
+  C.check(logits.shape == (m, n_exp) and logits.dtype == jnp.float32,
+          f"logits must be f32 [M={m}, E={n_exp}], got {logits.shape=} {logits.dtype=}")
+  C.check(1 <= top_k <= n_exp, f"need 1 <= top_k <= E, got {top_k=} {n_exp=}")
+
+
+@functools.partial(jax.jit, static_argnames=("top_k",) + _TUNING)
+def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
+                      block_n: int | None = None, block_k: int = 256, block_n_down: int = 64,
+                      decode: str = "asm", layout: str = "tile",
+                      unroll_slots: bool | None = None, method: str | None = None,
+                      method_down: str | None = None, num_warps: int = 4, num_stages: int = 3,
+                      interpret: bool = False):
+  """Expert outputs y [M * top_k + 1, M, D] bf16 routed *inside* the kernels (2 pallas_calls).
+
+  logits: router logits f32 [M, E] (``moe_router_logits``). Slot u = t * top_k + j is token t's
+  j-th expert in ``lax.top_k`` order (no de-duplication); each kernel program recomputes its
+  slot's expert id from logits row t (``_topk_logits``). y[u, t'] = bf16(expert_{e_u}(x[t']))
+  for every token t' (the kernels multiply all M rows); only y[t * top_k + j, t] is used by the
+  combine. y[M * top_k] = the shared expert's output. Tuning knobs as ``moe_decode``
+  (split down kernel only).
+  """
+  fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
+  _check_logits(logits, m, n_exp, top_k)
+  route = (top_k, n_exp, C.next_pow2(n_exp))
+  return _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, ["logits"],
+                 [logits], route=route, coef=None, down_split=True, block_n=block_n,
+                 block_k=block_k, block_n_down=block_n_down, decode=decode, layout=layout,
+                 unroll_slots=unroll_slots, method=method, method_down=method_down,
+                 num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+
+
+def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, top_k, n_exp, ep,
+                                 u, d, dp, eps):
+  t = pl.program_id(0)
+  cols = jnp.arange(dp, dtype=jnp.int32)
+  mask = cols < d
+  sig = [jax.nn.sigmoid(v) for _, v in _topk_logits(l_ref, t, top_k, n_exp, ep)]
+  den = sig[0]
+  for sj in sig[1:]:
+    den = den + sj
+  tot = jnp.zeros((dp,), jnp.float32)
+  for j, sj in enumerate(sig):                                          # top-k order
+    yj = plgpu.load(y_ref.at[t * top_k + j, t, cols], mask=mask, other=0)
+    tot = tot + (sj / den) * yj.astype(jnp.float32)
+  ys = plgpu.load(y_ref.at[u, t, cols], mask=mask, other=0).astype(jnp.float32)
+  moe = (tot + ys).astype(y_ref.dtype)
+  h = plgpu.load(h_ref.at[t, cols], mask=mask, other=0)
+  w = plgpu.load(w_ref.at[cols], mask=mask, other=0).astype(jnp.float32)
+  s = (h.astype(jnp.float32) + moe.astype(jnp.float32)).astype(s_ref.dtype)
+  out = ARN._normalize(s.astype(jnp.float32), w, d, eps)
+  plgpu.store(s_ref.at[t, cols], s, mask=mask)
+  plgpu.store(o_ref.at[t, cols], out.astype(o_ref.dtype), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "eps", "num_warps", "interpret"))
+def moe_combine_add_rms_norm(h, y, logits, w_norm, *, top_k: int = 6, eps: float = 1e-6,
+                             num_warps: int | None = None, interpret: bool = False):
+  """(s, x_next): MoE combine + residual add + RMSNorm in one pallas_call (grid (M,)).
+
+  h [M, D] residual (bf16), y [M * top_k + 1, M, D] from ``moe_decode_routed``, logits f32
+  [M, E], w_norm [D] (the next block's norm weight). Per token t, with the top-k logits l_j
+  (``_topk_logits``) and w_j = sigmoid(l_j) / sum_j sigmoid(l_j) in fp32:
+    moe  = bf16(sum_j w_j f32(y[t * top_k + j, t]) + f32(y[-1, t]))   (fp32, top-k order)
+    s    = bf16(h + moe)                         (``add_rms_norm``'s rules from here on)
+    x_next = bf16(w_norm * (f32(s) * rsqrt(mean(f32(s)^2) + eps)))
+  """
+  C.check(h.ndim == 2, f"h must be [M, D], got {h.shape=}")
+  m, d = h.shape
+  n_exp = logits.shape[-1]
+  _check_logits(logits, m, n_exp, top_k)
+  u = m * top_k
+  C.check(y.shape == (u + 1, m, d) and y.dtype == h.dtype,
+          f"y must be [{u + 1}, {m}, {d}] {h.dtype}, got {y.shape=} {y.dtype=}")
+  C.check(w_norm.shape == (d,), f"w_norm must be [D={d}], got {w_norm.shape=}")
+  dp = C.next_pow2(d)
+  kernel = functools.partial(_combine_add_rms_norm_kernel, top_k=top_k, n_exp=n_exp,
+                             ep=C.next_pow2(n_exp), u=u, d=d, dp=dp, eps=eps)
+  out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype))
+  return pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(m,),
+      compiler_params=C.compiler_params(num_warps or ARN._num_warps(dp), 1),
+      interpret=interpret, name=f"flint_moe_combine_add_rms_norm_d{d}_k{top_k}",
+  )(y, logits, h, w_norm)
+
+
+def moe_block_add_rms_norm(x, h, router_w, experts, shared, w_norm, *, top_k: int = 6,
+                           eps: float = 1e-6, interpret: bool = False, **tuning):
+  """(s, x_next) = add_rms_norm(h, moe_block(x, ...), w_norm) in 4 launches: the router dot (XLA),
+  gate_up and down (``moe_decode_routed``), ``moe_combine_add_rms_norm``."""
+  logits = moe_router_logits(x, router_w)
+  y = moe_decode_routed(x, logits, experts, shared, top_k=top_k, interpret=interpret, **tuning)
+  return moe_combine_add_rms_norm(h, y, logits, w_norm, top_k=top_k, eps=eps,
+                                  interpret=interpret)
 
 
 # ------------------------------------------------------------------------------------------
@@ -491,3 +687,80 @@ def moe_block(x, router_w, experts, shared, *, top_k: int = 6, **kw):
 def moe_block_reference(x, router_w, experts, shared, *, top_k: int = 6, **unused_tuning):
   ids, w = moe_route(x, router_w, top_k=top_k)
   return moe_decode_reference(x, ids, w, experts, shared)
+
+
+def moe_route_from_logits(logits, *, top_k: int = 6):
+  """(ids [M, k] int32, weights [M, k] f32) from router logits f32 [M, E]: ``lax.top_k`` of the
+  logits (the routed kernels' contract; equals ``moe_route``'s top-k of the sigmoid scores
+  unless sigmoid rounds distinct logits to one fp32 value), w = sigmoid / sum (fp32)."""
+  top, ids = lax.top_k(logits, top_k)
+  s = jax.nn.sigmoid(top)
+  return ids.astype(jnp.int32), s / jnp.sum(s, axis=-1, keepdims=True)
+
+
+def moe_decode_routed_reference(x, logits, experts, shared, *, top_k: int = 6,
+                                **unused_tuning):
+  """Plain jnp y [M * top_k + 1, M, D]: y[t * top_k + j, t'] = bf16(expert_{ids[t, j]}(x[t'])),
+  ids from ``moe_route_from_logits``; y[-1] = the shared expert (``moe_decode_reference``'s
+  per-expert rounding)."""
+  del unused_tuning
+  return _moe_decode_routed_reference(x, logits, experts, shared, top_k=top_k)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k",))
+def _moe_decode_routed_reference(x, logits, experts, shared, *, top_k):
+  fe, fs, m, d, _, inter, _ = _shapes(x, experts, shared)
+  dt = x.dtype
+  hi = lax.Precision.HIGHEST
+  ids = moe_route_from_logits(logits, top_k=top_k)[0].reshape(-1)     # [U], slot order
+  if fe == "bf16":
+    gu = experts["gate_up_proj"][ids]                                  # [U, 2I, D]
+    dn = experts["down_proj"][ids]                                     # [U, D, I]
+    s_gu = jnp.ones(ids.shape + (2,), jnp.float32)
+    s_dn = jnp.ones(ids.shape, jnp.float32)
+  else:
+    gu = NV.dequantize_nvfp4_reference(experts["gate_up_qweight"][ids],
+                                       experts["gate_up_weight_scale"][ids])
+    dn = NV.dequantize_nvfp4_reference(experts["down_qweight"][ids],
+                                       experts["down_weight_scale"][ids])
+    s_gu = experts["gate_up_weight_scale_2"][ids].astype(jnp.float32)  # [U, 2]
+    s_dn = experts["down_weight_scale_2"][ids].astype(jnp.float32)     # [U]
+  g = jnp.einsum("md,uid->umi", x, gu[:, :inter], preferred_element_type=jnp.float32,
+                 precision=hi) * s_gu[:, None, 0:1]
+  u = jnp.einsum("md,uid->umi", x, gu[:, inter:], preferred_element_type=jnp.float32,
+                 precision=hi) * s_gu[:, None, 1:2]
+  h = C.silu_mul_f32(g, u).astype(dt)                                  # [U, M, I]
+  y = (jnp.einsum("umi,udi->umd", h, dn, preferred_element_type=jnp.float32, precision=hi)
+       * s_dn[:, None, None]).astype(dt)                               # [U, M, D]
+  hs = C.silu_mul_f32(_ref_linear(x, shared["gate_proj"], fs),
+                      _ref_linear(x, shared["up_proj"], fs)).astype(dt)
+  y_s = _ref_linear(hs, shared["down_proj"], fs).astype(dt)
+  return jnp.concatenate([y, y_s[None]], axis=0)
+
+
+def moe_combine_add_rms_norm_reference(h, y, logits, w_norm, *, top_k: int = 6,
+                                       eps: float = 1e-6, **unused_tuning):
+  """Plain jnp: moe = bf16(sum_j w_j y[t*k+j, t] + y[-1, t]) (fp32, top-k order, weights from
+  ``moe_route_from_logits``), then ``add_rms_norm_reference(h, moe, w_norm)``."""
+  del unused_tuning
+  return _moe_combine_add_rms_norm_reference(h, y, logits, w_norm, top_k=top_k, eps=eps)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "eps"))
+def _moe_combine_add_rms_norm_reference(h, y, logits, w_norm, *, top_k, eps):
+  m, d = h.shape
+  _, w = moe_route_from_logits(logits, top_k=top_k)
+  yk = y[:m * top_k].reshape(m, top_k, m, d)[jnp.arange(m), :, jnp.arange(m)]   # [M, k, D]
+  tot = jnp.zeros((m, d), jnp.float32)
+  for j in range(top_k):                                               # top-k order
+    tot = tot + w[:, j:j + 1] * yk[:, j].astype(jnp.float32)
+  moe = (tot + y[m * top_k].astype(jnp.float32)).astype(y.dtype)
+  return ARN.add_rms_norm_reference(h, moe, w_norm, eps=eps)
+
+
+def moe_block_add_rms_norm_reference(x, h, router_w, experts, shared, w_norm, *, top_k: int = 6,
+                                     eps: float = 1e-6, **unused_tuning):
+  """``moe_block_reference`` followed by ``add_rms_norm_reference`` (the old path's contract)."""
+  del unused_tuning
+  y = moe_block_reference(x, router_w, experts, shared, top_k=top_k)
+  return ARN.add_rms_norm_reference(h, y, w_norm, eps=eps)

@@ -1,7 +1,9 @@
 """The full-size GPU suite for one weight format, in one process (weights built once):
 
-1. parity: Pallas path vs XLA path from the same prefilled cache, greedy for `--steps` steps
-   (logits' relative L2 error per step while the inputs agree; identical tokens?);
+1. parity: Pallas path vs XLA path from the same prefilled cache, greedy for `--parity-steps`
+   steps (logits' relative L2 error per step while the inputs agree; identical tokens?), then
+   teacher-forced (both paths fed the XLA path's greedy tokens: relative L2 and argmax agreement
+   at every step, which a single early near-tie cannot end);
 2. bench: decode ms/step of both paths (median of windows of back-to-back steps), tokens/s,
    percent of the HBM floor, kernels per step from a profiler trace, for each (batch, context).
 
@@ -29,7 +31,7 @@ from flint_jax.engine import Flint
 
 def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600):
     xla = Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels="xla")
-    pal = Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels="pallas")
+    pal = decode_bench.make_handle(cfg, graphdef, state, quant, "pallas")
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, cfg.vocab_size, size=prompt_len - 37 * i).tolist() for i in range(batch)]
     logits, cache_x = prefill(xla, rows, cache_length=1024)
@@ -48,7 +50,23 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600):
         toks_x.append(np.asarray(tx))
         toks_p.append(np.asarray(tp))
     same = [bool(np.array_equal(x, p)) for x, p in zip(toks_x, toks_p)]
-    return {"batch": batch, "prompt_lens": [len(r) for r in rows], "steps": steps,
+    # Teacher forcing: both paths get the XLA path's tokens.
+    _, cache_x = prefill(xla, rows, cache_length=1024)
+    _, cache_p = prefill(xla, rows, cache_length=1024)
+    tf_errs, tf_agree = [], []
+    t = first
+    for _ in range(steps):
+        lx, cache_x = fx(xla.leaves, cache_x, t)
+        lp, cache_p = fp(pal.leaves, cache_p, t)
+        a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
+        tf_errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(a)))
+        tf_agree.append(float(np.mean(a.argmax(-1) == b.argmax(-1))))
+        t = jnp.argmax(lx, -1).astype(jnp.int32)
+    return {"teacher_forced_rel_l2_median": float(np.median(tf_errs)),
+            "teacher_forced_rel_l2_max": max(tf_errs),
+            "teacher_forced_argmax_agreement": float(np.mean(tf_agree)),
+            "teacher_forced_rel_l2_per_step": tf_errs,
+            "batch": batch, "prompt_lens": [len(r) for r in rows], "steps": steps,
             "tokens_identical": all(same),
             "first_divergence": None if all(same) else same.index(False),
             "rel_l2_max": max(errs), "rel_l2_median": float(np.median(errs)),
@@ -63,6 +81,8 @@ def main():
     ap.add_argument("--parity-steps", type=int, default=32)
     ap.add_argument("--cases", default="1x1024,8x1024,1x100000,8x100000,1x8192,8x8192",
                     help="comma-separated BATCHxCONTEXT, in order")
+    ap.add_argument("--v1-cases", default="1x1024,8x1024",
+                    help="cases that also run the session-1 Pallas step (path pallas_v1)")
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timing window")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--budget-s", type=float, default=470)
@@ -88,12 +108,21 @@ def main():
     save()
     if a.parity_steps:
         t0 = time.perf_counter()
-        res["parity"] = parity(cfg, graphdef, state, quant, a.parity_steps)
+        try:
+            res["parity"] = parity(cfg, graphdef, state, quant, a.parity_steps)
+        except Exception as e:  # noqa: BLE001 (report, then run the benchmark cases)
+            res["parity"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
         res["timeline"]["parity_s"] = time.perf_counter() - t0
         p = res["parity"]
+        if "error" in p:
+            print(f"[{a.format}] parity FAILED: {p['error'][:500]}", flush=True)
+            save()
+    if a.parity_steps and "error" not in p:
         print(f"[{a.format}] parity: tokens identical over {p['steps']} steps: "
               f"{p['tokens_identical']} (first divergence {p['first_divergence']}); logits rel-L2 "
-              f"max {p['rel_l2_max']:.2e} median {p['rel_l2_median']:.2e} "
+              f"max {p['rel_l2_max']:.2e} median {p['rel_l2_median']:.2e}; teacher-forced: "
+              f"argmax agreement {p['teacher_forced_argmax_agreement']:.3f}, rel-L2 median "
+              f"{p['teacher_forced_rel_l2_median']:.2e} max {p['teacher_forced_rel_l2_max']:.2e} "
               f"({res['timeline']['parity_s']:.0f} s)", flush=True)
         save()
     for case in a.cases.split(","):
@@ -103,14 +132,14 @@ def main():
             continue
         batch, context = (int(v) for v in case.split("x"))
         t0 = time.perf_counter()
-        row = decode_bench.run_case(cfg, graphdef, state, quant, batch, context,
-                                    ["xla", "pallas"], a.steps, a.trace)
+        paths = ["xla", "pallas"] + (["pallas_v1"] if case in a.v1_cases.split(",") else [])
+        row = decode_bench.run_case(cfg, graphdef, state, quant, batch, context, paths,
+                                    a.steps, a.trace)
         row["case_s"] = time.perf_counter() - t0
         res["cases"].append(row)
-        print(decode_bench.format_row(row, ["xla", "pallas"]) + f" [{row['case_s']:.0f} s]",
-              flush=True)
+        print(decode_bench.format_row(row, paths) + f" [{row['case_s']:.0f} s]", flush=True)
         save()
-    print(decode_bench.table(res["cases"], ["xla", "pallas"]))
+    print(decode_bench.table(res["cases"], ["xla", "pallas", "pallas_v1"]))
     save()
 
 

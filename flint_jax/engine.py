@@ -52,6 +52,7 @@ class Flint:
     generation_config: dict = dataclasses.field(default_factory=dict)
     source: str = ""
     cache_sharding: Any = None
+    decode_options: Any = None  # fast_decode.DecodeOptions for the Pallas step (None: defaults)
 
     def __post_init__(self):
         if not self.max_length:
@@ -161,7 +162,8 @@ class Flint:
         if self.kernels == "pallas":
             from flint_jax import fast_decode
             return fast_decode.make_decode_step(graphdef, cfg, fallback=xla_step,
-                                                interpret=jax.default_backend() != "gpu")
+                                                interpret=jax.default_backend() != "gpu",
+                                                options=self.decode_options)
         return xla_step
 
     def decode_logits_fn(self):

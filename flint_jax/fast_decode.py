@@ -1,8 +1,10 @@
 """The Pallas decode step: one token per row (batch <= 16) through the fused kernels.
 
-Per layer: QKV GEMVs -> fused Q/K-norm + RoPE + cache write -> split-KV sink attention ->
-o_proj GEMV -> fused residual add + RMSNorm -> MoE (XLA router + two expert-indexed kernels with
-the shared expert) or dense gate|up+SiLU and down GEMVs -> fused residual add + next RMSNorm.
+Per layer (default `DecodeOptions`): one q|k|v GEMV kernel -> fused Q/K-norm + RoPE + cache
+write -> split-KV sink attention -> o_proj GEMV -> fused residual add + RMSNorm -> MoE: the router
+dot (XLA), two expert-indexed kernels that pick their experts from the router logits (the shared
+expert included), one kernel combining the experts with the residual add + next RMSNorm; or, for
+dense layers, gate|up+SiLU and down GEMVs -> fused residual add + next RMSNorm.
 The caches stay layer-stacked: kernels index the layer inside, so nothing is sliced or copied,
 and the cache writes are in place under donation.
 
@@ -12,6 +14,8 @@ so both paths can run from one loaded model and be compared.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,9 +24,34 @@ from flint_jax.cache import KVCache
 from flint_jax.config import FlintConfig
 from flint_jax import layers
 from flint_jax.pallas import (NVFP4Weight, add_rms_norm, decode_attention, moe_block,
-                              nvfp4_gemv, nvfp4_gemv_silu_mul, qk_norm_rope, rms_norm)
+                              moe_block_add_rms_norm, multi_gemv, nvfp4_gemv,
+                              nvfp4_gemv_silu_mul, qk_norm_rope, rms_norm)
 
 MAX_BATCH = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """Which fused kernels the Pallas step uses (the defaults are the fastest measured).
+
+    fused_qkv: q, k and v projections in one `multi_gemv` kernel (else three GEMVs: XLA's for
+      BF16, `nvfp4_gemv` for NVFP4).
+    moe: "routed" = router dot (XLA) + `moe_decode_routed` (experts picked in-kernel from the
+      logits) + `moe_combine_add_rms_norm` (combine, residual add and the next RMSNorm): 4 launches;
+      "slots" = XLA routing + `moe_decode` + XLA combine, then `add_rms_norm`; "xla" = the
+      reference model's MoE (gathered experts, einsums), then `add_rms_norm`; "v1" = the session-1
+      choice ("slots" for NVFP4 experts, "xla" for BF16).
+    """
+    fused_qkv: bool = True
+    moe: str = "routed"
+
+    def __post_init__(self):
+        if self.moe not in ("routed", "slots", "xla", "v1"):
+            raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
+
+
+#: The session-1 Pallas step (three projection GEMVs, MoE routing in XLA), kept for comparison.
+V1_OPTIONS = DecodeOptions(fused_qkv=False, moe="v1")
 
 
 # Which implementation each op uses, from the H200 measurements in docs/kernels.md:
@@ -51,13 +80,35 @@ def _silu_mul(mlp, x, interpret):
     return (gate * jax.nn.sigmoid(gate) * layers.matmul_t(x, u.weight[...])).astype(x.dtype)
 
 
-def _moe(mlp, cfg, x, interpret):
-    if mlp.experts.quant:
-        return moe_block(
-            x, mlp.gate.weight[...], _experts_arg(mlp.experts),
-            {n: _lin_arg(getattr(mlp.shared_expert, n)) for n in ("gate_proj", "up_proj", "down_proj")},
-            top_k=cfg.num_experts_per_tok, interpret=interpret)
-    return mlp(x[:, None, :])[:, 0]  # the XLA path: gathered experts, einsums
+def _qkv(attn, x, fused, interpret):
+    """x [M, D] -> q [M, H*Dh], k, v [M, KVH*Dh] (bf16)."""
+    lins = (attn.q_proj, attn.k_proj, attn.v_proj)
+    if not fused:
+        return tuple(_linear(lin, x, interpret) for lin in lins)
+    ws = tuple(NVFP4Weight(lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...])
+               if lin.quant else lin.weight[...] for lin in lins)
+    return multi_gemv(x, ws, interpret=interpret)
+
+
+def _shared_arg(mlp):
+    return {n: _lin_arg(getattr(mlp.shared_expert, n)) for n in ("gate_proj", "up_proj", "down_proj")}
+
+
+def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret):
+    """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next)."""
+    eps = cfg.rms_norm_eps
+    if mode == "v1":
+        mode = "slots" if mlp.experts.quant else "xla"
+    if mode == "routed":
+        return moe_block_add_rms_norm(x, h, mlp.gate.weight[...], _experts_arg(mlp.experts),
+                                      _shared_arg(mlp), w_next, top_k=cfg.num_experts_per_tok,
+                                      eps=eps, interpret=interpret)
+    if mode == "slots":
+        y = moe_block(x, mlp.gate.weight[...], _experts_arg(mlp.experts), _shared_arg(mlp),
+                      top_k=cfg.num_experts_per_tok, interpret=interpret)
+    else:
+        y = mlp(x[:, None, :])[:, 0]  # the XLA path: gathered experts, einsums
+    return add_rms_norm(h, y, w_next, eps=eps, interpret=interpret)
 
 
 def _lin_arg(lin):
@@ -73,11 +124,14 @@ def _experts_arg(ex):
     return {n: getattr(ex, n)[...] for n in names}
 
 
-def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fallback=None):
+def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fallback=None,
+                     options: DecodeOptions | None = None):
     """Returns step(state, cache, tokens [B] int32) -> (f32 logits [B, V], cache).
 
     Batches above MAX_BATCH rows (the low-latency kernels' limit) go to `fallback` (the XLA step).
+    `options`: which fusions to use (`DecodeOptions()` by default).
     """
+    opts = options or DecodeOptions()
     eps = cfg.rms_norm_eps
     h_, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
@@ -98,9 +152,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             sliding = cfg.is_sliding(i)
             attn = layer.self_attn
             with jax.named_scope(f"layer_{i}"):
-                q = _linear(attn.q_proj, x, interpret).reshape(b, h_, hd)
-                k = _linear(attn.k_proj, x, interpret).reshape(b, kvh, hd)
-                v = _linear(attn.v_proj, x, interpret).reshape(b, kvh, hd)
+                q, k, v = _qkv(attn, x, opts.fused_qkv, interpret)
+                q, k, v = q.reshape(b, h_, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)
                 q, kc, vc = qk_norm_rope(
                     q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc, j,
@@ -117,13 +170,13 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 h, x = add_rms_norm(h, a, layer.post_attention_layernorm.weight[...], eps=eps,
                                         interpret=interpret)
                 mlp = layer.mlp
-                if cfg.is_moe(i):
-                    y = _moe(mlp, cfg, x, interpret)
-                else:
-                    y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret), interpret)
                 nxt = (layers[i + 1].input_layernorm.weight[...] if i + 1 < len(layers)
                        else m.model.norm.weight[...])
-                h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)
+                if cfg.is_moe(i):
+                    h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret)
+                else:
+                    y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret), interpret)
+                    h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)
         logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32)
         new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
                             lengths=pos + 1)

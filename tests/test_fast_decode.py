@@ -5,6 +5,7 @@ import pytest
 from flax import nnx
 
 import flint_jax
+from flint_jax.fast_decode import V1_OPTIONS, DecodeOptions
 from flint_jax.model import FlintForCausalLM
 
 
@@ -14,11 +15,17 @@ def small_cfg():
                             layer_types=("full_attention", "sliding_attention", "full_attention"))
 
 
+# default: fused q|k|v + routed MoE; v1: separate GEMVs + the "slots" (NVFP4) / "xla" (BF16) MoE.
+OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS}
+
+
+@pytest.mark.parametrize("options", sorted(OPTIONS))
 @pytest.mark.parametrize("quant", [False, True], ids=["bf16", "nvfp4"])
-def test_pallas_generate_equals_xla(quant):
+def test_pallas_generate_equals_xla(quant, options):
     mod = FlintForCausalLM(small_cfg(), quant=quant, rngs=nnx.Rngs(3))
     xla = flint_jax.from_module(mod, kernels="xla")
     pal = flint_jax.from_module(mod, kernels="pallas")
+    pal.decode_options = OPTIONS[options]
     rows = [list(range(7, 77)), list(range(3, 14))]  # past the window on row 0
     kw = dict(max_new_tokens=6, temperature=0, stop_token_ids=[])
     a = flint_jax.generate(xla, rows, **kw)

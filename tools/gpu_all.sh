@@ -10,6 +10,8 @@
 #   suite_nvfp4   the same with NVFP4 weights
 #   checkpoints   synth -> convert -> load -> generate at full size (tools/gpu_checkpoints.sh nvfp4)
 #   sharded       2 GPUs (nvidia-h200-x2): a BF16 checkpoint restored over both equals one GPU
+#   suites_x2     (nvidia-h200-x2) both suites at once, BF16 on GPU 0 and NVFP4 on GPU 1, with
+#                 the compiled tests of the newest kernels on GPU 1 alongside (one 10-minute call)
 #   all           everything above but `sharded`, in order (needs more than one 10-minute call)
 #
 # Each stage fits one 10-minute device command; results (logs, JSON) land in $OUT.
@@ -47,6 +49,21 @@ for stage in "${stages[@]}"; do
                    2>&1 | grep -v "DeprecationWarning\|warnings.warn" | tee "$OUT/suite_bf16.log" ;;
     suite_nvfp4) python3 benchmarks/gpu_suite.py --format nvfp4 --trace --out "$OUT/suite_nvfp4.json" \
                    2>&1 | grep -v "DeprecationWarning\|warnings.warn" | tee "$OUT/suite_nvfp4.log" ;;
+    suites_x2)
+      CASES=${CASES:-1x1024,8x1024,1x8192,8x8192,8x100000,1x100000}
+      SUITE="python3 benchmarks/gpu_suite.py --trace --cases $CASES --budget-s ${SUITE_BUDGET:-400}"
+      CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.18 JAX_PLATFORMS=cuda timeout 300 \
+        python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pallas_multi_gemv.py \
+        tests/test_pallas_moe.py tests/test_pallas_add_rms_norm.py tests/test_fast_decode.py \
+        > "$OUT/tests_new_kernels.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=0 $SUITE --format bf16 --out "$OUT/suite_bf16.json" 2>&1 \
+        | grep -v "DeprecationWarning\|warnings.warn" > "$OUT/suite_bf16.log" &
+      CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 $SUITE --format nvfp4 \
+        --out "$OUT/suite_nvfp4.json" 2>&1 | grep --line-buffered -v "DeprecationWarning\|warnings.warn" \
+        > "$OUT/suite_nvfp4.log" &
+      wait
+      tail -n 3 "$OUT/tests_new_kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests_new_kernels.log" | head -20
+      cat "$OUT/suite_bf16.log" "$OUT/suite_nvfp4.log" | grep -v "^|" | cut -c1-600 ;;
     checkpoints) OUT=$OUT bash tools/gpu_checkpoints.sh nvfp4 ;;
     sharded)     OUT=$OUT bash tools/gpu_checkpoints.sh sharded ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -57,7 +57,7 @@ for stage in "${stages[@]}"; do
         tests/test_pallas_moe.py tests/test_pallas_add_rms_norm.py tests/test_fast_decode.py \
         > "$OUT/tests_new_kernels.log" 2>&1 &
       CUDA_VISIBLE_DEVICES=0 $SUITE --format bf16 --out "$OUT/suite_bf16.json" 2>&1 \
-        | grep -v "DeprecationWarning\|warnings.warn" > "$OUT/suite_bf16.log" &
+        | grep --line-buffered -v "DeprecationWarning\|warnings.warn" > "$OUT/suite_bf16.log" &
       CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 $SUITE --format nvfp4 \
         --out "$OUT/suite_nvfp4.json" 2>&1 | grep --line-buffered -v "DeprecationWarning\|warnings.warn" \
         > "$OUT/suite_nvfp4.log" &

@@ -50,20 +50,24 @@ for stage in "${stages[@]}"; do
     suite_nvfp4) python3 benchmarks/gpu_suite.py --format nvfp4 --trace --out "$OUT/suite_nvfp4.json" \
                    2>&1 | grep -v "DeprecationWarning\|warnings.warn" | tee "$OUT/suite_nvfp4.log" ;;
     suites_x2)
+      # FORMATS (default "bf16 nvfp4"): BF16 suite on GPU 0, NVFP4 suite on GPU 1; the compiled
+      # tests of the newest kernels run on GPU 1 alongside, without preallocation (4 workers).
       CASES=${CASES:-1x1024,8x1024,1x8192,8x8192,8x100000,1x100000}
       SUITE="python3 benchmarks/gpu_suite.py --trace --cases $CASES --budget-s ${SUITE_BUDGET:-400}"
-      CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.18 JAX_PLATFORMS=cuda timeout 300 \
+      CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 300 \
         python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pallas_multi_gemv.py \
         tests/test_pallas_moe.py tests/test_pallas_add_rms_norm.py tests/test_fast_decode.py \
         > "$OUT/tests_new_kernels.log" 2>&1 &
-      CUDA_VISIBLE_DEVICES=0 $SUITE --format bf16 --out "$OUT/suite_bf16.json" 2>&1 \
-        | grep --line-buffered -v "DeprecationWarning\|warnings.warn" > "$OUT/suite_bf16.log" &
-      CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 $SUITE --format nvfp4 \
-        --out "$OUT/suite_nvfp4.json" 2>&1 | grep --line-buffered -v "DeprecationWarning\|warnings.warn" \
-        > "$OUT/suite_nvfp4.log" &
+      for fmt in ${FORMATS:-bf16 nvfp4}; do
+        gpu=0; frac=0.95
+        [ "$fmt" = nvfp4 ] && { gpu=1; frac=0.75; }
+        CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_MEM_FRACTION=$frac $SUITE --format "$fmt" \
+          --out "$OUT/suite_$fmt.json" 2>&1 \
+          | grep --line-buffered -v "DeprecationWarning\|warnings.warn" > "$OUT/suite_$fmt.log" &
+      done
       wait
       tail -n 3 "$OUT/tests_new_kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests_new_kernels.log" | head -20
-      cat "$OUT/suite_bf16.log" "$OUT/suite_nvfp4.log" | grep -v "^|" | cut -c1-600 ;;
+      for fmt in ${FORMATS:-bf16 nvfp4}; do grep -v "^|" "$OUT/suite_$fmt.log" | cut -c1-600; done ;;
     checkpoints) OUT=$OUT bash tools/gpu_checkpoints.sh nvfp4 ;;
     sharded)     OUT=$OUT bash tools/gpu_checkpoints.sh sharded ;;
     *) echo "unknown stage $stage"; exit 2 ;;

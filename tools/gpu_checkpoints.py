@@ -141,6 +141,7 @@ def phase_load(a) -> dict:
                            max_length=a.prompt_len + a.new_tokens + 64)
     jax.block_until_ready(jax.tree.leaves(model.state))
     load_s = time.time() - t0
+    after_load = {k: gib(v) for k, v in host_peak().items()}  # before any XLA compilation
     dev = jax.devices()[0]
     stats = dev.memory_stats() or {}
     rng = np.random.default_rng(0)
@@ -152,7 +153,8 @@ def phase_load(a) -> dict:
     g2 = flint_jax.generate(model, prompt, max_new_tokens=a.new_tokens, temperature=0.0)
     second_s = time.time() - t2
     toks = [int(t) for t in g1[0]]
-    return {"load_s": round(load_s, 2), "device": str(dev), "quant": model.quant,
+    return {"load_s": round(load_s, 2), "host_peak_after_load_gib": after_load,
+            "device": str(dev), "quant": model.quant,
             "device_bytes_in_use": stats.get("bytes_in_use"),
             "device_peak_bytes": stats.get("peak_bytes_in_use"),
             "generate_first_s (compile included)": round(first_s, 2),

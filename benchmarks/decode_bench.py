@@ -163,9 +163,14 @@ def time_loop(model, cache, tokens, block: int, calls: int, windows: int = 5):
     return statistics.median(per_step), cache
 
 
-def count_kernels(step, state, cache, tokens, steps: int = 3):
-    """GPU kernels launched per step, from a profiler trace (XLA command buffers are off while
-    profiling, so time without it)."""
+def count_kernels(step, state, cache, tokens, steps: int = 3, top: int = 40):
+    """GPU kernels per step from a profiler trace, and where the device time goes.
+
+    Returns ({"kernels": launches per step, "kernel_us": summed kernel durations per step,
+    "by_kernel": the `top` kernel names by time: [name, launches/step, us/step]}, cache).
+    XLA turns command buffers off while profiling, so the trace's gaps between kernels are not
+    the real ones (time without the profiler); the kernel durations are.
+    """
     logdir = tempfile.mkdtemp(prefix="flint-trace-")
     with jax.profiler.trace(logdir, create_perfetto_trace=True):
         for _ in range(steps):
@@ -176,14 +181,32 @@ def count_kernels(step, state, cache, tokens, steps: int = 3):
         return None, cache
     with gzip.open(files[0]) as f:
         trace = json.load(f)
+    return kernel_stats(trace, steps, top), cache
+
+
+def kernel_stats(trace, steps: int, top: int = 40) -> dict:
+    """Launches and durations per step of the GPU kernels in a perfetto trace (dict or list of
+    events): kernels are complete ("X") events on threads whose name starts with "Stream"."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     stream_tids = set()
     for ev in events:
         if ev.get("ph") == "M" and ev.get("name") == "thread_name":
             if str(ev.get("args", {}).get("name", "")).startswith("Stream"):
                 stream_tids.add((ev.get("pid"), ev.get("tid")))
-    n = sum(1 for ev in events if ev.get("ph") == "X" and (ev.get("pid"), ev.get("tid")) in stream_tids)
-    return n / steps, cache
+    by_name: dict[str, list] = {}
+    n = 0
+    total = 0.0
+    for ev in events:
+        if ev.get("ph") == "X" and (ev.get("pid"), ev.get("tid")) in stream_tids:
+            n += 1
+            dur = float(ev.get("dur", 0.0))
+            total += dur
+            rec = by_name.setdefault(str(ev.get("name", "?")), [0, 0.0])
+            rec[0] += 1
+            rec[1] += dur
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels": n / steps, "kernel_us": total / steps,
+            "by_kernel": [[name, c / steps, round(d / steps, 2)] for name, (c, d) in ranked]}
 
 
 def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
@@ -224,7 +247,11 @@ def run_case(cfg, graphdef, state, quant, batch, context, paths, steps, trace, l
                                                           max(1, steps // loop_block))
                 row[f"{path}_loop_pct_floor"] = 100 * floor_ms / row[f"{path}_loop_ms"]
             if trace and jax.default_backend() == "gpu":
-                row[f"{path}_kernels"], cache = count_kernels(step, model.leaves, cache, tokens)
+                stats, cache = count_kernels(step, model.leaves, cache, tokens)
+                if stats:
+                    row[f"{path}_kernels"] = stats["kernels"]
+                    row[f"{path}_kernel_us"] = stats["kernel_us"]
+                    row[f"{path}_by_kernel"] = stats["by_kernel"]
             # Same inputs for every path: the logits of one step from the same cache contents.
             del cache, logits
             cache = random_cache(cfg, batch, length, context)

@@ -1,0 +1,41 @@
+"""The decode benchmark's helpers: kernel statistics from a trace, and one case end to end on CPU."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+import decode_bench  # noqa: E402
+
+from flint_jax.config import preset  # noqa: E402
+
+
+def test_kernel_stats_counts_stream_kernels_only():
+    meta = [
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #1(Compute)"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "python3"}},
+    ]
+    kernels = [("gemv", 4.0), ("attn", 10.0), ("gemv", 6.0), ("attn", 12.0), ("norm", 1.0),
+               ("gemv", 5.0)]
+    events = meta + [{"ph": "X", "pid": 1, "tid": 7, "name": n, "dur": d} for n, d in kernels]
+    events += [{"ph": "X", "pid": 1, "tid": 8, "name": "host_op", "dur": 100.0},   # not a kernel
+               {"ph": "i", "pid": 1, "tid": 7, "name": "marker"}]                  # not complete
+    stats = decode_bench.kernel_stats({"traceEvents": events}, steps=2, top=2)
+    assert stats["kernels"] == 3.0
+    assert stats["kernel_us"] == pytest.approx(19.0)
+    assert stats["by_kernel"] == [["attn", 1.0, 11.0], ["gemv", 1.5, 7.5]]
+
+
+def test_run_case_tiny_on_cpu():
+    cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=())   # two MoE layers
+    graphdef, state = decode_bench.build_state(cfg, quant=False)
+    row = decode_bench.run_case(cfg, graphdef, state, False, batch=2, context=40,
+                                paths=["xla", "pallas"], steps=1, trace=False, loop_block=1)
+    for p in ("xla", "pallas"):
+        assert f"{p}_error" not in row, row.get(f"{p}_error")
+        assert row[f"{p}_ms"] > 0 and row[f"{p}_loop_ms"] > 0
+    assert row["floor_ms"] > 0
+    # Same cache contents and token for both paths: the logits agree to bf16 accuracy.
+    assert row["rel_l2_pallas_vs_xla"] < 2e-2
+    assert "| bf16 | 2 | 40 |" in decode_bench.table([row], ["xla", "pallas"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from flint_jax.pallas import (add_rms_norm, add_rms_norm_reference, add_rms_norm_router,
-                              add_rms_norm_router_reference, moe_block_add_rms_norm,
+                              add_rms_norm_router_reference,
                               moe_block_from_attention, moe_block_from_attention_reference,
                               moe_router_logits)
 from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
@@ -53,9 +53,8 @@ def _inputs(m, d, e, *params):
 @pytest.mark.parametrize("m,d,e,kw", [
     (1, 2048, 256, {}),                                 # Flint: 32 programs, 2 column chunks
     (3, 320, 40, dict(block_e=16)),                     # odd D, last expert block partial
-    (8, 2048, 256, dict(block_e=4, block_d=2048)),      # whole router tile, reused by 8 rows
-    (16, 320, 16, dict(block_d=128)),                   # 16 rows; chunks partly/fully masked
-    (16, 2048, 20, dict(block_e=32)),                   # one program, E not a power of two
+    (8, 2048, 256, dict(block_e=32, block_d=2048)),     # whole router tile, reused by 8 rows
+    (16, 320, 20, dict(block_d=128)),   # 16 rows, chunks partly/fully masked, E % block_e != 0
 ])
 def test_add_rms_norm_router(m, d, e, kw):
   _, h, a, w, router = _inputs(m, d, e, tuple(kw.items()))
@@ -109,14 +108,12 @@ def test_eps_is_used():
 
 
 @pytest.mark.parametrize("fmt,m,e,top_k,d,inter,inter_s", [
-    ("bf16", 1, 16, 6, 128, 64, 128),
-    ("bf16", 3, 20, 4, 320, 64, 128),   # odd D, E not a power of two
-    ("nvfp4", 2, 16, 4, 128, 64, 128),
+    ("bf16", 3, 20, 4, 320, 64, 128),    # odd D, E not a power of two
+    ("nvfp4", 2, 16, 6, 128, 64, 128),
 ])
 def test_moe_block_from_attention(fmt, m, e, top_k, d, inter, inter_s):
-  """The 4-launch MoE layer from the attention output vs add_rms_norm_reference ->
-  moe_block_add_rms_norm_reference, and vs the unfused kernels (add_rms_norm + the 4-launch
-  routed path with the XLA router dot)."""
+  """The 4-launch MoE layer from the attention output vs the unfused path's contract
+  (add_rms_norm_router_reference's s, x -> moe_block_add_rms_norm_reference)."""
   gen, h, a, w, router = _inputs(m, d, e, "block", fmt, top_k)
   experts, shared = make_weights(fmt, e, d, inter, inter_s, gen)
   w_next = randn(gen, (d,), scale=0.3) + 1
@@ -127,11 +124,10 @@ def test_moe_block_from_attention(fmt, m, e, top_k, d, inter, inter_s):
   assert s2.shape == x2.shape == (m, d)
   assert_close(s2, s_ref, what=f"s2 {fmt}")
   assert_close(x2, x_ref, what=f"x2 {fmt}")
-  s, x = add_rms_norm(h, a, w, interpret=INTERPRET)
-  s_u, x_u = moe_block_add_rms_norm(x, s, router, experts, shared, w_next, top_k=top_k,
-                                    decode=DECODE, interpret=INTERPRET)
-  assert_close(s2, s_u, what=f"s2 vs unfused {fmt}")
-  assert_close(x2, x_u, what=f"x2 vs unfused {fmt}")
+  # the routing really happened: the layer output depends on which experts were picked
+  s_0, _ = moe_block_from_attention_reference(h, a, w, -router, experts, shared, w_next,
+                                              top_k=top_k)
+  assert not np.allclose(f32(s_0), f32(s_ref), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("change,msg", [

@@ -165,7 +165,7 @@ def test_norms_lower():
   lower(rms_norm, S((8, D), BF), S((D,), BF))
 
 
-@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("m", [1, 8, 16])
 @pytest.mark.parametrize("kw", [{}, dict(block_d=2048), dict(block_e=4, block_d=512, num_warps=8)])
 def test_add_rms_norm_router_lowers(m, kw):
   from flint_jax.pallas import add_rms_norm_router  # pylint: disable=g-import-not-at-top

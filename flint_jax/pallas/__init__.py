@@ -13,7 +13,7 @@ numerical contract of the kernel and the XLA fallback):
 | ``decode_attention`` | ``decode_attention``: split-KV sink-softmax attention, full or ring cache |
 | ``qk_norm_rope`` | ``qk_norm_rope``: per-head q/k RMSNorm + NeoX RoPE + KV-cache write |
 | ``add_rms_norm`` | ``add_rms_norm``, ``rms_norm`` |
-| ``add_rms_norm_router`` | ``add_rms_norm_router``: residual add + RMSNorm + fp32 router GEMV (1 launch); |
+| ``add_rms_norm_router`` | ``add_rms_norm_router``: residual add + RMSNorm + fp32 router GEMV; |
 | | ``moe_block_from_attention``: attention output -> next block's input, 4 launches |
 
 Every wrapper is jitted with its tuning knobs static and takes ``interpret=True`` to run on CPU.

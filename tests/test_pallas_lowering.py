@@ -163,3 +163,29 @@ def test_qk_norm_rope_lowers(ring):
 def test_norms_lower():
   lower(add_rms_norm, S((8, D), BF), S((8, D), BF), S((D,), BF))
   lower(rms_norm, S((8, D), BF), S((D,), BF))
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("kw", [{}, dict(block_d=2048), dict(block_e=4, block_d=512, num_warps=8)])
+def test_add_rms_norm_router_lowers(m, kw):
+  from flint_jax.pallas import add_rms_norm_router  # pylint: disable=g-import-not-at-top
+  text = lower(functools.partial(add_rms_norm_router, **kw), S((m, D), BF), S((m, D), BF),
+               S((D,), BF), S((E, D), F32))
+  assert text.count("__gpu$xla.gpu.triton") == 1
+  lower(add_rms_norm_router, S((m, 320), BF), S((m, 320), BF), S((320,), BF),
+        S((40, 320), F32))   # D and E not powers of two: masked
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 8])
+def test_moe_block_from_attention_lowers(fmt, m):
+  """Attention output -> next block's normalised input: 4 Triton kernels, no XLA op (the router
+  dot is inside add_rms_norm_router)."""
+  from flint_jax.pallas import moe_block_from_attention  # pylint: disable=g-import-not-at-top
+  experts, shared = moe_weights(fmt)
+  text = lower(moe_block_from_attention, S((m, D), BF), S((m, D), BF), S((D,), BF),
+               S((E, D), F32), experts, shared, S((D,), BF))
+  assert text.count("__gpu$xla.gpu.triton") == 4
+  assert "stablehlo.dot_general" not in text
+  for op in ("concatenate", "gather", "sort", "top_k", "reduce", "select", "scatter"):
+    assert f"stablehlo.{op}" not in text and f"chlo.{op}" not in text, op

@@ -13,12 +13,18 @@ numerical contract of the kernel and the XLA fallback):
 | ``decode_attention`` | ``decode_attention``: split-KV sink-softmax attention, full or ring cache |
 | ``qk_norm_rope`` | ``qk_norm_rope``: per-head q/k RMSNorm + NeoX RoPE + KV-cache write |
 | ``add_rms_norm`` | ``add_rms_norm``, ``rms_norm`` |
+| ``add_rms_norm_router`` | ``add_rms_norm_router``: residual add + RMSNorm + fp32 router GEMV; |
+| | ``moe_block_from_attention``: attention output -> next block's input, 4 launches |
 
 Every wrapper is jitted with its tuning knobs static and takes ``interpret=True`` to run on CPU.
 Measurements and the tuning log live in ``docs/kernels.md``.
 """
 
 from flint_jax.pallas.add_rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from flint_jax.pallas.add_rms_norm_router import (add_rms_norm_router,
+                                                  add_rms_norm_router_reference,
+                                                  moe_block_from_attention,
+                                                  moe_block_from_attention_reference)
 from flint_jax.pallas.decode_attention import decode_attention, decode_attention_reference
 from flint_jax.pallas.gemv import gemv, gemv_reference, gemv_silu_mul, gemv_silu_mul_reference
 from flint_jax.pallas.moe import (moe_block, moe_block_add_rms_norm,
@@ -35,6 +41,8 @@ from flint_jax.pallas.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference",
+    "add_rms_norm_router", "add_rms_norm_router_reference", "moe_block_from_attention",
+    "moe_block_from_attention_reference",
     "decode_attention", "decode_attention_reference",
     "gemv", "gemv_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
     "moe_block", "moe_block_reference", "moe_decode", "moe_decode_reference", "moe_route",

@@ -1,0 +1,165 @@
+"""add_rms_norm_router (residual add + RMSNorm + fp32 router GEMV in one kernel) and
+moe_block_from_attention vs their references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax.pallas import (add_rms_norm, add_rms_norm_reference, add_rms_norm_router,
+                              add_rms_norm_router_reference,
+                              moe_block_from_attention, moe_block_from_attention_reference,
+                              moe_router_logits)
+from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
+
+INTERPRET = jax.default_backend() == "cpu"
+DECODE = "fp8" if INTERPRET else "asm"
+F32_TOL = dict(atol=1e-5, rtol=1e-5)   # fp32 summation order only (relative to max|logit|)
+
+
+def make_weights(fmt, e, d, inter, inter_s, gen):
+  """Experts and shared expert, all bf16 or all NVFP4 (as tests/test_pallas_moe.py)."""
+  if fmt == "bf16":
+    experts = dict(gate_up_proj=randn(gen, (e, 2 * inter, d), scale=2 * d ** -0.5),
+                   down_proj=randn(gen, (e, d, inter), scale=inter ** -0.5))
+    shared = dict(gate_proj=randn(gen, (inter_s, d), scale=2 * d ** -0.5),
+                  up_proj=randn(gen, (inter_s, d), scale=d ** -0.5),
+                  down_proj=randn(gen, (d, inter_s), scale=inter_s ** -0.5))
+    return experts, shared
+  g = random_nvfp4(gen, (e, 2 * inter, d), scale_2=np.ones((e, 2)))
+  s2 = gen.uniform(0.5, 2.0, (e, 2)).astype(np.float32) * 2 * d ** -0.5
+  dn = random_nvfp4(gen, (e, d, inter))
+  experts = dict(gate_up_qweight=g.qweight, gate_up_weight_scale=g.weight_scale,
+                 gate_up_weight_scale_2=jnp.asarray(s2), down_qweight=dn.qweight,
+                 down_weight_scale=dn.weight_scale, down_weight_scale_2=dn.weight_scale_2)
+  shared = dict(gate_proj=random_nvfp4(gen, (inter_s, d)), up_proj=random_nvfp4(gen, (inter_s, d)),
+                down_proj=random_nvfp4(gen, (d, inter_s)))
+  return experts, shared
+
+
+def f32(v):
+  return np.asarray(v, np.float32)
+
+
+def _inputs(m, d, e, *params):
+  gen = rng("norm-router", m, d, e, *params)
+  h = randn(gen, (m, d), scale=4.0)
+  a = randn(gen, (m, d))
+  w = randn(gen, (d,), scale=0.3) + 1
+  router = randn(gen, (e, d), jnp.float32, d ** -0.5)   # logits ~ N(0, 1), a trained router's
+  return gen, h, a, w, router
+
+
+@pytest.mark.parametrize("m,d,e,kw", [
+    (1, 2048, 256, {}),                                 # Flint: 32 programs, 2 column chunks
+    (3, 320, 40, dict(block_e=16)),                     # odd D, last expert block partial
+    (8, 2048, 256, dict(block_e=32, block_d=2048)),     # whole router tile, reused by 8 rows
+    (16, 320, 20, dict(block_d=128)),   # 16 rows, chunks partly/fully masked, E % block_e != 0
+])
+def test_add_rms_norm_router(m, d, e, kw):
+  _, h, a, w, router = _inputs(m, d, e, tuple(kw.items()))
+  s, x, logits = add_rms_norm_router(h, a, w, router, interpret=INTERPRET, **kw)
+  s_ref, x_ref, l_ref = add_rms_norm_router_reference(h, a, w, router)
+  assert s.shape == x.shape == (m, d) and s.dtype == x.dtype == jnp.bfloat16
+  assert logits.shape == (m, e) and logits.dtype == jnp.float32
+  # s, x: add_rms_norm's kernel op for op -> bit-identical
+  s_k, x_k = add_rms_norm(h, a, w, interpret=INTERPRET)
+  np.testing.assert_array_equal(f32(s), f32(s_k))
+  np.testing.assert_array_equal(f32(x), f32(x_k))
+  np.testing.assert_array_equal(f32(s), f32(s_ref))
+  # x vs plain jnp: the fp32 mean square may differ by summation order (1 ulp), which flips a
+  # bf16 rounding of x very rarely; never more than one bf16 ulp
+  diff = f32(x) != f32(x_ref)
+  assert diff.mean() <= 1e-3, f"{diff.sum()} / {diff.size} x values differ from the reference"
+  np.testing.assert_allclose(f32(x), f32(x_ref), rtol=2 ** -7, atol=0)
+  # logits: the fp32 dot of the kernel's own (rounded) x, up to the summation order
+  assert_close(logits, moe_router_logits(x, router), **F32_TOL, what="logits vs own x")
+  if not diff.any():
+    assert_close(logits, l_ref, **F32_TOL, what="logits vs reference")
+  top = min(6, e)
+  np.testing.assert_array_equal(np.sort(np.asarray(jax.lax.top_k(logits, top)[1]), -1),
+                                np.sort(np.asarray(jax.lax.top_k(l_ref, top)[1]), -1))
+
+
+def test_reference_rounds_s_and_x():
+  """The reference normalises the bf16-rounded s and multiplies the router with the rounded x
+  (XLA may skip a bf16 round trip under jit; add_rms_norm_reference does): checked in numpy."""
+  m, d, e = 2, 256, 8
+  _, h, a, w, router = _inputs(m, d, e, "np")
+  s, x, logits = add_rms_norm_router_reference(h, a, w, router)
+  s64 = f32(jnp.asarray(f32(h) + f32(a), jnp.bfloat16)).astype(np.float64)
+  ms = np.mean(s64 ** 2, -1, keepdims=True)
+  x_np = f32(jnp.asarray((f32(w) * (s64 / np.sqrt(ms + 1e-6))).astype(np.float32),
+                         jnp.bfloat16))
+  np.testing.assert_array_equal(f32(s), s64.astype(np.float32))
+  np.testing.assert_array_equal(f32(x), x_np)
+  np.testing.assert_allclose(f32(logits), x_np.astype(np.float64) @ f32(router).T.astype(
+      np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_eps_is_used():
+  m, d, e = 1, 128, 8
+  _, h, a, w, router = _inputs(m, d, e, "eps")
+  h, a = h * 1e-3, a * 1e-3
+  out = add_rms_norm_router(h, a, w, router, eps=1e-2, interpret=INTERPRET)
+  ref = add_rms_norm_router_reference(h, a, w, router, eps=1e-2)
+  np.testing.assert_array_equal(f32(out[1]), f32(ref[1]))
+  assert not np.array_equal(f32(out[1]), f32(add_rms_norm_router_reference(h, a, w, router)[1]))
+
+
+@pytest.mark.parametrize("fmt,m,e,top_k,d,inter,inter_s", [
+    ("bf16", 3, 20, 4, 320, 64, 128),    # odd D, E not a power of two
+    ("nvfp4", 2, 16, 6, 128, 64, 128),
+])
+def test_moe_block_from_attention(fmt, m, e, top_k, d, inter, inter_s):
+  """The 4-launch MoE layer from the attention output vs the unfused path's contract
+  (add_rms_norm_router_reference's s, x -> moe_block_add_rms_norm_reference)."""
+  gen, h, a, w, router = _inputs(m, d, e, "block", fmt, top_k)
+  experts, shared = make_weights(fmt, e, d, inter, inter_s, gen)
+  w_next = randn(gen, (d,), scale=0.3) + 1
+  s2, x2 = moe_block_from_attention(h, a, w, router, experts, shared, w_next, top_k=top_k,
+                                    decode=DECODE, interpret=INTERPRET)
+  s_ref, x_ref = moe_block_from_attention_reference(h, a, w, router, experts, shared, w_next,
+                                                    top_k=top_k)
+  assert s2.shape == x2.shape == (m, d)
+  assert_close(s2, s_ref, what=f"s2 {fmt}")
+  assert_close(x2, x_ref, what=f"x2 {fmt}")
+  # the routing really happened: the layer output depends on which experts were picked
+  s_0, _ = moe_block_from_attention_reference(h, a, w, -router, experts, shared, w_next,
+                                              top_k=top_k)
+  assert not np.allclose(f32(s_0), f32(s_ref), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("change,msg", [
+    (dict(m=17), "1..16 rows"),
+    (dict(a_d=100), "a must match h"),
+    (dict(a_dtype=jnp.float32), "a must match h"),
+    (dict(w_d=100), "w_norm must be"),
+    (dict(r_d=100), "router_w must be"),
+    (dict(r_dtype=jnp.int32), "router_w must be a float"),
+    (dict(h_3d=True), "h must be"),
+    (dict(block_e=6), "block_e must be a power of two"),
+    (dict(block_d=1024), "block_d must be a power of two <= 512"),
+    (dict(block_d=96), "block_d must be a power of two"),
+])
+def test_bad_inputs(change, msg):
+  m, d, e = change.get("m", 2), 320, 16
+  h = jnp.zeros((m, d), jnp.bfloat16)
+  a = jnp.zeros((m, change.get("a_d", d)), change.get("a_dtype", jnp.bfloat16))
+  w = jnp.ones((change.get("w_d", d),), jnp.bfloat16)
+  router = jnp.zeros((e, change.get("r_d", d)), change.get("r_dtype", jnp.float32))
+  if change.get("h_3d"):
+    h = h[None]
+  kw = {k: change[k] for k in ("block_e", "block_d") if k in change}
+  with pytest.raises(ValueError, match=msg):
+    add_rms_norm_router(h, a, w, router, interpret=INTERPRET, **kw)
+
+
+def test_reference_matches_add_rms_norm_reference_up_to_rounding():
+  """Sanity: the reference's (s, x) equal add_rms_norm_reference's s, and x up to the bf16 round
+  trip that add_rms_norm_reference lets XLA skip (at most one bf16 ulp)."""
+  _, h, a, w, router = _inputs(4, 512, 8, "arn")
+  s, x, _ = add_rms_norm_router_reference(h, a, w, router)
+  s_a, x_a = add_rms_norm_reference(h, a, w)
+  np.testing.assert_array_equal(f32(s), f32(s_a))
+  np.testing.assert_allclose(f32(x), f32(x_a), rtol=2 ** -7, atol=0)

@@ -23,9 +23,10 @@ from flax import nnx
 from flint_jax.cache import KVCache
 from flint_jax.config import FlintConfig
 from flint_jax import layers
-from flint_jax.pallas import (NVFP4Weight, add_rms_norm, decode_attention, moe_block,
-                              moe_block_add_rms_norm, multi_gemv, nvfp4_gemv,
-                              nvfp4_gemv_silu_mul, qk_norm_rope, rms_norm)
+from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, decode_attention,
+                              moe_block, moe_combine_add_rms_norm, moe_decode_routed,
+                              moe_router_logits, multi_gemv, nvfp4_gemv, nvfp4_gemv_silu_mul,
+                              qk_norm_rope, rms_norm)
 
 MAX_BATCH = 16
 
@@ -41,13 +42,19 @@ class DecodeOptions:
       "slots" = XLA routing + `moe_decode` + XLA combine, then `add_rms_norm`; "xla" = the
       reference model's MoE (gathered experts, einsums), then `add_rms_norm`; "v1" = the session-1
       choice ("slots" for NVFP4 experts, "xla" for BF16).
+    router_in_norm: (with moe="routed") the residual add + RMSNorm after attention and the router
+      GEMV in one kernel (`add_rms_norm_router`): one launch less per MoE layer. Off by default:
+      correct (tests) but not yet measured on the H200.
     """
     fused_qkv: bool = True
     moe: str = "routed"
+    router_in_norm: bool = False
 
     def __post_init__(self):
         if self.moe not in ("routed", "slots", "xla", "v1"):
             raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
+        if self.router_in_norm and self.moe != "routed":
+            raise ValueError("DecodeOptions.router_in_norm needs moe='routed'")
 
 
 #: The session-1 Pallas step (three projection GEMVs, MoE routing in XLA), kept for comparison.
@@ -94,15 +101,20 @@ def _shared_arg(mlp):
     return {n: _lin_arg(getattr(mlp.shared_expert, n)) for n in ("gate_proj", "up_proj", "down_proj")}
 
 
-def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret):
-    """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next)."""
+def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None):
+    """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). `logits`: the router's,
+    when already computed (routed mode)."""
     eps = cfg.rms_norm_eps
+    k = cfg.num_experts_per_tok
     if mode == "v1":
         mode = "slots" if mlp.experts.quant else "xla"
     if mode == "routed":
-        return moe_block_add_rms_norm(x, h, mlp.gate.weight[...], _experts_arg(mlp.experts),
-                                      _shared_arg(mlp), w_next, top_k=cfg.num_experts_per_tok,
-                                      eps=eps, interpret=interpret)
+        if logits is None:
+            logits = moe_router_logits(x, mlp.gate.weight[...])
+        y = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp), top_k=k,
+                              interpret=interpret)
+        return moe_combine_add_rms_norm(h, y, logits, w_next, top_k=k, eps=eps,
+                                        interpret=interpret)
     if mode == "slots":
         y = moe_block(x, mlp.gate.weight[...], _experts_arg(mlp.experts), _shared_arg(mlp),
                       top_k=cfg.num_experts_per_tok, interpret=interpret)
@@ -167,13 +179,19 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 else:
                     full_k, full_v = kc, vc
                 a = _linear(attn.o_proj, o.reshape(b, h_ * hd), interpret)
-                h, x = add_rms_norm(h, a, layer.post_attention_layernorm.weight[...], eps=eps,
-                                        interpret=interpret)
                 mlp = layer.mlp
+                post_ln = layer.post_attention_layernorm.weight[...]
+                router_logits = None
+                if opts.router_in_norm and cfg.is_moe(i):
+                    h, x, router_logits = add_rms_norm_router(
+                        h, a, post_ln, mlp.gate.weight[...], eps=eps, interpret=interpret)
+                else:
+                    h, x = add_rms_norm(h, a, post_ln, eps=eps, interpret=interpret)
                 nxt = (layers[i + 1].input_layernorm.weight[...] if i + 1 < len(layers)
                        else m.model.norm.weight[...])
                 if cfg.is_moe(i):
-                    h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret)
+                    h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
+                                             router_logits)
                 else:
                     y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret), interpret)
                     h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)

@@ -83,6 +83,8 @@ def main():
                     help="comma-separated BATCHxCONTEXT, in order")
     ap.add_argument("--v1-cases", default="1x1024,8x1024",
                     help="cases that also run the session-1 Pallas step (path pallas_v1)")
+    ap.add_argument("--fused-cases", default="1x1024,8x1024",
+                    help="cases that also run every fusion, measured or not (path pallas_fused)")
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timing window")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--budget-s", type=float, default=470)
@@ -132,14 +134,15 @@ def main():
             continue
         batch, context = (int(v) for v in case.split("x"))
         t0 = time.perf_counter()
-        paths = ["xla", "pallas"] + (["pallas_v1"] if case in a.v1_cases.split(",") else [])
+        paths = ["xla", "pallas"] + (["pallas_v1"] if case in a.v1_cases.split(",") else []) + (
+            ["pallas_fused"] if case in a.fused_cases.split(",") else [])
         row = decode_bench.run_case(cfg, graphdef, state, quant, batch, context, paths,
                                     a.steps, a.trace)
         row["case_s"] = time.perf_counter() - t0
         res["cases"].append(row)
         print(decode_bench.format_row(row, paths) + f" [{row['case_s']:.0f} s]", flush=True)
         save()
-    print(decode_bench.table(res["cases"], ["xla", "pallas", "pallas_v1"]))
+    print(decode_bench.table(res["cases"], ["xla", "pallas", "pallas_v1", "pallas_fused"]))
     save()
 
 

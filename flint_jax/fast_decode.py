@@ -59,6 +59,8 @@ class DecodeOptions:
 
 #: The session-1 Pallas step (three projection GEMVs, MoE routing in XLA), kept for comparison.
 V1_OPTIONS = DecodeOptions(fused_qkv=False, moe="v1")
+#: Every fusion on, including those not yet measured on the H200 (benchmark path "pallas_fused").
+FUSED_OPTIONS = DecodeOptions(router_in_norm=True)
 
 
 # Which implementation each op uses, from the H200 measurements in docs/kernels.md:

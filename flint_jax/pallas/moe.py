@@ -637,6 +637,21 @@ def _ref_linear(x, w, fmt):
   return NV.nvfp4_gemv_reference(x, *w, out_dtype=jnp.float32)
 
 
+def _selected_experts(experts, ids, fe):
+  """Dense weights of the experts ``ids`` (any int shape S): gate_up [*S, 2I, D], down
+  [*S, D, I] (NVFP4 decoded exactly) and their fp32 tensor scales [*S, 2], [*S] (ones for bf16)."""
+  if fe == "bf16":
+    one = jnp.ones(ids.shape, jnp.float32)
+    return (experts["gate_up_proj"][ids], experts["down_proj"][ids],
+            jnp.stack([one, one], axis=-1), one)
+  gu = NV.dequantize_nvfp4_reference(experts["gate_up_qweight"][ids],
+                                     experts["gate_up_weight_scale"][ids])
+  dn = NV.dequantize_nvfp4_reference(experts["down_qweight"][ids],
+                                     experts["down_weight_scale"][ids])
+  return (gu, dn, experts["gate_up_weight_scale_2"][ids].astype(jnp.float32),
+          experts["down_weight_scale_2"][ids].astype(jnp.float32))
+
+
 def moe_decode_reference(x, ids, weights, experts, shared, **unused_tuning):
   """Plain jnp with the module docstring's rounding: per (token, k) expert in fp32, y_k rounded
   to bf16, then ``bf16(sum_k w_k y_k + y_s)`` summed in top-k order in fp32."""
@@ -649,18 +664,7 @@ def _moe_decode_reference(x, ids, weights, experts, shared):
   fe, fs, m, d, _, inter, _ = _shapes(x, experts, shared)
   dt = x.dtype
   hi = lax.Precision.HIGHEST
-  if fe == "bf16":
-    gu = experts["gate_up_proj"][ids]                                  # [M, k, 2I, D]
-    dn = experts["down_proj"][ids]                                     # [M, k, D, I]
-    s_gu = jnp.ones(ids.shape + (2,), jnp.float32)
-    s_dn = jnp.ones(ids.shape, jnp.float32)
-  else:
-    gu = NV.dequantize_nvfp4_reference(experts["gate_up_qweight"][ids],
-                                       experts["gate_up_weight_scale"][ids])
-    dn = NV.dequantize_nvfp4_reference(experts["down_qweight"][ids],
-                                       experts["down_weight_scale"][ids])
-    s_gu = experts["gate_up_weight_scale_2"][ids].astype(jnp.float32)  # [M, k, 2]
-    s_dn = experts["down_weight_scale_2"][ids].astype(jnp.float32)     # [M, k]
+  gu, dn, s_gu, s_dn = _selected_experts(experts, ids, fe)           # [M, k, ...]
   g = jnp.einsum("md,mkid->mki", x, gu[:, :, :inter], preferred_element_type=jnp.float32,
                  precision=hi) * s_gu[..., 0:1]
   u = jnp.einsum("md,mkid->mki", x, gu[:, :, inter:], preferred_element_type=jnp.float32,
@@ -713,18 +717,7 @@ def _moe_decode_routed_reference(x, logits, experts, shared, *, top_k):
   dt = x.dtype
   hi = lax.Precision.HIGHEST
   ids = moe_route_from_logits(logits, top_k=top_k)[0].reshape(-1)     # [U], slot order
-  if fe == "bf16":
-    gu = experts["gate_up_proj"][ids]                                  # [U, 2I, D]
-    dn = experts["down_proj"][ids]                                     # [U, D, I]
-    s_gu = jnp.ones(ids.shape + (2,), jnp.float32)
-    s_dn = jnp.ones(ids.shape, jnp.float32)
-  else:
-    gu = NV.dequantize_nvfp4_reference(experts["gate_up_qweight"][ids],
-                                       experts["gate_up_weight_scale"][ids])
-    dn = NV.dequantize_nvfp4_reference(experts["down_qweight"][ids],
-                                       experts["down_weight_scale"][ids])
-    s_gu = experts["gate_up_weight_scale_2"][ids].astype(jnp.float32)  # [U, 2]
-    s_dn = experts["down_weight_scale_2"][ids].astype(jnp.float32)     # [U]
+  gu, dn, s_gu, s_dn = _selected_experts(experts, ids, fe)           # [U, ...]
   g = jnp.einsum("md,uid->umi", x, gu[:, :inter], preferred_element_type=jnp.float32,
                  precision=hi) * s_gu[:, None, 0:1]
   u = jnp.einsum("md,uid->umi", x, gu[:, inter:], preferred_element_type=jnp.float32,

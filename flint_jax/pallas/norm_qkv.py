@@ -1,0 +1,410 @@
+"""End of a layer + the next layer's input RMSNorm + its fused q|k|v GEMVs, one kernel.
+
+``norm_qkv(h, weights, w_norm, y=..., logits=...)`` returns ``(s, (q, k, v))``:
+
+  s   = the new residual stream [M, D] (h.dtype), by mode:
+          MoE   (y [U+1, M, D], logits [M, E] f32, U = M * top_k; ``moe_decode_routed``'s y):
+                s = bf16(h + bf16(sum_j w_j f32(y[t*top_k+j, t]) + f32(y[U, t])))
+                exactly ``moe.moe_combine_add_rms_norm`` (top-k of the logits with lowest-index
+                ties, w_j = sigmoid(l_j) / sum_j sigmoid(l_j) in fp32, fp32 sum in top-k order);
+          dense (y [M, D]):      s = bf16(h + y)           (``add_rms_norm``);
+          norm  (y None):        s = h                     (``rms_norm``; layer 0's embeddings;
+                                                            returned as is, not copied)
+  x   = bf16(w_norm * (f32(s) * rsqrt(mean(f32(s)^2) + eps)))   (``add_rms_norm``'s formula)
+  out = ``multi_gemv(x, weights)``: out_i [M, N_i] = out_dtype(x @ W_i^T [* weight_scale_2_i])
+
+What it fuses: ``moe_combine_add_rms_norm`` / ``add_rms_norm`` / ``rms_norm`` in front of
+``multi_gemv`` -- one launch per decode layer fewer, and x never goes through HBM.
+
+One ``pallas_call`` with ``multi_gemv``'s grid (``sum_i N_i / block_n`` programs, one
+``pl.when`` branch per matrix). Every program
+
+1. (MoE) recomputes its tokens' top-k logits and combine weights from the logits rows (the
+   repeated max + lowest-index argmin of ``moe._topk_logits``; vectorised over the padded rows
+   when M > 1);
+2. runs a pass over D in ``block_d`` chunks: rebuilds s from the h / y chunks (the combine is
+   elementwise per column, so every chunk's s is bit-identical to the one-block kernels') and
+   accumulates f32(s)^2 per row in an fp32 ``[.., block_d]`` vector, summed at the end
+   (program 0 also stores s);
+3. runs ``multi_gemv``'s K loop, where each x tile is rebuilt from the h / y / w_norm chunks and
+   the row statistic instead of being loaded (Triton cannot slice a register vector
+   dynamically; the re-reads hit L1/L2: MoE y is (top_k + 1) * D * 2 bytes per token).
+   NVFP4 rebuilds x directly in the ``nvfp4_gemv.x_view`` layout (h, y, w_norm are read through
+   the same free [.., D/64, 2, 2, 16] views).
+
+Numerics: s is bit-identical to the unfused ops (elementwise). x equals theirs except for the
+summation order of the fp32 row sum of squares (chunked here, one block there: the order of any
+two reductions differs anyway, Triton's tree vs XLA's), which can move rsqrt by an fp32 ulp and,
+rarely, an x element by one bf16 ulp. Given x, ``out`` is bit-identical to ``multi_gemv(x)`` with
+the same tile knobs (same K steps, tile dots and epilogue). ``return_x=True`` also returns the
+kernel's x (program 0 writes it in a third pass; for tests).
+
+With M == 1 the rows are not padded for the elementwise work: s / x chunks are 1-D and
+broadcast to the 16 rows the ``dot`` / ``swap`` tiles need.
+
+Shapes / dtypes: h [M, D] bf16 (f32 with bf16-path f32 weights), 1 <= M <= 16; w_norm [D] any
+float; y [M, D] or [M * top_k + 1, M, D] with h's dtype; logits [M, E] f32; weights as
+``multi_gemv`` (1..4 bf16 [N_i, D] or ``NVFP4Weight``). Returns (s [M, D] h.dtype,
+tuple of [M, N_i] out_dtype) (+ x [M, D] with ``return_x``).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flint_jax.pallas import _common as C
+import flint_jax.pallas.add_rms_norm  # noqa: F401  (modules, not the functions the package
+import flint_jax.pallas.moe  # noqa: F401           re-exports under the same names)
+import flint_jax.pallas.multi_gemv  # noqa: F401
+import flint_jax.pallas.nvfp4_gemv  # noqa: F401
+
+ARN = sys.modules["flint_jax.pallas.add_rms_norm"]
+MOE = sys.modules["flint_jax.pallas.moe"]
+MG = sys.modules["flint_jax.pallas.multi_gemv"]
+NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
+G = MG.G
+
+__all__ = ["norm_qkv", "norm_qkv_reference", "MODES"]
+
+MODES = ("moe", "dense", "norm")
+
+
+# ------------------------------------------------------------------------------------------
+# In-kernel pieces
+
+
+def _topk_values_rows(l_ref, m, mp, top_k, n_exp, ep):
+  """Top-k logit values of rows 0..m-1 (padded to mp) of l_ref [M, E] f32: [[mp] f32] * top_k in
+  ``lax.top_k`` order. The vectorised twin of ``moe._topk_logits`` (same max / lowest-index
+  argmin / mask sequence per row, so the same values bit for bit)."""
+  rows = C.row_load_index(m, mp)
+  cols = jnp.arange(ep, dtype=jnp.int32)
+  if ep == n_exp:
+    lg = l_ref[rows, pl.ds(0, ep)]                                      # [Mp, Ep]
+  else:
+    lg = plgpu.load(l_ref.at[rows[:, None], cols[None, :]], mask=(cols < n_exp)[None, :],
+                    other=-jnp.inf)
+  cols2 = jnp.broadcast_to(cols[None, :], (mp, ep))
+  taken = cols2 >= n_exp
+  vals = []
+  for _ in range(top_k):
+    v = jnp.where(taken, -jnp.inf, lg)
+    mx = jnp.max(v, axis=1)                                             # [Mp]
+    idx = jnp.min(jnp.where((v == mx[:, None]) & jnp.logical_not(taken), cols2, ep), axis=1)
+    idx = jnp.minimum(idx, n_exp - 1)
+    taken = taken | (cols2 == idx[:, None])
+    vals.append(mx)
+  return vals
+
+
+def _nvfp4_tile_dot_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layout, method):
+  """``nvfp4_gemv.nvfp4_tile_dot`` with the x tiles from ``xfn(col_index)`` instead of a ref.
+
+  ``xfn(cidx, nd)`` returns x at the trailing indices ``cidx`` (nd result dims) of the
+  [.., D/64, 2, 2, 16] view, for the one row (M == 1: no row dim) or the mp padded rows (leading
+  [Mp] dim). Same decode, tile
+  dots and summation order as ``nvfp4_tile_dot``, so the same fp32 partials for the same x."""
+  ds = slice(None)
+  nrow = pl.ds(n0, bn)
+  one = m == 1
+
+  def rows2(x, width):   # x tile as the [Mp, width] operand of a dot / swap tile
+    if one:
+      return jnp.broadcast_to(x.reshape(1, width), (mp, width))
+    return x.reshape(mp, width)
+
+  if layout == "tile":
+    blk = pl.ds(b0, nb)
+    q = q_ref[nrow, blk, ds, ds]                                         # [BN, nb, 2, 16]
+    s_lo = s_ref[nrow, blk, 0, ds].astype(jnp.float32)[..., None]       # [BN, nb, 2, 1]
+    s_hi = s_ref[nrow, blk, 1, ds].astype(jnp.float32)[..., None]
+    w_lo, w_hi = NV._decode_pair(q, s_lo, s_hi, decode)  # pylint: disable=protected-access
+    if method == "reduce":
+      acc = None
+      for half, w in ((0, w_lo), (1, w_hi)):
+        x = xfn((blk, half, ds, ds), 3).astype(jnp.float32)                # [nb, 2, 16]
+        p = jnp.sum(w.astype(jnp.float32) * x[None], axis=3)            # [BN, nb, 2]
+        p = jnp.sum(jnp.sum(p, axis=2), axis=1)                          # [BN]
+        acc = p if acc is None else acc + p
+      return acc
+    x_lo = rows2(xfn((blk, 0, ds, ds), 3), nb * 32)                         # [Mp, 32 nb]
+    x_hi = rows2(xfn((blk, 1, ds, ds), 3), nb * 32)
+    w_lo, w_hi = w_lo.reshape(bn, nb * 32), w_hi.reshape(bn, nb * 32)
+    return C.mm_tile(x_lo, w_lo, method) + C.mm_tile(x_hi, w_hi, method)
+  acc = None
+  for bb in range(nb):
+    for h in range(2):
+      q = q_ref[nrow, b0 + bb, h, ds]                                    # [BN, 16]
+      s_lo = s_ref[nrow, b0 + bb, 0, h].astype(jnp.float32)[:, None]    # [BN, 1]
+      s_hi = s_ref[nrow, b0 + bb, 1, h].astype(jnp.float32)[:, None]
+      w_lo, w_hi = NV._decode_pair(q, s_lo, s_hi, decode)  # pylint: disable=protected-access
+      x_lo = xfn((b0 + bb, 0, h, ds), 1)                                    # [16] / [Mp, 16]
+      x_hi = xfn((b0 + bb, 1, h, ds), 1)
+      if method != "reduce":
+        x_lo, x_hi = rows2(x_lo, 16), rows2(x_hi, 16)
+      part = C.mm_tile(x_lo, w_lo, method) + C.mm_tile(x_hi, w_hi, method)
+      acc = part if acc is None else acc + part
+  return acc
+
+
+def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, bd, eps,
+                     top_k, n_exp, ep, u, decode, layout, method, return_x):
+  """refs by ``names``: h [M, D], y (dense [M, D] / MoE [(U+1) * M, D]), logits [M, E],
+  w_norm [D], (NVFP4: hv, yv, wv views [.., D/64, 2, 2, 16]), per matrix w (bf16) or (q, s)
+  views (NVFP4), s2 [n] (NVFP4), outputs o_0..o_{n-1}, s (unless mode norm), x (return_x)."""
+  r = dict(zip(names, refs))
+  pid = pl.program_id(0)
+  one = m == 1
+  rows = 0 if one else C.row_load_index(m, mp)          # row index (int or [Mp] vector)
+  dt = r["h"].dtype
+
+  coefs = None
+  if mode == "moe":
+    if one:
+      vals = [v for _, v in MOE._topk_logits(r["logits"], 0, top_k, n_exp, ep)]  # pylint: disable=protected-access
+    else:
+      vals = _topk_values_rows(r["logits"], m, mp, top_k, n_exp, ep)
+    sig = [jax.nn.sigmoid(v) for v in vals]
+    den = sig[0]
+    for sj in sig[1:]:
+      den = den + sj
+    coefs = [sj / den for sj in sig]                     # top-k order
+
+  def col(v, nd):
+    """A per-row value (scalar / [Mp]) broadcastable against an [Mp, <nd col dims>] tile."""
+    return v if one else v.reshape((mp,) + (1,) * nd)
+
+  def s_chunk(hr, yr, cidx, nd):
+    """s at the trailing indices cidx of the (possibly viewed) h / y refs."""
+    h = hr[(rows, *cidx)]
+    if mode == "norm":
+      return h
+    if mode == "dense":
+      y = yr[(rows, *cidx)]
+      return (h.astype(jnp.float32) + y.astype(jnp.float32)).astype(dt)
+    tot = jnp.zeros(h.shape, jnp.float32)
+    for j, c in enumerate(coefs):
+      yj = yr[((rows * top_k + j) * m + rows, *cidx)]
+      tot = tot + col(c, nd) * yj.astype(jnp.float32)
+    ys = yr[(u * m + rows, *cidx)].astype(jnp.float32)
+    moe = (tot + ys).astype(dt)
+    return (h.astype(jnp.float32) + moe.astype(jnp.float32)).astype(dt)
+
+  def x_chunk(hr, yr, wr, cidx, nd, inv):
+    s32 = s_chunk(hr, yr, cidx, nd).astype(jnp.float32)
+    w32 = wr[cidx].astype(jnp.float32)
+    return (w32 * (s32 * col(inv, nd))).astype(dt)
+
+  def store_rows(o_ref, v, k0):
+    cols = k0 + jnp.arange(bd, dtype=jnp.int32)
+    if one:
+      plgpu.store(o_ref.at[0, cols], v)
+    else:
+      ri, rmask = C.row_store_index(m, mp)
+      plgpu.store(o_ref.at[ri[:, None], cols[None, :]], v, mask=rmask[:, None])
+
+  # Pass 1: the row statistic sum(f32(s)^2) (program 0 stores s).
+  def stat_body(i, acc):
+    k0 = pl.multiple_of(i * bd, bd)
+    s = s_chunk(r["h"], r.get("y"), (pl.ds(k0, bd),), 1)
+    if mode != "norm":
+      pl.when(pid == 0)(lambda: store_rows(r["s"], s, k0))
+    s32 = s.astype(jnp.float32)
+    return acc + s32 * s32
+
+  acc = lax.fori_loop(0, d // bd, stat_body,
+                      jnp.zeros((bd,) if one else (mp, bd), jnp.float32))
+  inv = lax.rsqrt(jnp.sum(acc, axis=-1) / d + eps)       # scalar / [Mp]
+
+  if return_x:
+    def x_body(i, carry):
+      k0 = pl.multiple_of(i * bd, bd)
+      store_rows(r["x"], x_chunk(r["h"], r.get("y"), r["w"], (pl.ds(k0, bd),), 1, inv), k0)
+      return carry
+    @pl.when(pid == 0)
+    def _():
+      lax.fori_loop(0, d // bd, x_body, 0)
+
+  # Pass 2: multi_gemv's K loop on x tiles rebuilt from h / y / w_norm and the statistic.
+  o_refs = [r[f"o{i}"] for i in range(n_mats)]
+
+  def matrix(i):
+    n0 = pl.multiple_of((pid - starts[i]) * bn, bn)
+    if fmt == "bf16":
+      w_ref = r[f"w{i}"]
+
+      def body(j, acc):
+        k0 = pl.multiple_of(j * bk, bk)
+        xt = x_chunk(r["h"], r.get("y"), r["w"], (pl.ds(k0, bk),), 1, inv)
+        if one and method != "reduce":
+          xt = jnp.broadcast_to(xt[None, :], (mp, bk))
+        w = w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]                         # [BN, BK]
+        return acc + C.mm_tile(xt, w, method)
+    else:
+      q_ref, s_ref = r[f"q{i}"], r[f"sc{i}"]
+      nb = bk // 64
+
+      def xfn(cidx, nd):
+        return x_chunk(r["hv"], r.get("yv"), r["wv"], cidx, nd, inv)
+
+      def body(j, acc):
+        b0 = pl.multiple_of(j * nb, nb)
+        return acc + _nvfp4_tile_dot_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb,
+                                       decode=decode, layout=layout, method=method)
+
+    acc = lax.fori_loop(0, d // bk, body, jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32))
+    if fmt == "nvfp4":
+      acc = acc * (r["s2"][i] * NV.decode_factor(decode))
+    C.store_tile(o_refs[i], (), acc, n0, bn, m, mp, method)
+
+  for i in range(n_mats):
+    if n_mats == 1:
+      matrix(i)
+    elif i == 0:
+      pl.when(pid < starts[1])(functools.partial(matrix, i))
+    elif i == n_mats - 1:
+      pl.when(pid >= starts[i])(functools.partial(matrix, i))
+    else:
+      pl.when((pid >= starts[i]) & (pid < starts[i + 1]))(functools.partial(matrix, i))
+
+
+# ------------------------------------------------------------------------------------------
+# Wrapper
+
+
+def _mode(h, y, logits, top_k, w_norm):
+  C.check(h.ndim == 2, f"h must be [M, D], got {h.shape=}")
+  m, d = h.shape
+  C.check(1 <= m <= MG.MAX_ROWS, f"norm_qkv handles 1..{MG.MAX_ROWS} rows, got {m=}")
+  C.check(jnp.issubdtype(h.dtype, jnp.floating), f"h must be floating, got {h.dtype=}")
+  C.check(w_norm.shape == (d,), f"w_norm must be [D={d}], got {w_norm.shape=}")
+  if y is None:
+    C.check(logits is None, "logits given without y: MoE mode needs y [M*top_k+1, M, D]")
+    return "norm"
+  C.check(y.dtype == h.dtype, f"y must have h's dtype, got {y.dtype=} {h.dtype=}")
+  if logits is None:
+    C.check(y.shape == h.shape,
+            f"dense mode: y must be [M, D] = {h.shape} (MoE mode needs logits), got {y.shape=}")
+    return "dense"
+  MOE._check_logits(logits, m, logits.shape[-1] if logits.ndim else 0, top_k)  # pylint: disable=protected-access
+  uu = m * top_k
+  C.check(y.shape == (uu + 1, m, d),
+          f"MoE mode: y must be [M*top_k+1={uu + 1}, M={m}, D={d}], got {y.shape=}")
+  return "moe"
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "top_k", "eps", "out_dtype", "block_n", "block_k", "block_d", "method", "decode", "layout",
+    "num_warps", "num_stages", "return_x", "interpret"))
+def norm_qkv(h, weights, w_norm, *, y=None, logits=None, top_k: int = 6, eps: float = 1e-6,
+             out_dtype=jnp.bfloat16, block_n: int | None = None, block_k: int | None = None,
+             block_d: int | None = None, method: str | None = None, decode: str = "asm",
+             layout: str = "tile", num_warps: int | None = None, num_stages: int = 3,
+             return_x: bool = False, interpret: bool = False):
+  """(s, outs): residual update + RMSNorm + ``multi_gemv`` in one pallas_call (module docstring).
+
+  Mode from the arguments: ``y`` [M*top_k+1, M, D] + ``logits`` [M, E] f32 -> MoE combine;
+  ``y`` [M, D] -> dense residual add; no ``y`` -> RMSNorm of h only (s is h). Tile knobs
+  (``block_n``, ``block_k``, ``method``, ``decode``, ``layout``, ``num_warps``, ``num_stages``)
+  and their defaults are ``multi_gemv``'s; ``block_d`` (default ``block_k``) is the chunk of the
+  statistic pass. ``return_x``: also return the kernel's normalised x [M, D] (tests).
+  """
+  mode = _mode(h, y, logits, top_k, w_norm)
+  fmt = MG._format(weights)  # pylint: disable=protected-access
+  m, d = h.shape
+  ns = tuple(MG._n_rows(w, fmt) for w in weights)  # pylint: disable=protected-access
+  dbn, dbk, dwarps = MG.default_multi_gemv_blocks(ns, d, m=m, fmt=fmt)
+  block_n, block_k = block_n or dbn, block_k or dbk
+  block_d = block_d or block_k
+  num_warps = num_warps or dwarps
+  MG._validate(jax.ShapeDtypeStruct((m, d), h.dtype), weights, fmt, block_n, block_k)  # pylint: disable=protected-access
+  C.check(C.is_pow2(block_d) and block_d >= 16 and d % block_d == 0,
+          f"block_d must be a power of two >= 16 dividing D: {block_d=} {d=}")
+  if fmt == "bf16":
+    method = method or G.default_method(m)
+  else:
+    C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}, got {layout=}")
+    decode = NV.resolve_decode(decode, interpret)
+    method = method or NV.default_method(m)
+  C.check_method(method, m)
+  mp = C.pad_rows(m)
+  n_mats = len(weights)
+  starts = tuple(sum(ns[:i]) // block_n for i in range(n_mats + 1))
+
+  names, args = ["h"], [h]
+  if mode != "norm":
+    y2 = y.reshape(-1, d)                                 # MoE: [(U+1) * M, D], free
+    names.append("y")
+    args.append(y2)
+  n_exp = u = 0
+  if mode == "moe":
+    names.append("logits")
+    args.append(logits)
+    n_exp, u = logits.shape[1], m * top_k
+  names.append("w")
+  args.append(w_norm)
+  if fmt == "bf16":
+    for i, w in enumerate(weights):
+      names.append(f"w{i}")
+      args.append(w)
+    tag = f"bf16_{method}"
+  else:
+    names.append("hv")
+    args.append(NV.x_view(h))
+    if mode != "norm":
+      names.append("yv")
+      args.append(NV.x_view(y2))
+    names.append("wv")
+    args.append(w_norm.reshape(d // 64, 2, 2, 16))
+    for i, w in enumerate(weights):
+      names += [f"q{i}", f"sc{i}"]
+      args += list(NV.nvfp4_views(w[0], w[1]))
+    names.append("s2")
+    args.append(jnp.stack([jnp.asarray(w[2], jnp.float32).reshape(()) for w in weights]))
+    tag = f"nvfp4_{method}_{decode}_{layout}"
+  out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns]
+  names += [f"o{i}" for i in range(n_mats)]
+  if mode != "norm":
+    out_shape.append(jax.ShapeDtypeStruct((m, d), h.dtype))
+    names.append("s")
+  if return_x:
+    out_shape.append(jax.ShapeDtypeStruct((m, d), h.dtype))
+    names.append("x")
+  kernel = functools.partial(
+      _norm_qkv_kernel, names=tuple(names), mode=mode, fmt=fmt, n_mats=n_mats, starts=starts,
+      m=m, mp=mp, d=d, bn=block_n, bk=block_k, bd=block_d, eps=eps, top_k=top_k, n_exp=n_exp,
+      ep=C.next_pow2(max(n_exp, 1)), u=u, decode=decode, layout=layout, method=method,
+      return_x=return_x)
+  res = pl.pallas_call(
+      kernel, out_shape=tuple(out_shape), grid=(starts[-1],),
+      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      name=f"flint_norm_qkv{n_mats}_{mode}_{tag}_bn{block_n}_bk{block_k}_bd{block_d}",
+  )(*args)
+  outs = tuple(res[:n_mats])
+  rest = list(res[n_mats:])
+  s = h if mode == "norm" else rest.pop(0)
+  if return_x:
+    return s, outs, rest.pop(0)
+  return s, outs
+
+
+def norm_qkv_reference(h, weights, w_norm, *, y=None, logits=None, top_k: int = 6,
+                       eps: float = 1e-6, out_dtype=jnp.bfloat16, **unused_tuning):
+  """Plain jnp: ``moe_combine_add_rms_norm_reference`` / ``add_rms_norm_reference`` /
+  ``rms_norm_reference`` (by mode), then ``multi_gemv_reference``; returns (s, outs)."""
+  del unused_tuning
+  mode = _mode(h, y, logits, top_k, w_norm)
+  if mode == "norm":
+    s, x = h, ARN.rms_norm_reference(h, w_norm, eps=eps)
+  elif mode == "dense":
+    s, x = ARN.add_rms_norm_reference(h, y, w_norm, eps=eps)
+  else:
+    s, x = MOE.moe_combine_add_rms_norm_reference(h, y, logits, w_norm, top_k=top_k, eps=eps)
+  return s, MG.multi_gemv_reference(x, weights, out_dtype=out_dtype)

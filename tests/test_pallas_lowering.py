@@ -189,3 +189,45 @@ def test_moe_block_from_attention_lowers(fmt, m):
   assert "stablehlo.dot_general" not in text
   for op in ("concatenate", "gather", "sort", "top_k", "reduce", "select", "scatter"):
     assert f"stablehlo.{op}" not in text and f"chlo.{op}" not in text, op
+
+
+# ------------------------------------------------------------------------------------------
+# norm_qkv: residual update (MoE combine / dense add / none) + RMSNorm + fused q|k|v, one kernel
+
+
+@pytest.mark.parametrize("fmt,decode", [("bf16", None), ("nvfp4", "fp8"), ("nvfp4", "asm")])
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("mode", ["moe", "dense", "norm"])
+def test_norm_qkv_lowers(fmt, decode, m, mode):
+  """One Triton custom call and nothing else but free reshapes (and the s2 stack for NVFP4)."""
+  from flint_jax.pallas.norm_qkv import norm_qkv   # pylint: disable=g-import-not-at-top
+  ws = tuple(S((n, D), BF) if fmt == "bf16" else nv(n, D) for n in QKV)
+  kw = {} if decode is None else dict(decode=decode)
+  if mode == "moe":
+    fn = lambda h, ws, w, y, lg: norm_qkv(h, ws, w, y=y, logits=lg, **kw)
+    extra = (S((m * 6 + 1, m, D), BF), S((m, E), F32))
+  elif mode == "dense":
+    fn = lambda h, ws, w, y: norm_qkv(h, ws, w, y=y, **kw)
+    extra = (S((m, D), BF),)
+  else:
+    fn = lambda h, ws, w: norm_qkv(h, ws, w, **kw)
+    extra = ()
+  text = lower(fn, S((m, D), BF), ws, S((D,), BF), *extra)
+  assert text.count("__gpu$xla.gpu.triton") == 1
+  for op in ("dot_general", "concatenate", "gather", "sort", "top_k", "reduce", "select",
+             "scatter", "add", "multiply", "convert"):
+    assert f"stablehlo.{op} " not in text and f"chlo.{op} " not in text, op
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m,method,layout", [(1, "reduce", "tile"), (1, "dot", "tile"),
+                                             (8, "swap", "tile"), (8, "dot", "chunk")])
+def test_norm_qkv_methods_lower(fmt, m, method, layout):
+  """Other tile methods / the chunk layout, MoE mode with E not a power of two (masked load)."""
+  from flint_jax.pallas.norm_qkv import norm_qkv   # pylint: disable=g-import-not-at-top
+  if fmt == "bf16" and layout == "chunk":
+    pytest.skip("layout is an NVFP4 knob")
+  ws = tuple(S((n, D), BF) if fmt == "bf16" else nv(n, D) for n in QKV)
+  fn = lambda h, ws, w, y, lg: norm_qkv(h, ws, w, y=y, logits=lg, method=method, layout=layout)
+  text = lower(fn, S((m, D), BF), ws, S((D,), BF), S((m * 6 + 1, m, D), BF), S((m, 200), F32))
+  assert text.count("__gpu$xla.gpu.triton") == 1

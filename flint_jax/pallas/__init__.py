@@ -7,6 +7,7 @@ numerical contract of the kernel and the XLA fallback):
 |---|---|
 | ``gemv`` | ``gemv``, ``gemv_silu_mul``: bf16 small-batch GEMV, fused gate/up + SiLU |
 | ``multi_gemv`` | ``multi_gemv``: 1-4 GEMVs sharing x (fused q, k, v), bf16 or NVFP4 |
+| ``norm_qkv`` | ``norm_qkv``: MoE combine / residual add + RMSNorm + ``multi_gemv``, one kernel |
 | ``nvfp4_gemv`` | ``nvfp4_gemv``, ``nvfp4_gemv_silu_mul``: W4A16 GEMV on the half-split layout |
 | ``moe`` | ``moe_route`` (XLA), ``moe_decode``, ``moe_block``: expert-indexed MoE decode; |
 | | ``moe_block_add_rms_norm``: routing in-kernel + fused combine/add/norm (4 launches) |
@@ -34,6 +35,7 @@ from flint_jax.pallas.moe import (moe_block, moe_block_add_rms_norm,
                                   moe_decode_routed_reference, moe_route, moe_route_from_logits,
                                   moe_router_logits, moe_slots)
 from flint_jax.pallas.multi_gemv import multi_gemv, multi_gemv_reference
+from flint_jax.pallas.norm_qkv import norm_qkv, norm_qkv_reference
 from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, dequantize_nvfp4_reference, nvfp4_gemv,
                                          nvfp4_gemv_reference, nvfp4_gemv_silu_mul,
                                          nvfp4_gemv_silu_mul_reference)
@@ -50,7 +52,7 @@ __all__ = [
     "moe_decode_routed_reference", "moe_combine_add_rms_norm",
     "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
     "moe_block_add_rms_norm_reference",
-    "multi_gemv", "multi_gemv_reference",
+    "multi_gemv", "multi_gemv_reference", "norm_qkv", "norm_qkv_reference",
     "NVFP4Weight", "dequantize_nvfp4_reference", "nvfp4_gemv", "nvfp4_gemv_reference",
     "nvfp4_gemv_silu_mul", "nvfp4_gemv_silu_mul_reference",
     "qk_norm_rope", "qk_norm_rope_reference",

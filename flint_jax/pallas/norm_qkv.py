@@ -158,7 +158,7 @@ def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, 
                      top_k, n_exp, ep, u, decode, layout, method, return_x):
   """refs by ``names``: h [M, D], y (dense [M, D] / MoE [(U+1) * M, D]), logits [M, E],
   w_norm [D], (NVFP4: hv, yv, wv views [.., D/64, 2, 2, 16]), per matrix w (bf16) or (q, s)
-  views (NVFP4), s2 [n] (NVFP4), outputs o_0..o_{n-1}, s (unless mode norm), x (return_x)."""
+  views and s2 f32 [1] (NVFP4), outputs o_0..o_{n-1}, s (unless mode norm), x (return_x)."""
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
   one = m == 1
@@ -261,7 +261,7 @@ def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, 
 
     acc = lax.fori_loop(0, d // bk, body, jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32))
     if fmt == "nvfp4":
-      acc = acc * (r["s2"][i] * NV.decode_factor(decode))
+      acc = acc * (r[f"s2_{i}"][0] * NV.decode_factor(decode))
     C.store_tile(o_refs[i], (), acc, n0, bn, m, mp, method)
 
   for i in range(n_mats):
@@ -366,8 +366,9 @@ def norm_qkv(h, weights, w_norm, *, y=None, logits=None, top_k: int = 6, eps: fl
     for i, w in enumerate(weights):
       names += [f"q{i}", f"sc{i}"]
       args += list(NV.nvfp4_views(w[0], w[1]))
-    names.append("s2")
-    args.append(jnp.stack([jnp.asarray(w[2], jnp.float32).reshape(()) for w in weights]))
+    for i, w in enumerate(weights):   # one f32 [1] input per scale: a free reshape, while
+      names.append(f"s2_{i}")         # stacking them (multi_gemv) is one more XLA launch
+      args.append(MOE._scalar_f32(w[2]))  # pylint: disable=protected-access
     tag = f"nvfp4_{method}_{decode}_{layout}"
   out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns]
   names += [f"o{i}" for i in range(n_mats)]

@@ -71,7 +71,7 @@ MG = sys.modules["flint_jax.pallas.multi_gemv"]
 NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
 G = MG.G
 
-__all__ = ["norm_qkv", "norm_qkv_reference", "MODES"]
+__all__ = ["norm_qkv", "norm_qkv_reference", "default_block_d", "MODES"]
 
 MODES = ("moe", "dense", "norm")
 
@@ -279,6 +279,13 @@ def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, 
 # Wrapper
 
 
+def default_block_d(d: int, m: int, block_k: int) -> int:
+  """Chunk of the statistic pass: at M == 1 the whole row (up to 2048; 1-D, ~16 values per thread
+  per load at 4 warps: one round of independent loads before the weight stream starts), else
+  ``block_k`` ([16, block_k] tiles, as the K loop's). Not measured."""
+  return C.pow2_divisor(d, 2048) if m == 1 else block_k
+
+
 def _mode(h, y, logits, top_k, w_norm):
   C.check(h.ndim == 2, f"h must be [M, D], got {h.shape=}")
   m, d = h.shape
@@ -313,8 +320,8 @@ def norm_qkv(h, weights, w_norm, *, y=None, logits=None, top_k: int = 6, eps: fl
   Mode from the arguments: ``y`` [M*top_k+1, M, D] + ``logits`` [M, E] f32 -> MoE combine;
   ``y`` [M, D] -> dense residual add; no ``y`` -> RMSNorm of h only (s is h). Tile knobs
   (``block_n``, ``block_k``, ``method``, ``decode``, ``layout``, ``num_warps``, ``num_stages``)
-  and their defaults are ``multi_gemv``'s; ``block_d`` (default ``block_k``) is the chunk of the
-  statistic pass. ``return_x``: also return the kernel's normalised x [M, D] (tests).
+  and their defaults are ``multi_gemv``'s; ``block_d`` (default ``default_block_d``) is the chunk
+  of the statistic pass. ``return_x``: also return the kernel's normalised x [M, D] (tests).
   """
   mode = _mode(h, y, logits, top_k, w_norm)
   fmt = MG._format(weights)  # pylint: disable=protected-access
@@ -322,7 +329,7 @@ def norm_qkv(h, weights, w_norm, *, y=None, logits=None, top_k: int = 6, eps: fl
   ns = tuple(MG._n_rows(w, fmt) for w in weights)  # pylint: disable=protected-access
   dbn, dbk, dwarps = MG.default_multi_gemv_blocks(ns, d, m=m, fmt=fmt)
   block_n, block_k = block_n or dbn, block_k or dbk
-  block_d = block_d or block_k
+  block_d = block_d or default_block_d(d, m, block_k)
   num_warps = num_warps or dwarps
   MG._validate(jax.ShapeDtypeStruct((m, d), h.dtype), weights, fmt, block_n, block_k)  # pylint: disable=protected-access
   C.check(C.is_pow2(block_d) and block_d >= 16 and d % block_d == 0,

@@ -25,8 +25,8 @@ from flint_jax.config import FlintConfig
 from flint_jax import layers
 from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, decode_attention,
                               moe_block, moe_combine_add_rms_norm, moe_decode_routed,
-                              moe_router_logits, multi_gemv, nvfp4_gemv, nvfp4_gemv_silu_mul,
-                              qk_norm_rope, rms_norm)
+                              moe_router_logits, multi_gemv, norm_qkv, nvfp4_gemv,
+                              nvfp4_gemv_silu_mul, qk_norm_rope, rms_norm)
 
 MAX_BATCH = 16
 
@@ -45,22 +45,29 @@ class DecodeOptions:
     router_in_norm: (with moe="routed") the residual add + RMSNorm after attention and the router
       GEMV in one kernel (`add_rms_norm_router`): one launch less per MoE layer. Off by default:
       correct (tests) but not yet measured on the H200.
+    norm_in_qkv: (with moe="routed" and fused_qkv) the end of each layer (MoE combine or dense
+      output, residual add, the next layer's input RMSNorm) computed inside the next layer's
+      q|k|v kernel (`norm_qkv`): one launch less per layer. Off by default: correct (tests) but
+      not yet measured on the H200.
     """
     fused_qkv: bool = True
     moe: str = "routed"
     router_in_norm: bool = False
+    norm_in_qkv: bool = False
 
     def __post_init__(self):
         if self.moe not in ("routed", "slots", "xla", "v1"):
             raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
         if self.router_in_norm and self.moe != "routed":
             raise ValueError("DecodeOptions.router_in_norm needs moe='routed'")
+        if self.norm_in_qkv and (self.moe != "routed" or not self.fused_qkv):
+            raise ValueError("DecodeOptions.norm_in_qkv needs moe='routed' and fused_qkv=True")
 
 
 #: The session-1 Pallas step (three projection GEMVs, MoE routing in XLA), kept for comparison.
 V1_OPTIONS = DecodeOptions(fused_qkv=False, moe="v1")
 #: Every fusion on, including those not yet measured on the H200 (benchmark path "pallas_fused").
-FUSED_OPTIONS = DecodeOptions(router_in_norm=True)
+FUSED_OPTIONS = DecodeOptions(router_in_norm=True, norm_in_qkv=True)
 
 
 # Which implementation each op uses, from the H200 measurements in docs/kernels.md:
@@ -89,14 +96,17 @@ def _silu_mul(mlp, x, interpret):
     return (gate * jax.nn.sigmoid(gate) * layers.matmul_t(x, u.weight[...])).astype(x.dtype)
 
 
+def _qkv_weights(attn):
+    return tuple(NVFP4Weight(lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...])
+                 if lin.quant else lin.weight[...]
+                 for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
+
+
 def _qkv(attn, x, fused, interpret):
     """x [M, D] -> q [M, H*Dh], k, v [M, KVH*Dh] (bf16)."""
-    lins = (attn.q_proj, attn.k_proj, attn.v_proj)
     if not fused:
-        return tuple(_linear(lin, x, interpret) for lin in lins)
-    ws = tuple(NVFP4Weight(lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...])
-               if lin.quant else lin.weight[...] for lin in lins)
-    return multi_gemv(x, ws, interpret=interpret)
+        return tuple(_linear(lin, x, interpret) for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
+    return multi_gemv(x, _qkv_weights(attn), interpret=interpret)
 
 
 def _shared_arg(mlp):
@@ -160,13 +170,24 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         pos = cache.lengths
         full_k, full_v, ring_k, ring_v = cache.full_k, cache.full_v, cache.ring_k, cache.ring_v
         h = jnp.take(m.model.embed_tokens.weight[...], tokens, axis=0)
-        x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
+        top_k = cfg.num_experts_per_tok
+        # norm_in_qkv: the previous layer's output (y, router logits) waits for the next q|k|v
+        # kernel, which forms the residual and the normalised input itself.
+        pending = (None, None)
+        if not opts.norm_in_qkv:
+            x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
         for i, layer in enumerate(layers):
             j = cfg.cache_index[i]
             sliding = cfg.is_sliding(i)
             attn = layer.self_attn
+            last = i + 1 == len(layers)
             with jax.named_scope(f"layer_{i}"):
-                q, k, v = _qkv(attn, x, opts.fused_qkv, interpret)
+                if opts.norm_in_qkv:
+                    h, (q, k, v) = norm_qkv(h, _qkv_weights(attn), layer.input_layernorm.weight[...],
+                                            y=pending[0], logits=pending[1], top_k=top_k, eps=eps,
+                                            interpret=interpret)
+                else:
+                    q, k, v = _qkv(attn, x, opts.fused_qkv, interpret)
                 q, k, v = q.reshape(b, h_, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)
                 q, kc, vc = qk_norm_rope(
@@ -189,14 +210,22 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         h, a, post_ln, mlp.gate.weight[...], eps=eps, interpret=interpret)
                 else:
                     h, x = add_rms_norm(h, a, post_ln, eps=eps, interpret=interpret)
-                nxt = (layers[i + 1].input_layernorm.weight[...] if i + 1 < len(layers)
-                       else m.model.norm.weight[...])
-                if cfg.is_moe(i):
+                nxt = layers[i + 1].input_layernorm.weight[...] if not last else m.model.norm.weight[...]
+                if cfg.is_moe(i) and opts.norm_in_qkv and not last:
+                    if router_logits is None:
+                        router_logits = moe_router_logits(x, mlp.gate.weight[...])
+                    y = moe_decode_routed(x, router_logits, _experts_arg(mlp.experts),
+                                          _shared_arg(mlp), top_k=top_k, interpret=interpret)
+                    pending = (y, router_logits)
+                elif cfg.is_moe(i):
                     h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
                                              router_logits)
                 else:
                     y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret), interpret)
-                    h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)
+                    if opts.norm_in_qkv and not last:
+                        pending = (y, None)
+                    else:
+                        h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)
         logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32)
         new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
                             lengths=pos + 1)

@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 import flint_jax
-from flint_jax.fast_decode import V1_OPTIONS, DecodeOptions
+from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
 from flint_jax.model import FlintForCausalLM
 
 
@@ -18,9 +18,9 @@ def small_cfg():
 # default: fused q|k|v + routed MoE; v1: separate GEMVs + the "slots" (NVFP4) / "xla" (BF16) MoE;
 # fused: the options that are off by default (not yet measured on the GPU).
 OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
-           "fused": DecodeOptions(router_in_norm=True)}
+           "fused": FUSED_OPTIONS}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
-         ("nvfp4", "fused")]
+         ("bf16", "fused"), ("nvfp4", "fused")]
 
 
 @pytest.mark.parametrize("fmt,options", CASES)

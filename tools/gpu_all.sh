@@ -57,6 +57,7 @@ for stage in "${stages[@]}"; do
       CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 300 \
         python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pallas_multi_gemv.py \
         tests/test_pallas_moe.py tests/test_pallas_add_rms_norm.py tests/test_fast_decode.py \
+        tests/test_pallas_add_rms_norm_router.py tests/test_pallas_norm_qkv.py \
         > "$OUT/tests_new_kernels.log" 2>&1 &
       for fmt in ${FORMATS:-bf16 nvfp4}; do
         gpu=0; frac=0.95

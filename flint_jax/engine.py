@@ -52,7 +52,9 @@ class Flint:
     generation_config: dict = dataclasses.field(default_factory=dict)
     source: str = ""
     cache_sharding: Any = None
-    decode_options: Any = None  # fast_decode.DecodeOptions for the Pallas step (None: defaults)
+    # fast_decode.DecodeOptions for the Pallas step (None: the defaults); may be changed at any
+    # time (the jitted steps are keyed by it).
+    decode_options: Any = None
 
     def __post_init__(self):
         if not self.max_length:
@@ -112,7 +114,7 @@ class Flint:
         the host's per-call cost is paid once per `n_steps` tokens); the cache and the seen-token
         mask are donated. The returned key continues the chain.
         """
-        key = ("decode", params, with_seen, self.kernels, n_steps)
+        key = ("decode", params, with_seen, self.kernels, self.decode_options, n_steps)
         if key not in self._jit_cache:
             step = self.decode_logits_fn_raw()
             unflatten = self._unflatten()
@@ -168,7 +170,7 @@ class Flint:
 
     def decode_logits_fn(self):
         """jit(leaves, cache, tokens [B]) -> (f32 logits [B, V], cache), cache donated."""
-        key = ("decode_logits", self.kernels)
+        key = ("decode_logits", self.kernels, self.decode_options)
         if key not in self._jit_cache:
             step, unflatten = self.decode_logits_fn_raw(), self._unflatten()
             self._jit_cache[key] = jax.jit(

@@ -70,10 +70,12 @@ V1_OPTIONS = DecodeOptions(fused_qkv=False, moe="v1")
 FUSED_OPTIONS = DecodeOptions(router_in_norm=True, norm_in_qkv=True)
 
 
-# Which implementation each op uses, from the H200 measurements in docs/kernels.md:
+# Which implementation each op uses, from the H200 measurements (docs/kernels.md,
+# docs/performance.md):
 # - NVFP4 GEMVs and the NVFP4 MoE: Pallas (1.7-2.2x XLA's dequantize + dot at M=1).
-# - BF16 GEMVs and the BF16 MoE: XLA (its GEMV reaches 3 TB/s where the Pallas one reaches 2;
-#   its gather + einsum MoE is at parity at M=1 and 1.3x faster at M=8).
+# - BF16 o_proj, dense MLP and LM head: XLA (its GEMV reaches 3 TB/s where the Pallas one reaches
+#   2). BF16 q|k|v and MoE: Pallas, because one kernel replaces 3 (q|k|v) or ~12 (MoE) launches:
+#   4.45 -> 3.10 ms per token at batch 1 (perf log 6-7).
 # - Attention, Q/K-norm + RoPE + cache write, residual add + RMSNorm: Pallas (1.1-30x).
 
 

@@ -37,7 +37,8 @@ class Flint:
     Attributes: `config` (FlintConfig), `tokenizer` (Tokenizer or None), `graphdef`/`state` (the
     `nnx.split` of the module tree), `dtype`, `quant` (NVFP4 linear layers), `kernels` ("xla" or
     "pallas"), `mesh` (or None), `max_length` (the longest sequence a cache may hold),
-    `generation_config` (dict from generation_config.json), `source` (path loaded).
+    `generation_config` (dict from generation_config.json), `source` (path loaded),
+    `decode_options` (`fast_decode.DecodeOptions` of the Pallas step, or None for the defaults).
     """
 
     config: FlintConfig

@@ -52,7 +52,7 @@ for stage in "${stages[@]}"; do
     suites_x2)
       # FORMATS (default "bf16 nvfp4"): BF16 suite on GPU 0, NVFP4 suite on GPU 1; the compiled
       # tests of the newest kernels run on GPU 1 alongside, without preallocation (4 workers).
-      # CASES, PARITY_STEPS, V1_CASES, FUSED_CASES (empty: none), SUITE_BUDGET (s) choose the work:
+      # CASES, PARITY_STEPS, V1_CASES, FUSED_CASES ("none": none), SUITE_BUDGET (s) choose the work:
       # a 10-minute call fits parity + about 4 cases per format (compiles dominate).
       CASES=${CASES:-1x1024,8x1024,1x8192,8x8192,8x100000,1x100000}
       SUITE="python3 benchmarks/gpu_suite.py --trace --cases $CASES --budget-s ${SUITE_BUDGET:-400}

@@ -36,3 +36,14 @@ def test_pallas_generate_equals_xla(fmt, options):
     b = flint_jax.generate(pal, rows, **kw)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(moe="einsum"), "routed|slots|xla|v1"),
+    (dict(moe="xla", router_in_norm=True), "router_in_norm needs moe='routed'"),
+    (dict(fused_qkv=False, norm_in_qkv=True), "norm_in_qkv needs"),
+    (dict(moe="slots", norm_in_qkv=True), "norm_in_qkv needs"),
+])
+def test_decode_options_reject_inconsistent_choices(kw, match):
+    with pytest.raises(ValueError, match=match):
+        DecodeOptions(**kw)

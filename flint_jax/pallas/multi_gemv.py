@@ -136,17 +136,18 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
   """Programs [starts[i], starts[i+1]) compute BN-row tiles of matrix i into output i.
 
   refs (bf16): x [M, K], w_0..w_{n-1} [N_i, K], o_0..o_{n-1} [M, N_i].
-  refs (nvfp4): x view [M, K/64, 2, 2, 16], (codes, scales) views per matrix, s2 [n] f32,
+  refs (nvfp4): x view [M, K/64, 2, 2, 16], (codes, scales) views per matrix, then one [1] f32
+  tensor scale per matrix (separate inputs: stacking them would be an XLA launch per call),
   o_0..o_{n-1}.
   """
   pid = pl.program_id(0)
   x_ref = refs[0]
   if fmt == "bf16":
     w_refs = [(r,) for r in refs[1:1 + n_mats]]
-    s2_ref = None
+    s2_refs = None
   else:
     w_refs = [tuple(refs[1 + 2 * i:3 + 2 * i]) for i in range(n_mats)]
-    s2_ref = refs[1 + 2 * n_mats]
+    s2_refs = refs[1 + 2 * n_mats:1 + 3 * n_mats]
   o_refs = refs[len(refs) - n_mats:]
 
   def matrix(i):
@@ -170,9 +171,16 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
 
     acc = lax.fori_loop(0, n_iter, body, jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32))
     if fmt == "nvfp4":
-      acc = acc * (s2_ref[i] * NV.decode_factor(decode))
+      acc = acc * (s2_refs[i][0] * NV.decode_factor(decode))
     C.store_tile(o_refs[i], (), acc, n0, bn, m, mp, method)
 
+  run_matrix_branches(pid, starts, matrix)
+
+
+def run_matrix_branches(pid, starts, matrix):
+  """Calls ``matrix(i)`` under ``pl.when`` for the programs [starts[i], starts[i + 1]) of each
+  matrix i (no branch for a single matrix)."""
+  n_mats = len(starts) - 1
   for i in range(n_mats):
     if n_mats == 1:
       matrix(i)
@@ -225,7 +233,7 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
     args = [NV.x_view(x)]
     for w in weights:
       args += NV.nvfp4_views(w[0], w[1])
-    args.append(jnp.stack([jnp.asarray(w[2], jnp.float32).reshape(()) for w in weights]))
+    args += [jnp.asarray(w[2], jnp.float32).reshape(1) for w in weights]
     tag = f"nvfp4_{method}_{decode}_{layout}"
   kernel = functools.partial(_multi_gemv_kernel, fmt=fmt, n_mats=n_mats, starts=starts, m=m,
                              mp=mp, bn=block_n, bk=block_k, n_iter=k // block_k, decode=decode,

@@ -264,15 +264,7 @@ def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, 
       acc = acc * (r[f"s2_{i}"][0] * NV.decode_factor(decode))
     C.store_tile(o_refs[i], (), acc, n0, bn, m, mp, method)
 
-  for i in range(n_mats):
-    if n_mats == 1:
-      matrix(i)
-    elif i == 0:
-      pl.when(pid < starts[1])(functools.partial(matrix, i))
-    elif i == n_mats - 1:
-      pl.when(pid >= starts[i])(functools.partial(matrix, i))
-    else:
-      pl.when((pid >= starts[i]) & (pid < starts[i + 1]))(functools.partial(matrix, i))
+  MG.run_matrix_branches(pid, starts, matrix)
 
 
 # ------------------------------------------------------------------------------------------

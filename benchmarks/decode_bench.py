@@ -270,6 +270,12 @@ def run_case(cfg, graphdef, state, quant, batch, context, paths, steps, trace, l
             tag = "" if p == "pallas" else f"_{p}"
             row[f"rel_l2_pallas_vs_xla{tag}"] = float(np.linalg.norm(a - b) / np.linalg.norm(a))
             row[f"argmax_equal{tag}"] = float(np.mean(a.argmax(-1) == b.argmax(-1)))
+    elif "pallas" in logits_by_path:  # a run without the XLA path: compare with the default step
+        a = np.asarray(logits_by_path["pallas"], np.float32)
+        for p, lg in logits_by_path.items():
+            if p != "pallas":
+                b = np.asarray(lg, np.float32)
+                row[f"rel_l2_{p}_vs_pallas"] = float(np.linalg.norm(a - b) / np.linalg.norm(a))
     return row
 
 

@@ -85,6 +85,9 @@ def main():
                     help="cases that also run the session-1 Pallas step (path pallas_v1)")
     ap.add_argument("--fused-cases", default="1x1024,8x1024",
                     help="cases that also run every fusion, measured or not (path pallas_fused)")
+    ap.add_argument("--paths", default="xla,pallas",
+                    help="paths every case runs (xla = the reference path, pallas = the default "
+                         "Pallas step); drop xla for a quick diagnostic run")
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timing window")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--budget-s", type=float, default=470)
@@ -134,7 +137,7 @@ def main():
             continue
         batch, context = (int(v) for v in case.split("x"))
         t0 = time.perf_counter()
-        paths = ["xla", "pallas"] + (["pallas_v1"] if case in a.v1_cases.split(",") else []) + (
+        paths = a.paths.split(",") + (["pallas_v1"] if case in a.v1_cases.split(",") else []) + (
             ["pallas_fused"] if case in a.fused_cases.split(",") else [])
         row = decode_bench.run_case(cfg, graphdef, state, quant, batch, context, paths,
                                     a.steps, a.trace)

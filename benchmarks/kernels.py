@@ -491,8 +491,115 @@ def norm_cases(variants):
            NORM.add_rms_norm, sets, bytes_)
 
 
+# ------------------------------------------------------------------------------------------
+# Session-3 tuning sweep of the decode step's heaviest kernels (group "tune"): the routed MoE
+# (gate_up and down are separate kernels, told apart by name in each case's per-kernel times),
+# the q|k|v multi_gemv, the NVFP4 o_proj and LM head. Run with --groups tune --variants 0.
+
+MULTI = importlib.import_module("flint_jax.pallas.multi_gemv")
+
+# (block_n, block_k, num_warps, num_stages | block_n_down, block_k_down, num_warps_down,
+#  num_stages_down); None = the default.
+TUNE_MOE = {
+    ("bf16", 1): [(64, 256, 4, 3, 64, 512, 4, 3), (32, 256, 4, 3, 32, 256, 4, 3),
+                  (16, 256, 4, 3, 64, 128, 4, 3), (32, 128, 4, 3, 32, 128, 4, 3),
+                  (16, 512, 4, 2, 16, 512, 4, 2), (32, 256, 8, 3, 64, 256, 8, 3),
+                  (16, 256, 8, 4, 32, 512, 4, 1), (32, 512, 8, 2, 128, 128, 8, 3),
+                  (32, 256, 4, 4, 32, 128, 4, 4), (16, 128, 4, 4, 16, 256, 4, 2)],
+    ("nvfp4", 1): [(32, 256, 4, 3, 64, 512, 4, 3), (16, 256, 4, 3, 32, 512, 4, 3),
+                   (16, 512, 8, 3, 32, 256, 8, 3), (32, 512, 8, 3, 64, 256, 8, 3),
+                   (16, 256, 8, 3, 16, 512, 4, 3), (32, 256, 8, 3, 64, 128, 4, 3),
+                   (16, 128, 4, 3, 32, 128, 4, 3), (64, 256, 8, 3, 128, 512, 8, 3),
+                   (16, 512, 4, 2, 64, 512, 8, 2), (16, 256, 4, 4, 16, 256, 8, 3)],
+    ("bf16", 8): [(64, 256, 4, 3, 64, 512, 4, 3), (32, 256, 4, 3, 32, 256, 4, 3),
+                  (32, 256, 8, 3, 64, 256, 8, 3), (16, 256, 4, 3, 32, 128, 4, 3),
+                  (64, 128, 4, 4, 64, 128, 4, 4)],
+    ("nvfp4", 8): [(64, 256, 4, 3, 64, 512, 4, 3), (32, 256, 4, 3, 32, 256, 4, 3),
+                   (32, 256, 8, 3, 64, 256, 8, 3), (16, 256, 4, 3, 32, 128, 4, 3),
+                   (64, 512, 8, 3, 64, 128, 4, 3)],
+}
+# (method, block_n, block_k, num_warps, num_stages); None = default.
+TUNE_QKV = {
+    ("bf16", 1): [(None, None, None, None, 3), ("dot", 32, 256, 4, 3), ("dot", 16, 256, 4, 3),
+                  ("dot", 32, 512, 4, 3), ("dot", 16, 512, 8, 3), ("swap", 64, 512, 8, 3),
+                  ("dot", 64, 256, 4, 3), ("dot", 32, 128, 4, 4), ("dot", 16, 256, 4, 4)],
+    ("nvfp4", 1): [(None, None, None, None, 3), ("reduce", 16, 512, 4, 3),
+                   ("reduce", 16, 256, 4, 3), ("reduce", 16, 512, 8, 3), ("reduce", 32, 512, 8, 3),
+                   ("reduce", 32, 256, 4, 3), ("reduce", 64, 512, 8, 3), ("reduce", 16, 1024, 8, 2),
+                   ("reduce", 16, 256, 8, 4)],
+    ("bf16", 8): [(None, None, None, None, 3), ("dot", 32, 256, 4, 3), ("dot", 16, 256, 4, 3),
+                  ("dot", 32, 512, 8, 3)],
+    ("nvfp4", 8): [(None, None, None, None, 3), ("dot", 32, 256, 4, 3), ("dot", 16, 256, 4, 3),
+                   ("dot", 32, 512, 8, 3), ("dot", 64, 512, 8, 3)],
+}
+# (block_n, block_k, split_k, num_warps); None = default.
+TUNE_NV1 = {
+    "o_proj": [(None, None, None, None), (16, 512, 2, 4), (32, 512, 2, 4), (16, 256, 4, 4),
+               (32, 256, 4, 8), (16, 512, 1, 8), (32, 1024, 2, 8), (16, 1024, 4, 8),
+               (64, 512, 2, 8)],
+    "lm_head": [(None, None, None, None), (64, 512, 1, 8), (16, 512, 1, 4), (32, 1024, 1, 8),
+                (64, 256, 1, 4), (128, 512, 1, 8), (32, 512, 1, 8)],
+}
+
+
+def tune_cases(variants):
+  if variants:
+    return
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  for fmt in ("bf16", "nvfp4"):
+    experts, shared = moe_weights(fmt)
+    per_expert = nbytes({k: v[0] for k, v in experts.items()})
+    shared_b = nbytes(shared)
+    for m in (1, 8):
+      xs = [randn((m, D)) for _ in range(16)]
+      logits = [MOE.moe_router_logits(x, router) for x in xs]
+      sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
+      n_exp = np.mean([len(np.unique(np.asarray(jax.lax.top_k(lg, 6)[1]))) for lg in logits])
+      bytes_ = int(n_exp * per_expert + shared_b + 2 * m * D * 2)
+      lbl = f"routed {fmt} M={m}"
+      yield (f"tune/moe/{fmt}/M{m}/xla", "tune", lbl, "xla",
+             jax.jit(MOE.moe_decode_routed_reference), sets, bytes_)
+      for bn, bk, nw, ns, bnd, bkd, nwd, nsd in TUNE_MOE[(fmt, m)]:
+        kw = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, block_n_down=bnd,
+                  block_k_down=bkd, num_warps_down=nwd, num_stages_down=nsd)
+        tag = f"gu bn{bn} bk{bk} w{nw} s{ns} | dn bn{bnd} bk{bkd} w{nwd} s{nsd}"
+        yield (f"tune/moe/{fmt}/M{m}/{tag}", "tune", lbl, tag,
+               functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
+    # q|k|v in one kernel
+    for m in (1, 8):
+      if fmt == "bf16":
+        mk = lambda n, k: randn((n, k), scale=k ** -0.5)  # noqa: E731
+      else:
+        mk = lambda n, k: rand_nvfp4((n, k))  # noqa: E731
+      ws0 = (mk(4096, D), mk(512, D), mk(512, D))
+      wb = nbytes(ws0)
+      sets = [(randn((m, D)), ws0 if i == 0 else (mk(4096, D), mk(512, D), mk(512, D)))
+              for i in range(n_sets(wb, cap=12))]
+      lbl = f"qkv {fmt} M={m}"
+      bytes_ = wb + m * D * 2 + m * 5120 * 2
+      yield (f"tune/qkv/{fmt}/M{m}/xla", "tune", lbl, "xla",
+             jax.jit(MULTI.multi_gemv_reference), sets, bytes_)
+      for mt, bn, bk, nw, ns in TUNE_QKV[(fmt, m)]:
+        tag = f"{mt} bn{bn} bk{bk} w{nw} s{ns}"
+        yield (f"tune/qkv/{fmt}/M{m}/{tag}", "tune", lbl, tag,
+               functools.partial(MULTI.multi_gemv, method=mt, block_n=bn, block_k=bk,
+                                 num_warps=nw, num_stages=ns), sets, bytes_)
+  for name, n, k in [("o_proj", D, 4096), ("lm_head", V, D)]:
+    wb = n * k // 2 + n * k // 16
+    sets = [(randn((1, k)), *rand_nvfp4((n, k))) for _ in range(n_sets(wb, cap=8))]
+    bytes_ = wb + k * 2 + n * 2
+    lbl = f"nvfp4 {name} M=1"
+    yield (f"tune/nv/{name}/xla", "tune", lbl, "xla", jax.jit(NV.nvfp4_gemv_reference), sets,
+           bytes_)
+    for bn, bk, sk, nw in TUNE_NV1[name]:
+      tag = f"bn{bn} bk{bk} sk{sk} w{nw}"
+      yield (f"tune/nv/{name}/{tag}", "tune", lbl, tag,
+             functools.partial(NV.nvfp4_gemv, block_n=bn, block_k=bk, split_k=sk,
+                               num_warps=nw), sets, bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
-          "attention": attention_cases, "qk": qk_cases, "norms": norm_cases}
+          "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases}
 
 
 # ------------------------------------------------------------------------------------------

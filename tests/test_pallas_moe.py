@@ -186,6 +186,18 @@ def test_moe_decode_routed(fmt, m, e, top_k, d, inter, inter_s, ties):
   assert_close(y, ref, what=f"moe routed {fmt}")
 
 
+@pytest.mark.parametrize("fmt,m", [("bf16", 1), ("nvfp4", 1), ("nvfp4", 3)])
+def test_moe_decode_routed_down_tiling(fmt, m):
+  """The down kernel's own tiling knobs (several K steps over I, its own warps / stages) give the
+  same outputs as the reference."""
+  _, experts, shared, x, _, logits = _routed_case(fmt, m, 16, 4, 128, 128, 256, False, "dn")
+  y = moe_decode_routed(x, logits, experts, shared, top_k=4, decode=DECODE,
+                        block_n=16, block_n_down=16, block_k_down=64, num_warps_down=2,
+                        num_stages_down=2, interpret=INTERPRET)
+  ref = moe_decode_routed_reference(x, logits, experts, shared, top_k=4)
+  assert_close(y, ref, what=f"moe routed down tiling {fmt}")
+
+
 @pytest.mark.parametrize("m,e,top_k,d,ties", [(1, 16, 6, 256, False), (3, 20, 4, 300, True),
                                               (8, 256, 6, 2048, False), (16, 32, 2, 128, True)])
 def test_moe_combine_add_rms_norm(m, e, top_k, d, ties):

@@ -392,13 +392,15 @@ def _shapes(x, experts, shared):
   return fe, fs, m, d, e, i2 // 2, inter_s
 
 
-_TUNING = ("block_n", "block_k", "block_n_down", "decode", "layout", "unroll_slots", "method",
-           "method_down", "num_warps", "num_stages", "interpret")
+_TUNING = ("block_n", "block_k", "block_n_down", "block_k_down", "decode", "layout",
+           "unroll_slots", "method", "method_down", "num_warps", "num_stages", "num_warps_down",
+           "num_stages_down", "interpret")
 
 
 def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, route_args, *,
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
-            unroll_slots, method, method_down, num_warps, num_stages, interpret):
+            unroll_slots, method, method_down, num_warps, num_stages, interpret,
+            block_k_down=None, num_warps_down=None, num_stages_down=None):
   """The gate_up and down pallas_calls. route_names/route_args: the slot inputs of both kernels
   (["slot_expert", "n_slots"] or ["logits"]); coef [U, M] only for down_split=False.
   Returns y [U + 1, M, D] (down_split) or out [M, D]."""
@@ -414,8 +416,10 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   decode = NV.resolve_decode(decode, interpret)
   C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}")
   bk = min(block_k, C.pow2_divisor(d, block_k))
-  bk_dn = C.pow2_divisor(inter, 512)             # down: K = I (512 for Flint): one step
-  bk_s_dn = C.pow2_divisor(inter_s, 512)
+  bk_dn = C.pow2_divisor(inter, block_k_down or 512)   # down: K = I (512 for Flint)
+  bk_s_dn = C.pow2_divisor(inter_s, block_k_down or 512)
+  num_warps_down = num_warps_down or num_warps
+  num_stages_down = num_stages_down or num_stages
   bn = C.pow2_divisor(min(inter, inter_s), block_n)
   bn_dn = C.pow2_divisor(d, block_n_down)
   for name, v in [("block_n", bn), ("block_n_down", bn_dn)]:
@@ -483,12 +487,12 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   if down_split:
     return pl.pallas_call(
         kernel, grid=(d // bn_dn, u + 1), out_shape=jax.ShapeDtypeStruct((u + 1, m, d), x.dtype),
-        compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+        compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
         name=f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}",
     )(*args)
   return pl.pallas_call(
       kernel, grid=(d // bn_dn,), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
-      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
       name=f"flint_moe_down_combine_{fe}_{fs}_{method_down}_bn{bn_dn}",
   )(*args)
 
@@ -499,7 +503,8 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
                decode: str = "asm", layout: str = "tile", unroll_slots: bool | None = None,
                method: str | None = None, method_down: str | None = None,
                down_split: bool = True, num_warps: int = 4, num_stages: int = 3,
-               interpret: bool = False):
+               block_k_down: int | None = None, num_warps_down: int | None = None,
+               num_stages_down: int | None = None, interpret: bool = False):
   """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring.
 
   ``unroll_slots`` (default: when M * top_k <= 12) unrolls the down kernel's loop over slots in
@@ -521,7 +526,9 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
                 down_split=down_split, block_n=block_n, block_k=block_k,
                 block_n_down=block_n_down, decode=decode, layout=layout,
                 unroll_slots=unroll_slots, method=method, method_down=method_down,
-                num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                block_k_down=block_k_down, num_warps_down=num_warps_down,
+                num_stages_down=num_stages_down)
   if not down_split:
     return out
   yk = out[:u].astype(jnp.float32)                                      # [U, M, D]
@@ -541,7 +548,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
                       decode: str = "asm", layout: str = "tile",
                       unroll_slots: bool | None = None, method: str | None = None,
                       method_down: str | None = None, num_warps: int = 4, num_stages: int = 3,
-                      interpret: bool = False):
+                      block_k_down: int | None = None, num_warps_down: int | None = None,
+                      num_stages_down: int | None = None, interpret: bool = False):
   """Expert outputs y [M * top_k + 1, M, D] bf16 routed *inside* the kernels (2 pallas_calls).
 
   logits: router logits f32 [M, E] (``moe_router_logits``). Slot u = t * top_k + j is token t's
@@ -558,7 +566,9 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
                  [logits], route=route, coef=None, down_split=True, block_n=block_n,
                  block_k=block_k, block_n_down=block_n_down, decode=decode, layout=layout,
                  unroll_slots=unroll_slots, method=method, method_down=method_down,
-                 num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                 num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                 block_k_down=block_k_down, num_warps_down=num_warps_down,
+                 num_stages_down=num_stages_down)
 
 
 def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, top_k, n_exp, ep,

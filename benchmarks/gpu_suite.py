@@ -138,14 +138,15 @@ def main():
         batch, context = (int(v) for v in case.split("x"))
         t0 = time.perf_counter()
         paths = a.paths.split(",") + (["pallas_v1"] if case in a.v1_cases.split(",") else []) + (
-            ["pallas_fused"] if case in a.fused_cases.split(",") else [])
+            ["pallas_fused", "pallas_nq"] if case in a.fused_cases.split(",") else [])
         row = decode_bench.run_case(cfg, graphdef, state, quant, batch, context, paths,
                                     a.steps, a.trace)
         row["case_s"] = time.perf_counter() - t0
         res["cases"].append(row)
         print(decode_bench.format_row(row, paths) + f" [{row['case_s']:.0f} s]", flush=True)
         save()
-    print(decode_bench.table(res["cases"], ["xla", "pallas", "pallas_v1", "pallas_fused"]))
+    print(decode_bench.table(res["cases"], ["xla", "pallas", "pallas_v1", "pallas_fused",
+                                            "pallas_nq"]))
     save()
 
 

@@ -119,7 +119,7 @@ def test_default_blocks():
   # q_proj-sized defaults, block_n lowered to divide every N_i.
   assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=1) == (64, 256, 4)
   assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=8) == (64, 256, 4)
-  assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=1, fmt="nvfp4") == (32, 512, 4)
+  assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=1, fmt="nvfp4") == (16, 512, 8)
   assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=8, fmt="nvfp4") == (64, 256, 4)
   assert default_multi_gemv_blocks((4096, 48), 2048, m=1)[0] == 16
 

@@ -392,6 +392,29 @@ def _shapes(x, experts, shared):
   return fe, fs, m, d, e, i2 // 2, inter_s
 
 
+def default_moe_tiling(fe: str, m: int) -> dict:
+  """Tile sizes of the two MoE kernels for expert format ``fe`` and M tokens on an H200.
+
+  From the session-3 sweep (docs/kernels.md; Flint sizes, device us of gate_up + down):
+  - BF16 M=1: gate_up bn64 bk256 w4 (13.0); down bn64 bk128 (7.7, against 10.8 with the old
+    single 512-wide K step: a one-iteration loop cannot pipeline its loads).
+  - BF16 M=8: bn64 bk128 w4 4 stages for both (54.8 + 34.2, against 59.7 + 62.2).
+  - NVFP4 M=1 (CUDA-core ``reduce``): gate_up bn16 bk512 w8 (11.0, against 19.9 at bn32 bk256
+    w4: the decode needs many warps per SM); down bn16 bk512 w4 (6.1, against 8.4).
+  - NVFP4 M=8: gate_up bn64 bk256 w4 (98); down bn64 bk128 w4 (37.6, against 43.0).
+  """
+  if fe == "nvfp4" and m == 1:
+    gu, dn = (16, 512, 8, 3), (16, 512, 4, 3)
+  elif fe == "nvfp4":
+    gu, dn = (64, 256, 4, 3), (64, 128, 4, 3)
+  elif m == 1:
+    gu, dn = (64, 256, 4, 3), (64, 128, 4, 3)
+  else:
+    gu, dn = (64, 128, 4, 4), (64, 128, 4, 4)
+  return dict(zip(("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
+                   "block_k_down", "num_warps_down", "num_stages_down"), gu + dn))
+
+
 _TUNING = ("block_n", "block_k", "block_n_down", "block_k_down", "decode", "layout",
            "unroll_slots", "method", "method_down", "num_warps", "num_stages", "num_warps_down",
            "num_stages_down", "interpret")
@@ -404,22 +427,23 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   """The gate_up and down pallas_calls. route_names/route_args: the slot inputs of both kernels
   (["slot_expert", "n_slots"] or ["logits"]); coef [U, M] only for down_split=False.
   Returns y [U + 1, M, D] (down_split) or out [M, D]."""
-  # Defaults from the H200 sweep (docs/kernels.md, GPU run 2): split down kernel with 64-column
-  # blocks; NVFP4 at M = 1: CUDA-core ``reduce`` tiles with 32-row gate|up blocks (31 us vs 58 us
-  # for XLA's gather + einsum); otherwise tensor-core ``dot`` tiles with 64-row blocks.
   nv_m1 = fe == "nvfp4" and m == 1
   method = method or ("reduce" if nv_m1 else "dot")
-  block_n = block_n or (32 if nv_m1 else 64)
+  tiling = default_moe_tiling(fe, m)
+  block_n, block_k = block_n or tiling["block_n"], block_k or tiling["block_k"]
+  num_warps, num_stages = num_warps or tiling["num_warps"], num_stages or tiling["num_stages"]
+  block_n_down = block_n_down or tiling["block_n_down"]
+  block_k_down = block_k_down or tiling["block_k_down"]
+  num_warps_down = num_warps_down or tiling["num_warps_down"]
+  num_stages_down = num_stages_down or tiling["num_stages_down"]
   method_down = method_down or method
   C.check_method(method, m)
   C.check_method(method_down, m)
   decode = NV.resolve_decode(decode, interpret)
   C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}")
   bk = min(block_k, C.pow2_divisor(d, block_k))
-  bk_dn = C.pow2_divisor(inter, block_k_down or 512)   # down: K = I (512 for Flint)
-  bk_s_dn = C.pow2_divisor(inter_s, block_k_down or 512)
-  num_warps_down = num_warps_down or num_warps
-  num_stages_down = num_stages_down or num_stages
+  bk_dn = C.pow2_divisor(inter, block_k_down)   # down: K = I (512 for Flint)
+  bk_s_dn = C.pow2_divisor(inter_s, block_k_down)
   bn = C.pow2_divisor(min(inter, inter_s), block_n)
   bn_dn = C.pow2_divisor(d, block_n_down)
   for name, v in [("block_n", bn), ("block_n_down", bn_dn)]:
@@ -499,10 +523,12 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
 
 @functools.partial(jax.jit, static_argnames=("dedupe", "down_split") + _TUNING)
 def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
-               block_n: int | None = None, block_k: int = 256, block_n_down: int = 64,
+               block_n: int | None = None, block_k: int | None = None,
+               block_n_down: int | None = None,
                decode: str = "asm", layout: str = "tile", unroll_slots: bool | None = None,
                method: str | None = None, method_down: str | None = None,
-               down_split: bool = True, num_warps: int = 4, num_stages: int = 3,
+               down_split: bool = True, num_warps: int | None = None,
+               num_stages: int | None = None,
                block_k_down: int | None = None, num_warps_down: int | None = None,
                num_stages_down: int | None = None, interpret: bool = False):
   """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring.
@@ -544,10 +570,12 @@ def _check_logits(logits, m, n_exp, top_k):
 
 @functools.partial(jax.jit, static_argnames=("top_k",) + _TUNING)
 def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
-                      block_n: int | None = None, block_k: int = 256, block_n_down: int = 64,
+                      block_n: int | None = None, block_k: int | None = None,
+                      block_n_down: int | None = None,
                       decode: str = "asm", layout: str = "tile",
                       unroll_slots: bool | None = None, method: str | None = None,
-                      method_down: str | None = None, num_warps: int = 4, num_stages: int = 3,
+                      method_down: str | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None,
                       block_k_down: int | None = None, num_warps_down: int | None = None,
                       num_stages_down: int | None = None, interpret: bool = False):
   """Expert outputs y [M * top_k + 1, M, D] bf16 routed *inside* the kernels (2 pallas_calls).

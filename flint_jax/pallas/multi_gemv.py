@@ -82,12 +82,17 @@ def _n_rows(w, fmt) -> int:
 def default_multi_gemv_blocks(ns, k: int, *, m: int = 1, fmt: str = "bf16"):
   """(block_n, block_k, num_warps) for the fused GEMV of matrices with row counts ``ns``.
 
-  The single-matrix H200 defaults of the largest matrix (no split-K), block_n lowered to the
-  largest power of two <= that default dividing every N_i. Not measured for the fused kernel.
+  BF16, and NVFP4 at M > 1: the single-matrix H200 defaults of the largest matrix (no split-K),
+  block_n lowered to the largest power of two <= that default dividing every N_i (the H200 sweep
+  of session 3 found nothing faster for Flint's q|k|v: BF16 M=1 swap bn64 bk256 9.8 us).
+  NVFP4 at M = 1: 16-row blocks, K steps of 512, 8 warps (Flint q|k|v 6.35 us against 10.4 us
+  at bn32 bk512 w4: the CUDA-core decode needs many warps per SM, docs/kernels.md).
   """
   nmax = max(ns)
   if fmt == "bf16":
     bn, bk, _, warps = G.default_gemv_blocks(nmax, k, m=m)
+  elif m == 1:
+    bn, bk, warps = 16, C.pow2_divisor(k, 512), 8
   else:
     bn, bk, _, warps = NV.default_nvfp4_blocks(nmax, k, m=m)
   bn = C.pow2_divisor(math.gcd(*ns), bn)

@@ -241,7 +241,14 @@ def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1):
   dense gate|up bn64 bk512 w8 19.7 us (XLA 42.5).
   M > 1 (``dot``): bn64 bk256 w4 (q_proj 17.5 us, o_proj split-K 4 13.1 us, gate|up 33.6 us vs
   XLA 40.7); N >= 16384: bn128 w8 (65536x2048: 81 us vs XLA 185 us).
+  Session-3 sweep, M = 1, N <= 2048 (o_proj 2048x4096): bn16 bk1024 split-K 4 w8 5.4 us (the
+  previous bn64 bk512 split-K 4: 6.9 us): many small programs with 8 warps each.
   """
+  if m == 1 and n <= 2048 and n_mats == 1:
+    bk = C.pow2_divisor(k, 1024 if k >= 4096 else 512)
+    bn = C.pow2_divisor(n, 16)
+    split = next((c for c in (4, 3, 2) if k % (bk * c) == 0), 1)
+    return bn, bk, split, 8
   if m == 1:
     bk = C.pow2_divisor(k, 512)
     bn = C.pow2_divisor(n, 32 if (n >= 4096 and n_mats == 1) else 64 if n >= 1024 else 16)

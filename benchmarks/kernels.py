@@ -598,8 +598,115 @@ def tune_cases(variants):
                                num_warps=nw), sets, bytes_)
 
 
+# Round 2 of the session-3 sweep (group "tune2"): around round 1's best points. Each entry is the
+# kwargs of one call; {} = the current default.
+def _moe_kw(bn, bk, nw, ns, bnd, bkd, nwd, nsd, **extra):
+  return dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, block_n_down=bnd,
+              block_k_down=bkd, num_warps_down=nwd, num_stages_down=nsd, **extra)
+
+
+TUNE2_MOE = {
+    ("bf16", 1): [{}, _moe_kw(64, 128, 4, 4, 64, 128, 4, 4), _moe_kw(64, 256, 4, 4, 32, 128, 4, 3),
+                  _moe_kw(64, 512, 8, 2, 64, 64, 4, 4), _moe_kw(64, 256, 8, 3, 128, 128, 4, 3),
+                  _moe_kw(64, 128, 4, 5, 64, 128, 8, 3), _moe_kw(64, 256, 4, 3, 64, 256, 4, 2)],
+    ("bf16", 8): [{}, _moe_kw(64, 64, 4, 5, 64, 64, 4, 4), _moe_kw(32, 128, 4, 4, 32, 128, 4, 4),
+                  _moe_kw(128, 128, 8, 3, 16, 128, 4, 4), _moe_kw(64, 128, 8, 4, 64, 128, 8, 4)],
+    ("nvfp4", 1): [{}, _moe_kw(16, 1024, 8, 2, 16, 512, 8, 3), _moe_kw(16, 512, 8, 2, 16, 256, 4, 3),
+                   _moe_kw(16, 512, 8, 4, 32, 512, 8, 3), _moe_kw(16, 1024, 16, 2, 16, 512, 4, 2),
+                   _moe_kw(16, 512, 16, 3, 16, 512, 8, 2), _moe_kw(16, 2048, 8, 1, 16, 512, 4, 3)],
+    ("nvfp4", 8): [{}, _moe_kw(64, 128, 4, 4, 64, 128, 4, 4), _moe_kw(128, 256, 8, 3, 64, 128, 4, 3),
+                   _moe_kw(64, 256, 8, 3, 64, 128, 8, 3),
+                   _moe_kw(64, 256, 4, 3, 64, 128, 4, 3, method="swap")],
+}
+TUNE2_QKV = {
+    ("bf16", 1): [{}, dict(method="swap", block_n=64, block_k=128, num_warps=4, num_stages=4),
+                  dict(method="swap", block_n=64, block_k=256, num_warps=4, num_stages=4),
+                  dict(method="swap", block_n=128, block_k=128, num_warps=8, num_stages=3),
+                  dict(method="dot", block_n=64, block_k=128, num_warps=4, num_stages=4),
+                  dict(method="swap", block_n=64, block_k=256, num_warps=8, num_stages=3)],
+    ("nvfp4", 1): [{}, dict(block_n=16, block_k=1024, num_warps=8, num_stages=3),
+                   dict(block_n=16, block_k=512, num_warps=8, num_stages=4),
+                   dict(block_n=16, block_k=1024, num_warps=16, num_stages=2),
+                   dict(block_n=16, block_k=2048, num_warps=8, num_stages=1),
+                   dict(block_n=16, block_k=512, num_warps=8, num_stages=2)],
+}
+TUNE2_NV = {
+    "lm_head": [{}, dict(block_n=16, block_k=512, num_warps=8), dict(block_n=32, block_k=256,
+                num_warps=4), dict(block_n=16, block_k=1024, num_warps=8),
+                dict(block_n=16, block_k=256, num_warps=4, num_stages=4),
+                dict(block_n=16, block_k=2048, num_warps=8, num_stages=2)],
+    "o_proj": [{}, dict(block_n=16, block_k=1024, split_k=2, num_warps=8),
+               dict(block_n=16, block_k=512, split_k=4, num_warps=8),
+               dict(block_n=16, block_k=1024, split_k=4, num_warps=16),
+               dict(block_n=16, block_k=2048, split_k=2, num_warps=8, num_stages=2)],
+}
+TUNE2_GEMV = {   # BF16 o_proj (XLA today: 5.7 us in the step)
+    "o_proj": [dict(method="dot", block_n=16, block_k=256, split_k=2, num_warps=4),
+               dict(method="dot", block_n=32, block_k=256, split_k=2, num_warps=4, num_stages=4),
+               dict(method="swap", block_n=64, block_k=256, split_k=2, num_warps=4, num_stages=4),
+               dict(method="dot", block_n=16, block_k=512, split_k=1, num_warps=4),
+               dict(method="swap", block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4)],
+}
+
+
+def _tag(kw):
+  return " ".join(f"{k}={v}" for k, v in kw.items()) or "default"
+
+
+def tune2_cases(variants):
+  if variants:
+    return
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  for fmt in ("bf16", "nvfp4"):
+    experts, shared = moe_weights(fmt)
+    per_expert = nbytes({k: v[0] for k, v in experts.items()})
+    shared_b = nbytes(shared)
+    for m in (1, 8):
+      xs = [randn((m, D)) for _ in range(16)]
+      logits = [MOE.moe_router_logits(x, router) for x in xs]
+      sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
+      n_exp = np.mean([len(np.unique(np.asarray(jax.lax.top_k(lg, 6)[1]))) for lg in logits])
+      bytes_ = int(n_exp * per_expert + shared_b + 2 * m * D * 2)
+      lbl = f"routed {fmt} M={m}"
+      yield (f"tune2/moe/{fmt}/M{m}/xla", "tune", lbl, "xla",
+             jax.jit(MOE.moe_decode_routed_reference), sets, bytes_)
+      for kw in TUNE2_MOE[(fmt, m)]:
+        yield (f"tune2/moe/{fmt}/M{m}/{_tag(kw)}", "tune", lbl, _tag(kw),
+               functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
+    mk = ((lambda n, k: randn((n, k), scale=k ** -0.5)) if fmt == "bf16"
+          else (lambda n, k: rand_nvfp4((n, k))))
+    ws = [(mk(4096, D), mk(512, D), mk(512, D)) for _ in range(n_sets(nbytes(mk(4096, D)) * 1.25,
+                                                                      cap=12))]
+    sets = [(randn((1, D)), w) for w in ws]
+    lbl = f"qkv {fmt} M=1"
+    bytes_ = nbytes(ws[0]) + D * 2 + 5120 * 2
+    yield (f"tune2/qkv/{fmt}/xla", "tune", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
+           bytes_)
+    for kw in TUNE2_QKV[(fmt, 1)]:
+      yield (f"tune2/qkv/{fmt}/{_tag(kw)}", "tune", lbl, _tag(kw),
+             functools.partial(MULTI.multi_gemv, **kw), sets, bytes_)
+  for name, n, k in [("o_proj", D, 4096), ("lm_head", V, D)]:
+    wb = n * k // 2 + n * k // 16
+    sets = [(randn((1, k)), *rand_nvfp4((n, k))) for _ in range(n_sets(wb, cap=8))]
+    lbl = f"nvfp4 {name} M=1"
+    yield (f"tune2/nv/{name}/xla", "tune", lbl, "xla", jax.jit(NV.nvfp4_gemv_reference), sets,
+           wb + k * 2 + n * 2)
+    for kw in TUNE2_NV[name]:
+      yield (f"tune2/nv/{name}/{_tag(kw)}", "tune", lbl, _tag(kw),
+             functools.partial(NV.nvfp4_gemv, **kw), sets, wb + k * 2 + n * 2)
+  n, k = D, 4096
+  sets = [(randn((1, k)), randn((n, k), scale=k ** -0.5)) for _ in range(n_sets(n * k * 2))]
+  lbl = "bf16 o_proj M=1"
+  yield ("tune2/gemv/o_proj/xla", "tune", lbl, "xla", jax.jit(GEMV.gemv_reference), sets,
+         n * k * 2 + k * 2 + n * 2)
+  for kw in TUNE2_GEMV["o_proj"]:
+    yield (f"tune2/gemv/o_proj/{_tag(kw)}", "tune", lbl, _tag(kw),
+           functools.partial(GEMV.gemv, **kw), sets, n * k * 2 + k * 2 + n * 2)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
-          "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases}
+          "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
+          "tune2": tune2_cases}
 
 
 # ------------------------------------------------------------------------------------------

@@ -70,7 +70,16 @@ for stage in "${stages[@]}"; do
         CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_MEM_FRACTION=$frac $SUITE --format "$fmt" \
           --out "$OUT/suite_$fmt.json" 2>&1 \
           | grep --line-buffered -v "DeprecationWarning\|warnings.warn" > "$OUT/suite_$fmt.log" &
+        [ "$fmt" = bf16 ] && bf16_pid=$!
       done
+      # KERNEL_GROUPS (e.g. "tune2"): kernel microbenchmark groups run on GPU 0 after the BF16 suite.
+      if [ -n "${KERNEL_GROUPS:-}" ]; then
+        [ -n "${bf16_pid:-}" ] && wait "$bf16_pid"
+        CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${KERNEL_TIMEOUT:-240} \
+          python3 benchmarks/kernels.py --out "$OUT/kernels" --groups "$KERNEL_GROUPS" --variants 0 \
+          --budget "${KERNEL_BUDGET:-180}" --compile-threads 16 > "$OUT/kernels.log" 2>&1
+        sed -n '/^| group/,$p' "$OUT/kernels.log" | cut -c1-200
+      fi
       wait
       tail -n 3 "$OUT/tests_new_kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests_new_kernels.log" | head -20
       for fmt in ${FORMATS:-bf16 nvfp4}; do grep -v "^|" "$OUT/suite_$fmt.log" | cut -c1-600; done ;;

@@ -14,7 +14,7 @@ import pytest
 from flint_jax.pallas import (add_rms_norm, decode_attention, gemv, gemv_silu_mul,
                               moe_block_add_rms_norm, moe_combine_add_rms_norm, moe_decode,
                               moe_decode_routed, multi_gemv, nvfp4_gemv, nvfp4_gemv_silu_mul,
-                              qk_norm_rope, rms_norm)
+                              qk_norm_rope, qk_norm_rope_attention, rms_norm)
 from flint_jax.pallas.nvfp4_gemv import NVFP4Weight
 from flint_jax.pallas.testing import lower_for_h200
 
@@ -158,6 +158,31 @@ def test_qk_norm_rope_lowers(ring):
   cache = S((layers, 8, KVH, s_len, DH), BF)
   lower(fn, S((8, H, DH), BF), S((8, KVH, DH), BF), S((8, KVH, DH), BF), S((DH,), BF),
         S((DH,), BF), S((8,), I32), cache, cache, S((), I32))
+
+
+@pytest.mark.parametrize("merge", ["kernel", "atomic"])
+@pytest.mark.parametrize("b", [1, 8])
+@pytest.mark.parametrize("ring,s_len", [(False, 131072), (True, 576)])
+def test_qk_norm_rope_attention_lowers(merge, b, ring, s_len):
+  """Norm + RoPE + cache write fused into the attention split kernel: 2 Triton kernels with the
+  merge kernel, 1 with the atomic in-kernel merge (counter [L, B, KVH] indexed by the layer or
+  by counter_layer) or with a single split."""
+  layers = 35 if ring else 14
+  cache = S((layers, b, KVH, s_len, DH), BF)
+  args = (S((b, H, DH), BF), S((b, KVH, DH), BF), S((b, KVH, DH), BF), S((DH,), BF),
+          S((DH,), BF), S((b,), I32), cache, cache, S((H,), F32), S((), I32))
+  kw = dict(rope=ring, ring=ring, window=513 if ring else None, merge=merge)
+  if merge == "kernel":
+    text = lower(functools.partial(qk_norm_rope_attention, **kw), *args)
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    text = lower(functools.partial(qk_norm_rope_attention, num_splits=1, **kw), *args)
+  else:
+    text = lower(functools.partial(qk_norm_rope_attention, **kw), *args,
+                 S((layers, b, KVH), I32))
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    fn = lambda *a: qk_norm_rope_attention(*a[:11], counter_layer=a[11], **kw)  # noqa: E731
+    text = lower(fn, *args, S((49, b, KVH), I32), S((), I32))
+  assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 def test_norms_lower():

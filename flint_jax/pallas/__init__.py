@@ -13,6 +13,8 @@ numerical contract of the kernel and the XLA fallback):
 | | ``moe_block_add_rms_norm``: routing in-kernel + fused combine/add/norm (4 launches) |
 | ``decode_attention`` | ``decode_attention``: split-KV sink-softmax attention, full or ring cache |
 | ``qk_norm_rope`` | ``qk_norm_rope``: per-head q/k RMSNorm + NeoX RoPE + KV-cache write |
+| ``attention_block`` | ``qk_norm_rope_attention``: ``qk_norm_rope`` fused into the attention |
+| | split kernel; merge by a second kernel or by the last split program (atomic counter) |
 | ``add_rms_norm`` | ``add_rms_norm``, ``rms_norm`` |
 | ``add_rms_norm_router`` | ``add_rms_norm_router``: residual add + RMSNorm + fp32 router GEMV; |
 | | ``moe_block_from_attention``: attention output -> next block's input, 4 launches |
@@ -26,6 +28,8 @@ from flint_jax.pallas.add_rms_norm_router import (add_rms_norm_router,
                                                   add_rms_norm_router_reference,
                                                   moe_block_from_attention,
                                                   moe_block_from_attention_reference)
+from flint_jax.pallas.attention_block import (qk_norm_rope_attention,
+                                              qk_norm_rope_attention_reference)
 from flint_jax.pallas.decode_attention import decode_attention, decode_attention_reference
 from flint_jax.pallas.gemv import gemv, gemv_reference, gemv_silu_mul, gemv_silu_mul_reference
 from flint_jax.pallas.moe import (moe_block, moe_block_add_rms_norm,
@@ -56,4 +60,5 @@ __all__ = [
     "NVFP4Weight", "dequantize_nvfp4_reference", "nvfp4_gemv", "nvfp4_gemv_reference",
     "nvfp4_gemv_silu_mul", "nvfp4_gemv_silu_mul_reference",
     "qk_norm_rope", "qk_norm_rope_reference",
+    "qk_norm_rope_attention", "qk_norm_rope_attention_reference",
 ]

@@ -185,12 +185,19 @@ def decode_attention(q, k_cache, v_cache, positions, sinks, layer=None, *, ring:
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_decode_attn_{'ring' if ring else 'full'}_bk{block_k}_ns{num_splits}",
   )(*args)
-  merge = functools.partial(_merge_kernel, g=g, ns=num_splits)
+  return merge_splits(o, m, l, sinks, q.dtype, interpret=interpret)
+
+
+def merge_splits(o, m, l, sinks, dtype, *, interpret: bool = False):
+  """The merge kernel: partials o [B, KVH, NS, G, Dh], m, l [B, KVH, NS, G] (f32) and sinks [H]
+  -> [B, H, Dh] dtype (also used by ``attention_block``)."""
+  b, kvh, ns, g, dh = o.shape
+  merge = functools.partial(_merge_kernel, g=g, ns=ns)
   return pl.pallas_call(
-      merge, grid=(b, h), out_shape=jax.ShapeDtypeStruct((b, h, dh), q.dtype),
-      compiler_params=C.compiler_params(4 if num_splits * dh >= 4096 else 1, 1),
-      interpret=interpret, name=f"flint_decode_attn_merge_ns{num_splits}",
-  )(o, m, l, sinks.astype(f32))
+      merge, grid=(b, kvh * g), out_shape=jax.ShapeDtypeStruct((b, kvh * g, dh), dtype),
+      compiler_params=C.compiler_params(4 if ns * dh >= 4096 else 1, 1),
+      interpret=interpret, name=f"flint_decode_attn_merge_ns{ns}",
+  )(o, m, l, sinks.astype(jnp.float32))
 
 
 def decode_attention_reference(q, k_cache, v_cache, positions, sinks, layer=None, *,

@@ -42,9 +42,10 @@ def rope_inv_freq(head_dim: int, theta: float):
   return theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
 
 
-def _norm_rope_rows(ref, b, n, np_, half, w1, w2, eps, rope, cos, sin):
-  """Loads rows [n] of ref[b] as two halves, RMSNorm (rounded), optional RoPE -> f32 halves."""
-  rows = C.row_load_index(n, np_)
+def _norm_rope_rows(ref, b, n, np_, half, w1, w2, eps, rope, cos, sin, offset=0):
+  """Loads rows offset..offset+n-1 of ref[b] (padded to np_ by repeating the last) as two halves,
+  RMSNorm (rounded), optional RoPE -> halves in ref.dtype."""
+  rows = C.row_load_index(n, np_, offset)
   x1 = ref[b, rows, pl.ds(0, half)].astype(jnp.float32)        # [Np, Dh/2]
   x2 = ref[b, rows, pl.ds(half, half)].astype(jnp.float32)
   ms = (jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * half)

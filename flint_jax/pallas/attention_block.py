@@ -1,0 +1,324 @@
+"""Fused q/k RMSNorm + RoPE + KV-cache write + split-KV decode attention (one token per row).
+
+``qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, sinks, layer)``
+computes exactly the composition
+
+  q2, kc, vc = qk_norm_rope(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer, ...)
+  out = decode_attention(q2, kc, vc, positions, sinks, layer, ring=ring, window=window)
+
+and returns ``(out [B, H, Dh], k_cache, v_cache)`` (plus the merge counter with
+``merge="atomic"``). Why: ``qk_norm_rope`` is a latency-bound single-program-per-row kernel
+(~4 us on the H200) whose only consumer is the attention split kernel, launched right after it
+for every one of the 49 layers. Folding the norm / RoPE / cache write into the split kernel (and,
+optionally, the merge into its last program) removes one or two launches per layer.
+
+Grid ``(B, KVH, NS)`` like ``decode_attention``'s split kernel. Program (b, kv, j), p =
+``positions[b]``:
+
+1. Loads the *raw* q rows of its GQA group (heads kv*G .. kv*G+G-1, padded to Gp = 16 rows by
+   repeating the last) and applies per-head RMSNorm (rounded to bf16) and, for ``rope=True``, NeoX
+   RoPE at p (rounded to bf16): the very code of ``qk_norm_rope`` (``_norm_rope_rows``), in two
+   halves of Dh/2. QK^T is two K = Dh/2 dots against half-width loads of the K block (no concat).
+2. Computes this KV head's new k the same way (every one of the Gp rows holds it) and loads the
+   raw v.
+3. Program j == 0 writes the new k / v into the cache slot (``p % S`` for a ring, ``p`` for a full
+   layer, where the write is dropped if p >= S) with a masked store. The caches are aliased
+   inputs -> outputs, ``[B, KVH, S, Dh]`` or the layer-stacked ``[L, B, KVH, S, Dh]`` with
+   ``layer`` selecting the layer inside the kernel.
+4. Online softmax (fp32) over the cached keys of this split's chunk, with the run-time chunking
+   of ``decode_attention`` (n = min(p+1, S) live slots cut into NS chunks of whole ``block_k``
+   blocks) and its garbage-safe masking (``valid_slots``), but **excluding the current slot**:
+   program 0 may be writing it while the others read it (whatever they read is masked out by a
+   ``where``). The current token enters once, in program j == 0, whose carry starts at
+   ``m = q.k_new * scale, l = 1, o = v_new`` (p = exp(0) = 1, exact in bf16), when its slot is in
+   range (ring: always; full: p < S).
+5. Merge of the NS partials with the sinks (``M = max(max_j m_j, sink)``,
+   ``out = sum_j o_j e^(m_j - M) / (sum_j l_j e^(m_j - M) + e^(sink - M))``):
+
+   - ``num_splits == 1``: the program normalises directly (one launch, no partials);
+   - ``merge="kernel"``: partials (o, m, l) in fp32 + ``decode_attention``'s merge kernel
+     (2 launches instead of 3);
+   - ``merge="atomic"``: every program stores its partials, ``debug_barrier`` (every thread's
+     stores precede the atomic in the CTA), then ``atomic_add(counter[layer, b, kv], 1)``
+     (acq_rel, GPU scope, done by one thread and broadcast by Triton); the program that sees
+     ``NS - 1`` is the last of (b, kv) and merges the NS partials of its G heads itself
+     (volatile loads: no stale L1 line) -> 1 launch. ``counter`` is an int32 array the caller
+     provides, **zeros on entry**, ``[L, B, KVH]`` indexed by ``counter_layer`` (default:
+     ``layer``) or ``[B, KVH]`` without a layer; aliased input -> output and *not* reset (each
+     (layer, b, kv) entry ends at NS), so a decode step needs one zeroed counter per step for all
+     its layers. It is returned as the 4th output to thread to the next layer. Interpret mode
+     runs the grid sequentially (no barrier needed; ``debug_barrier`` has no CPU lowering and is
+     skipped), so the last program of the grid order does the merge there too.
+
+Numerics: the caches hold the same values ``qk_norm_rope`` writes (same code); the attention
+output matches ``decode_attention`` up to fp32 summation order and where P is rounded (the current
+token's p = 1 is not rounded relative to the running max until the end).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flint_jax.pallas import _common as C
+from flint_jax.pallas.decode_attention import _validate as _attn_validate
+from flint_jax.pallas.decode_attention import (decode_attention_reference,
+                                               default_attention_blocks, merge_splits,
+                                               valid_slots)
+from flint_jax.pallas.qk_norm_rope import _norm_rope_rows
+from flint_jax.pallas.qk_norm_rope import _validate as _norm_validate
+from flint_jax.pallas.qk_norm_rope import qk_norm_rope_reference, rope_inv_freq
+
+__all__ = ["qk_norm_rope_attention", "qk_norm_rope_attention_reference", "MERGES"]
+
+MERGES = ("kernel", "atomic")
+
+# fp32 elements of o partials the in-kernel merge loads per step (32 KB: 64 registers a thread
+# with 4 warps); NS * G * Dh may be 64 * 8 * 128.
+_MERGE_ELEMS = 8192
+
+
+def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, stacked,
+            counter_stacked, mode, interpret):
+  refs = list(refs)
+  take = lambda k: [refs.pop(0) for _ in range(k)]  # noqa: E731
+  q_ref, k_ref, v_ref, wq_ref, wk_ref, pos_ref, invf_ref, sink_ref = take(8)
+  lead = (take(1)[0][0],) if stacked else ()
+  cidx = (take(1)[0][0],) if mode == "atomic" and counter_stacked else ()
+  kc_in, vc_in = take(2)
+  if mode == "atomic":
+    take(1)                                   # the counter input (aliased to cnt_ref)
+    out_ref, o_ref, m_ref, l_ref, kc_ref, vc_ref, cnt_ref = refs
+  elif mode == "kernel":
+    o_ref, m_ref, l_ref, kc_ref, vc_ref = refs
+  else:
+    out_ref, kc_ref, vc_ref = refs
+  f32 = jnp.float32
+  b, kv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s_len, half = kc_in.shape[-2], dh // 2
+  p = pos_ref[b]
+
+  # 1-2. q rows of the group and the new k (norm + RoPE, rounded), raw v: [Gp, Dh/2] / [Gp, Dh].
+  cos = sin = None
+  if rope:
+    ang = p.astype(f32) * invf_ref[...]                               # [Dh/2]
+    cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
+  ld = lambda ref, c: ref[pl.ds(c, half)].astype(f32)               # noqa: E731
+  q1, q2 = _norm_rope_rows(q_ref, b, g, gp, half, ld(wq_ref, 0), ld(wq_ref, half), eps,
+                           rope, cos, sin, offset=kv * g)
+  k1, k2 = _norm_rope_rows(k_ref, b, 1, gp, half, ld(wk_ref, 0), ld(wk_ref, half), eps,
+                           rope, cos, sin, offset=kv)
+  v_new = v_ref[b, C.row_load_index(1, gp, kv), :]                    # [Gp, Dh], rows equal
+
+  # 3. Program 0 writes the new k / v (one real row) into the slot.
+  slot = p % s_len if ring else p
+  cur_ok = (slot >= 0) & (slot < s_len)
+  lo = jnp.arange(half, dtype=jnp.int32)
+  hi, cols = half + lo, jnp.arange(dh, dtype=jnp.int32)
+  i = jnp.arange(gp, dtype=jnp.int32)
+  rk, wmask = kv + i, ((i == 0) & cur_ok & (j == 0))[:, None]
+  sc = jnp.clip(slot, 0, s_len - 1)
+  plgpu.store(kc_ref.at[(*lead, b, rk[:, None], sc, lo[None, :])], k1, mask=wmask)
+  plgpu.store(kc_ref.at[(*lead, b, rk[:, None], sc, hi[None, :])], k2, mask=wmask)
+  plgpu.store(vc_ref.at[(*lead, b, rk[:, None], sc, cols[None, :])], v_new, mask=wmask)
+
+  # 4. This split's chunk of the live slots, without the current slot; program 0 starts with the
+  # current token.
+  n = jnp.minimum(p + 1, s_len)
+  chunk = ((n + ns - 1) // ns + bk - 1) // bk * bk
+  start = j * chunk
+  nblk = jnp.minimum((jnp.maximum(n - start, 0) + bk - 1) // bk, chunk // bk)
+  s_cur = (jnp.sum(q1.astype(f32) * k1.astype(f32), axis=1)
+           + jnp.sum(q2.astype(f32) * k2.astype(f32), axis=1)) * scale      # [Gp]
+  with_cur = (j == 0) & cur_ok
+
+  def body(it, carry):
+    o, m, l = carry
+    k0 = pl.multiple_of(start + it * bk, bk)
+    kb1 = kc_in[(*lead, b, kv, pl.ds(k0, bk), pl.ds(0, half))]        # [BK, Dh/2]
+    kb2 = kc_in[(*lead, b, kv, pl.ds(k0, bk), pl.ds(half, half))]
+    s = (C.dot_nt(q1, kb1) + C.dot_nt(q2, kb2)) * scale                # [Gp, BK] f32
+    idx = k0 + jnp.arange(bk, dtype=jnp.int32)
+    valid = valid_slots(idx, p, n, s_len, window, ring) & (idx != slot)
+    s = jnp.where(valid[None, :], s, C.MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    pr = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+    l = l * alpha + jnp.sum(pr, axis=1)
+    vb = vc_in[(*lead, b, kv, pl.ds(k0, bk), slice(None))]            # [BK, Dh]
+    vb = jnp.where(valid[:, None], vb, jnp.zeros_like(vb))
+    o = o * alpha[:, None] + C.dot_nn(pr.astype(vb.dtype), vb)
+    return o, m_new, l
+
+  init = (jnp.where(with_cur, v_new.astype(f32), 0.0),
+          jnp.where(with_cur, s_cur, C.MASK_VALUE),
+          jnp.where(with_cur, jnp.ones((gp,), f32), 0.0))
+  o, m, l = lax.fori_loop(0, nblk, body, init)
+
+  # 5. Normalise (NS == 1) or store the partials (and merge in the last program).
+  if mode == "direct":
+    sink = sink_ref[C.row_load_index(g, gp, kv * g)]                  # [Gp] f32
+    mx = jnp.maximum(m, sink)
+    w = jnp.exp(m - mx)
+    den = l * w + jnp.exp(sink - mx)
+    out = o * w[:, None] / den[:, None]
+    r, rmask = C.row_store_index(g, gp, kv * g)
+    plgpu.store(out_ref.at[b, r[:, None], cols[None, :]], out.astype(out_ref.dtype),
+                mask=rmask[:, None])
+    return
+  r, rmask = C.row_store_index(g, gp)
+  plgpu.store(o_ref.at[b, kv, j, r[:, None], cols[None, :]], o, mask=rmask[:, None])
+  plgpu.store(m_ref.at[b, kv, j, r], m, mask=rmask)
+  plgpu.store(l_ref.at[b, kv, j, r], l, mask=rmask)
+  if mode == "kernel":
+    return
+  if not interpret:      # no CPU lowering; interpret mode runs the programs one after another
+    plgpu.debug_barrier()
+  old = plgpu.atomic_add(cnt_ref, (*cidx, b, kv), jnp.int32(1))
+
+  @pl.when(old == ns - 1)
+  def _merge():
+    rm = C.row_load_index(g, gm)                                      # [Gm] rows 0..G-1
+    vload = lambda ref, *idx: plgpu.load(ref.at[(b, kv, *idx)], volatile=True)  # noqa: E731
+    js = jnp.arange(ns, dtype=jnp.int32)
+    m_all = vload(m_ref, js[:, None], rm[None, :])                    # [NS, Gm]
+    l_all = vload(l_ref, js[:, None], rm[None, :])
+    sink = sink_ref[kv * g + rm]                                      # [Gm]
+    mx = jnp.maximum(jnp.max(m_all, axis=0), sink)
+    den = jnp.sum(l_all * jnp.exp(m_all - mx[None, :]), axis=0) + jnp.exp(sink - mx)
+
+    def step(c, acc):
+      jc = c * mc + jnp.arange(mc, dtype=jnp.int32)
+      oc = vload(o_ref, jc[:, None, None], rm[None, :, None], cols[None, None, :])  # [MC, Gm, Dh]
+      wc = jnp.exp(vload(m_ref, jc[:, None], rm[None, :]) - mx[None, :])         # [MC, Gm]
+      return acc + jnp.sum(oc * wc[:, :, None], axis=0)
+
+    acc = jnp.zeros((gm, dh), f32)
+    acc = step(0, acc) if ns == mc else lax.fori_loop(0, ns // mc, step, acc)
+    ro, omask = C.row_store_index(g, gm, kv * g)
+    plgpu.store(out_ref.at[b, ro[:, None], cols[None, :]],
+                (acc / den[:, None]).astype(out_ref.dtype), mask=omask[:, None])
+
+
+def _blocks(b, kvh, s_len, block_k, num_splits):
+  dbk, dns = default_attention_blocks(b, kvh, s_len)
+  return block_k or dbk, num_splits or dns
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "rope", "ring", "window", "theta", "eps", "scale", "block_k", "num_splits", "merge",
+    "num_warps", "num_stages", "interpret"))
+def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, sinks,
+                           layer=None, counter=None, *, counter_layer=None, rope: bool,
+                           ring: bool, window: int | None = None, theta: float = 10000.0,
+                           eps: float = 1e-6, scale: float | None = None,
+                           block_k: int | None = None, num_splits: int | None = None,
+                           merge: str = "kernel", num_warps: int = 4, num_stages: int = 2,
+                           interpret: bool = False):
+  """qk_norm_rope + decode_attention in one split kernel; see the module docstring.
+
+  Returns ``(out [B, H, Dh], k_cache, v_cache)``, and the counter as a 4th output with
+  ``merge="atomic"`` (unchanged when ``num_splits == 1``).
+  """
+  b, h, kvh, dh = _norm_validate(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer)
+  _, _, _, s_len, _ = _attn_validate(q, k_cache, v_cache, positions, sinks, layer)
+  C.check(merge in MERGES, f"merge must be one of {MERGES}, got {merge=}")
+  if ring:
+    C.check(window is not None and 1 <= window <= s_len,
+            f"ring attention needs 1 <= window <= R={s_len}, got {window=}")
+  C.check(dh // 2 >= 16, f"Dh/2 must be >= 16 (dot K dimension), got {dh=}")
+  block_k, num_splits = _blocks(b, kvh, s_len, block_k, num_splits)
+  C.check(C.is_pow2(block_k) and block_k >= 16 and s_len % block_k == 0,
+          f"block_k must be a power of two >= 16 dividing S: {block_k=} S={s_len}")
+  C.check(C.is_pow2(num_splits), f"num_splits must be a power of two, got {num_splits=}")
+  counter_stacked = (counter_layer if counter_layer is not None else layer) is not None
+  if merge == "atomic":
+    want = ((-1,) if counter_stacked else ()) + (b, kvh)
+    C.check(counter is not None and counter.dtype == jnp.int32 and counter.ndim == len(want)
+            and counter.shape[-2:] == (b, kvh),
+            f"merge='atomic' needs an int32 zeros counter of shape "
+            f"{'[L, B, KVH]' if counter_stacked else '[B, KVH]'} = [..., {b}, {kvh}], got "
+            f"{None if counter is None else (counter.shape, counter.dtype)}")
+  else:
+    C.check(counter is None and counter_layer is None,
+            "counter / counter_layer are only for merge='atomic'")
+  mode = "direct" if num_splits == 1 else merge
+  g = h // kvh
+  gp, gm = C.pad_rows(g), C.next_pow2(g)
+  mc = min(num_splits, C.next_pow2(max(1, _MERGE_ELEMS // (gm * dh)) + 1) // 2)
+  scale = 1.0 / math.sqrt(dh) if scale is None else scale
+  f32 = jnp.float32
+
+  args = [q, k, v, q_norm_w, k_norm_w, positions.astype(jnp.int32),
+          rope_inv_freq(dh, theta), sinks.astype(f32)]
+  if layer is not None:
+    args.append(C.as_index_array(layer, "layer"))
+  if mode == "atomic" and counter_stacked:
+    args.append(C.as_index_array(layer if counter_layer is None else counter_layer,
+                                 "counter_layer"))
+  n_in = len(args)
+  args += [k_cache, v_cache]
+  out_t = jax.ShapeDtypeStruct((b, h, dh), q.dtype)
+  parts = (jax.ShapeDtypeStruct((b, kvh, num_splits, g, dh), f32),
+           jax.ShapeDtypeStruct((b, kvh, num_splits, g), f32),
+           jax.ShapeDtypeStruct((b, kvh, num_splits, g), f32))
+  caches = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+  if mode == "direct":
+    out_shape, aliases = (out_t, *caches), {n_in: 1, n_in + 1: 2}
+  elif mode == "kernel":
+    out_shape, aliases = (*parts, *caches), {n_in: 3, n_in + 1: 4}
+  else:
+    args.append(counter)
+    out_shape = (out_t, *parts, *caches, jax.ShapeDtypeStruct(counter.shape, counter.dtype))
+    aliases = {n_in: 4, n_in + 1: 5, n_in + 2: 6}
+  kernel = functools.partial(
+      _kernel, g=g, gp=gp, gm=gm, bk=block_k, ns=num_splits, mc=mc, dh=dh,
+      window=window or s_len, ring=ring, rope=rope, eps=eps, scale=scale,
+      stacked=layer is not None, counter_stacked=counter_stacked, mode=mode,
+      interpret=interpret)
+  res = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(b, kvh, num_splits), input_output_aliases=aliases,
+      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      name=(f"flint_qk_norm{'_rope' if rope else ''}_attn_{'ring' if ring else 'full'}"
+            f"_bk{block_k}_ns{num_splits}{'' if mode == 'kernel' else '_' + mode}"),
+  )(*args)
+  if mode == "direct":
+    out, kc, vc = res
+  elif mode == "kernel":
+    o, m, l, kc, vc = res
+    out = merge_splits(o, m, l, sinks, q.dtype, interpret=interpret)
+  else:
+    out, _, _, _, kc, vc, counter = res
+  return (out, kc, vc) if merge == "kernel" else (out, kc, vc, counter)
+
+
+def qk_norm_rope_attention_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache,
+                                     sinks, layer=None, counter=None, *, counter_layer=None,
+                                     rope: bool, ring: bool, window: int | None = None,
+                                     theta: float = 10000.0, eps: float = 1e-6,
+                                     scale: float | None = None, merge: str = "kernel",
+                                     block_k: int | None = None, num_splits: int | None = None,
+                                     **unused_tuning):
+  """qk_norm_rope_reference then decode_attention_reference. With ``merge="atomic"`` also the
+  counter after the kernel: entry (counter_layer or layer, b, kv) incremented by NS (if NS > 1)."""
+  del unused_tuning
+  q2, kc, vc = qk_norm_rope_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache,
+                                          v_cache, layer, rope=rope, ring=ring, theta=theta,
+                                          eps=eps)
+  out = decode_attention_reference(q2, kc, vc, positions, sinks, layer, ring=ring,
+                                      window=window, scale=scale)
+  if merge == "kernel":
+    return out, kc, vc
+  b, kvh, s_len = k_cache.shape[-4:-1]
+  ns = _blocks(b, kvh, s_len, block_k, num_splits)[1]
+  cl = layer if counter_layer is None else counter_layer
+  if ns > 1:
+    counter = counter.at[() if cl is None else (cl,)].add(ns)
+  return out, kc, vc, counter

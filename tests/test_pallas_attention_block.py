@@ -1,0 +1,178 @@
+"""qk_norm_rope_attention (norm + RoPE + cache write + split-KV attention, fused) vs the reference
+composition qk_norm_rope_reference -> decode_attention_reference.
+
+The caches after the call must be bit-identical to the reference's (same code as qk_norm_rope);
+the attention output close with decode_attention's tolerance. Unattended slots and the slot being
+written hold NaN keys / inf values (stale memory): the kernel must never read the old contents of
+the current slot, and must mask everything else like decode_attention.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax.pallas import (qk_norm_rope, qk_norm_rope_attention,
+                              qk_norm_rope_attention_reference)
+from flint_jax.pallas.testing import assert_close, randn, rng
+
+INTERPRET = jax.default_backend() == "cpu"
+DH = 128
+
+
+def dead_slots(pos, s_len, ring, window):
+  """[B, S] slots neither attended after this step's write nor written by it (+ the slot being
+  written: its old contents must not matter either)."""
+  slot = np.arange(s_len)[None, :]
+  p = np.asarray(pos)[:, None]
+  if ring:
+    d = (p - slot) % s_len
+    dead = (d > p) | (d > window - 1)
+    return dead | (slot == p % s_len)
+  return (slot >= p)
+
+
+def inputs(b, h, kvh, s_len, positions, *, ring, window, garbage, stacked, dh=DH, seed=()):
+  gen = rng(b, h, kvh, s_len, positions, ring, window, garbage, stacked, dh, seed)
+  q, k, v = randn(gen, (b, h, dh), scale=3.0), randn(gen, (b, kvh, dh)), randn(gen, (b, kvh, dh))
+  wq = randn(gen, (dh,), scale=0.2) + 1
+  wk = randn(gen, (dh,), scale=0.2) + 1
+  shape = (b, kvh, s_len, dh)
+  kc = np.asarray(randn(gen, shape, scale=2.0), np.float32)
+  vc = np.asarray(randn(gen, shape), np.float32)
+  if garbage:
+    dead = dead_slots(positions, s_len, ring, window)[:, None, :, None]
+    kc, vc = np.where(dead, np.nan, kc), np.where(dead, np.inf, vc)
+  kc, vc = jnp.asarray(kc, jnp.bfloat16), jnp.asarray(vc, jnp.bfloat16)
+  layer = None
+  if stacked:   # layer 1 of 3; the other layers are NaN
+    layer = 1
+    kc = jnp.stack([jnp.full_like(kc, jnp.nan), kc, jnp.full_like(kc, jnp.nan)])
+    vc = jnp.stack([jnp.full_like(vc, jnp.nan), vc, jnp.full_like(vc, jnp.nan)])
+  pos = jnp.asarray(positions, jnp.int32)
+  sinks = jnp.asarray(gen.standard_normal(h), jnp.float32)
+  return q, k, v, wq, wk, pos, kc, vc, sinks, layer
+
+
+def check(got, ref, merge, exact=INTERPRET):
+  """out close; caches (and counter) bit-identical. On a GPU the norm's rsqrt and the RoPE
+  cos/sin are not XLA's, so there cache values are only close (like test_pallas_qk_norm_rope),
+  with the same non-finite (garbage) slots."""
+  assert len(got) == len(ref) == (3 if merge == "kernel" else 4)
+  assert_close(got[0], ref[0], what="attention out")
+  for g, w, name in zip(got[1:], ref[1:], ("k_cache", "v_cache", "counter")):
+    assert g.shape == w.shape and g.dtype == w.dtype, name
+    g, w = np.asarray(g), np.asarray(w)
+    if g.dtype != jnp.bfloat16:
+      np.testing.assert_array_equal(g, w, err_msg=name)
+      continue
+    if not exact:
+      g32, w32 = g.astype(np.float32), w.astype(np.float32)
+      fin = np.isfinite(w32)
+      np.testing.assert_array_equal(np.isfinite(g32), fin, err_msg=f"{name}: non-finite slots")
+      assert_close(jnp.asarray(np.where(fin, g32, 0), jnp.bfloat16),
+                   jnp.asarray(np.where(fin, w32, 0), jnp.bfloat16), what=name)
+      g, w = np.where(fin, 0, g), np.where(fin, 0, w)
+    np.testing.assert_array_equal(g.view(np.uint16), w.view(np.uint16), err_msg=name)
+
+
+def run(b, h, kvh, s_len, positions, *, ring, rope, window=None, garbage=True, stacked=False,
+        merge="kernel", vs_kernel=False, **kw):
+  args = inputs(b, h, kvh, s_len, positions, ring=ring, window=window, garbage=garbage,
+                stacked=stacked)
+  counter = None
+  if merge == "atomic":
+    counter = jnp.zeros(((3,) if stacked else ()) + (b, kvh), jnp.int32)
+  opts = dict(rope=rope, ring=ring, window=window, merge=merge, **kw)
+  got = qk_norm_rope_attention(*args, counter, interpret=INTERPRET, **opts)
+  ref = qk_norm_rope_attention_reference(*args, counter, **opts)
+  check(got, ref, merge)
+  if vs_kernel:   # the caches also bit-identical to what the qk_norm_rope kernel writes
+    _, kc, vc = qk_norm_rope(*args[:8], args[9], rope=rope, ring=ring, interpret=INTERPRET)
+    check((got[0], kc, vc), (ref[0], *got[1:3]), "kernel")
+  return got
+
+
+@pytest.mark.parametrize("merge", ["kernel", "atomic"])
+def test_full(merge):
+  """G=4, B=8: first token, position 1, around 512, the last slot and p >= S (write dropped)."""
+  run(8, 32, 8, 768, [0, 1, 511, 512, 513, 700, 767, 800], ring=False, rope=False, merge=merge,
+      block_k=64)
+
+
+@pytest.mark.parametrize("merge", ["kernel", "atomic"])
+def test_ring(merge):
+  """Sliding layer, B=8, layer-stacked: ring not yet full, exactly the window (512), the oldest
+  slot dropping out (513), wrapped rings (p > R, p >> R)."""
+  run(8, 32, 4, 576, [0, 1, 511, 512, 513, 1000, 5000, 70000], ring=True, rope=True,
+      window=513, merge=merge, stacked=True, vs_kernel=merge == "kernel")
+
+
+def test_single_split_ring():
+  """num_splits=1: the program normalises with the sink itself (one launch)."""
+  run(1, 32, 4, 576, [511], ring=True, rope=True, window=513, num_splits=1)
+
+
+def test_single_split_full_atomic():
+  """num_splits=1 with merge='atomic': no merge, the counter comes back untouched. G=1, B=3,
+  RoPE on a full layer, layer-stacked, one row past the cache (write dropped)."""
+  got = run(3, 8, 8, 256, [1, 255, 300], ring=False, rope=True, merge="atomic", num_splits=1,
+            stacked=True)
+  assert int(np.asarray(got[3]).max()) == 0
+
+
+def test_full_long_context():
+  """A few thousand keys over 32 splits (run-time chunking), clean cache, atomic merge."""
+  got = run(1, 32, 4, 4096, [3999], ring=False, rope=False, garbage=False, num_splits=32,
+            merge="atomic")
+  np.testing.assert_array_equal(np.asarray(got[3]), np.full((1, 4), 32, np.int32))
+
+
+def test_counter_threads_through_layers():
+  """One zeroed [L, B, KVH] counter for all layers, indexed by counter_layer (not the cache
+  layer): three layers of one stacked cache in another order. G=3 (heads not a power of two:
+  padded q and merge rows), B=3, 4 splits of 16-key blocks."""
+  b, kvh, h, s_len, positions = 3, 8, 24, 64, [0, 40, 63]
+  q, k, v, wq, wk, pos, _, _, sinks, _ = inputs(b, h, kvh, s_len, positions, ring=False,
+                                                window=None, garbage=False, stacked=False)
+  gen = rng("counter")
+  dead = jnp.asarray(dead_slots(positions, s_len, False, None))[None, :, None, :, None]
+  kc = jnp.where(dead, jnp.nan, randn(gen, (3, b, kvh, s_len, DH), scale=2.0))
+  vc = jnp.where(dead, jnp.inf, randn(gen, (3, b, kvh, s_len, DH)))
+  kc, vc = kc.astype(jnp.bfloat16), vc.astype(jnp.bfloat16)
+  counter = jnp.zeros((3, b, kvh), jnp.int32)
+  kw = dict(rope=True, ring=False, merge="atomic", num_splits=4, block_k=16)
+  for layer, cl in ((0, 0), (2, 1), (1, 2)):
+    got = qk_norm_rope_attention(q, k, v, wq, wk, pos, kc, vc, sinks, layer, counter,
+                                 counter_layer=cl, interpret=INTERPRET, **kw)
+    ref = qk_norm_rope_attention_reference(q, k, v, wq, wk, pos, kc, vc, sinks, layer,
+                                           counter, counter_layer=cl, **kw)
+    check(got, ref, "atomic")
+    _, kc, vc, counter = got
+  np.testing.assert_array_equal(np.asarray(counter), np.full((3, b, kvh), 4, np.int32))
+
+
+def test_validation():
+  q, k, v, wq, wk, pos, kc, vc, sinks, layer = inputs(1, 8, 2, 64, [3], ring=False, window=None,
+                                                      garbage=False, stacked=False)
+  args = (q, k, v, wq, wk, pos, kc, vc, sinks)
+  with pytest.raises(ValueError, match="counter"):
+    qk_norm_rope_attention(*args, rope=False, ring=False, merge="atomic", interpret=True)
+  with pytest.raises(ValueError, match="counter"):
+    qk_norm_rope_attention(*args, None, jnp.zeros((1, 1, 2), jnp.int32), rope=False, ring=False,
+                           merge="atomic", interpret=True)
+  with pytest.raises(ValueError, match="merge"):
+    qk_norm_rope_attention(*args, rope=False, ring=False, merge="tree", interpret=True)
+  with pytest.raises(ValueError, match="window"):
+    qk_norm_rope_attention(*args, rope=True, ring=True, interpret=True)
+
+
+@pytest.mark.skipif(INTERPRET, reason="128K-key context is slow in interpret mode")
+@pytest.mark.parametrize("merge", ["kernel", "atomic"])
+@pytest.mark.parametrize("b", [1, 8])
+def test_flint_size(b, merge):
+  s_len = 131072 if b == 1 else 32768
+  run(b, 32, 4, s_len, [s_len - 1 - 3001 * i for i in range(b)], ring=False, rope=False,
+      garbage=False, merge=merge, stacked=True)
+  run(b, 32, 4, 576, [100 + 7919 * i for i in range(b)], ring=True, rope=True, window=513,
+      merge=merge, stacked=True)

@@ -26,7 +26,8 @@ from flint_jax import layers
 from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, decode_attention,
                               moe_block, moe_combine_add_rms_norm, moe_decode_routed,
                               moe_router_logits, multi_gemv, norm_qkv, nvfp4_gemv,
-                              nvfp4_gemv_silu_mul, qk_norm_rope, rms_norm)
+                              nvfp4_gemv_silu_mul, qk_norm_rope, qk_norm_rope_attention,
+                              rms_norm)
 
 MAX_BATCH = 16
 
@@ -49,13 +50,21 @@ class DecodeOptions:
       output, residual add, the next layer's input RMSNorm) computed inside the next layer's
       q|k|v kernel (`norm_qkv`): one launch less per layer. Off by default: correct (tests) but
       not yet measured on the H200.
+    attention: "split" = `qk_norm_rope` then `decode_attention` (split + merge kernels: 3
+      launches); "fused" = `qk_norm_rope_attention` (the Q/K norm, RoPE and cache write inside
+      the split kernel, then the merge kernel: 2 launches); "fused_atomic" = the same with the
+      merge done by the last program of each KV head (1 launch; one zeroed counter per step).
     """
     fused_qkv: bool = True
     moe: str = "routed"
     router_in_norm: bool = False
     norm_in_qkv: bool = False
+    attention: str = "split"
 
     def __post_init__(self):
+        if self.attention not in ("split", "fused", "fused_atomic"):
+            raise ValueError("DecodeOptions.attention must be split|fused|fused_atomic, got "
+                             f"{self.attention!r}")
         if self.moe not in ("routed", "slots", "xla", "v1"):
             raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
         if self.router_in_norm and self.moe != "routed":
@@ -176,6 +185,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # norm_in_qkv: the previous layer's output (y, router logits) waits for the next q|k|v
         # kernel, which forms the residual and the normalised input itself.
         pending = (None, None)
+        # One zeroed merge counter per step for every layer (attention="fused_atomic").
+        counter = (jnp.zeros((len(layers), b, kvh), jnp.int32)
+                   if opts.attention == "fused_atomic" else None)
         if not opts.norm_in_qkv:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
         for i, layer in enumerate(layers):
@@ -192,13 +204,24 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     q, k, v = _qkv(attn, x, opts.fused_qkv, interpret)
                 q, k, v = q.reshape(b, h_, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)
-                q, kc, vc = qk_norm_rope(
-                    q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc, j,
-                    rope=sliding, ring=sliding, theta=cfg.rope_theta, eps=eps,
-                    interpret=interpret)
-                o = decode_attention(q, kc, vc, pos, attn.sinks[...], j, ring=sliding,
-                                        window=cfg.sliding_window if sliding else None,
-                                        interpret=interpret)
+                window = cfg.sliding_window if sliding else None
+                if opts.attention == "split":
+                    q, kc, vc = qk_norm_rope(
+                        q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc,
+                        j, rope=sliding, ring=sliding, theta=cfg.rope_theta, eps=eps,
+                        interpret=interpret)
+                    o = decode_attention(q, kc, vc, pos, attn.sinks[...], j, ring=sliding,
+                                         window=window, interpret=interpret)
+                else:
+                    atomic = dict(counter=counter, counter_layer=i, merge="atomic") if (
+                        counter is not None) else dict(merge="kernel")
+                    res = qk_norm_rope_attention(
+                        q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc,
+                        attn.sinks[...], j, rope=sliding, ring=sliding, window=window,
+                        theta=cfg.rope_theta, eps=eps, interpret=interpret, **atomic)
+                    o, kc, vc = res[:3]
+                    if counter is not None:
+                        counter = res[3]
                 if sliding:
                     ring_k, ring_v = kc, vc
                 else:

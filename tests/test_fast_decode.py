@@ -17,10 +17,13 @@ def small_cfg():
 
 # default: fused q|k|v + routed MoE; v1: separate GEMVs + the "slots" (NVFP4) / "xla" (BF16) MoE;
 # fused: the options that are off by default (not yet measured on the GPU).
+# attn / attn_atomic: Q/K norm + RoPE + cache write inside the attention kernel, the merge in its
+# own kernel / in the last program (with norm_in_qkv for the atomic one).
 OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
-           "fused": FUSED_OPTIONS}
+           "fused": FUSED_OPTIONS, "attn": DecodeOptions(attention="fused"),
+           "attn_atomic": DecodeOptions(attention="fused_atomic", norm_in_qkv=True)}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
-         ("bf16", "fused"), ("nvfp4", "fused")]
+         ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic")]
 
 
 @pytest.mark.parametrize("fmt,options", CASES)
@@ -43,6 +46,7 @@ def test_pallas_generate_equals_xla(fmt, options):
     (dict(moe="xla", router_in_norm=True), "router_in_norm needs moe='routed'"),
     (dict(fused_qkv=False, norm_in_qkv=True), "norm_in_qkv needs"),
     (dict(moe="slots", norm_in_qkv=True), "norm_in_qkv needs"),
+    (dict(attention="flash"), "split|fused|fused_atomic"),
 ])
 def test_decode_options_reject_inconsistent_choices(kw, match):
     with pytest.raises(ValueError, match=match):

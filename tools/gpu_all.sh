@@ -52,13 +52,14 @@ for stage in "${stages[@]}"; do
     suites_x2)
       # FORMATS (default "bf16 nvfp4"): BF16 suite on GPU 0, NVFP4 suite on GPU 1; the compiled
       # tests of the newest kernels run on GPU 1 alongside, without preallocation (4 workers).
-      # CASES, PATHS, PARITY_STEPS, V1_CASES, FUSED_CASES ("none": none), SUITE_BUDGET (s) choose the work:
+      # CASES, PATHS, PARITY_STEPS, V1_CASES, FUSED_CASES ("none": none), FUSED_PATHS, SUITE_BUDGET
+      # (s) choose the work:
       # a 10-minute call fits parity + about 4 cases per format (compiles dominate).
       CASES=${CASES:-1x1024,8x1024,1x8192,8x8192,8x100000,1x100000}
       SUITE="python3 benchmarks/gpu_suite.py --trace --cases $CASES --budget-s ${SUITE_BUDGET:-400}
              --paths ${PATHS:-xla,pallas}
              --parity-steps ${PARITY_STEPS:-32} --v1-cases ${V1_CASES:-1x1024,8x1024}
-             --fused-cases ${FUSED_CASES:-1x1024,8x1024}"
+             --fused-cases ${FUSED_CASES:-1x1024,8x1024} --fused-paths ${FUSED_PATHS:-pallas_fused}"
       CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 300 \
         python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pallas_multi_gemv.py \
         tests/test_pallas_moe.py tests/test_pallas_add_rms_norm.py tests/test_fast_decode.py \

@@ -64,6 +64,8 @@ for stage in "${stages[@]}"; do
         python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pallas_multi_gemv.py \
         tests/test_pallas_moe.py tests/test_pallas_add_rms_norm.py tests/test_fast_decode.py \
         tests/test_pallas_add_rms_norm_router.py tests/test_pallas_norm_qkv.py \
+        tests/test_pallas_attention_block.py tests/test_pallas_decode_attention.py \
+        tests/test_pallas_qk_norm_rope.py \
         > "$OUT/tests_new_kernels.log" 2>&1 &
       for fmt in ${FORMATS:-bf16 nvfp4}; do
         gpu=0; frac=0.95

@@ -557,6 +557,7 @@ def tune_cases(variants):
       n_exp = np.mean([len(np.unique(np.asarray(jax.lax.top_k(lg, 6)[1]))) for lg in logits])
       bytes_ = int(n_exp * per_expert + shared_b + 2 * m * D * 2)
       lbl = f"routed {fmt} M={m}"
+      # both return (y, MoERoute(ids, logits)): the rel_l2 check covers the stored routing too
       yield (f"tune/moe/{fmt}/M{m}/xla", "tune", lbl, "xla",
              jax.jit(MOE.moe_decode_routed_reference), sets, bytes_)
       for bn, bk, nw, ns, bnd, bkd, nwd, nsd in TUNE_MOE[(fmt, m)]:

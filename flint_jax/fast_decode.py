@@ -134,9 +134,9 @@ def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None):
     if mode == "routed":
         if logits is None:
             logits = moe_router_logits(x, mlp.gate.weight[...])
-        y = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp), top_k=k,
-                              interpret=interpret)
-        return moe_combine_add_rms_norm(h, y, logits, w_next, top_k=k, eps=eps,
+        y, route = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp),
+                                     top_k=k, interpret=interpret)
+        return moe_combine_add_rms_norm(h, y, route.logits, w_next, eps=eps,
                                         interpret=interpret)
     if mode == "slots":
         y = moe_block(x, mlp.gate.weight[...], _experts_arg(mlp.experts), _shared_arg(mlp),
@@ -182,8 +182,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         full_k, full_v, ring_k, ring_v = cache.full_k, cache.full_v, cache.ring_k, cache.ring_v
         h = jnp.take(m.model.embed_tokens.weight[...], tokens, axis=0)
         top_k = cfg.num_experts_per_tok
-        # norm_in_qkv: the previous layer's output (y, router logits) waits for the next q|k|v
-        # kernel, which forms the residual and the normalised input itself.
+        # norm_in_qkv: the previous layer's output (y, and for MoE the selected router logits
+        # the gate_up kernel stored) waits for the next q|k|v kernel, which forms the residual
+        # and the normalised input itself.
         pending = (None, None)
         # One zeroed merge counter per step for every layer (attention="fused_atomic").
         counter = (jnp.zeros((len(layers), b, kvh), jnp.int32)
@@ -198,7 +199,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             with jax.named_scope(f"layer_{i}"):
                 if opts.norm_in_qkv:
                     h, (q, k, v) = norm_qkv(h, _qkv_weights(attn), layer.input_layernorm.weight[...],
-                                            y=pending[0], logits=pending[1], top_k=top_k, eps=eps,
+                                            y=pending[0], top_logits=pending[1], eps=eps,
                                             interpret=interpret)
                 else:
                     q, k, v = _qkv(attn, x, opts.fused_qkv, interpret)
@@ -239,9 +240,10 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 if cfg.is_moe(i) and opts.norm_in_qkv and not last:
                     if router_logits is None:
                         router_logits = moe_router_logits(x, mlp.gate.weight[...])
-                    y = moe_decode_routed(x, router_logits, _experts_arg(mlp.experts),
-                                          _shared_arg(mlp), top_k=top_k, interpret=interpret)
-                    pending = (y, router_logits)
+                    y, route = moe_decode_routed(x, router_logits, _experts_arg(mlp.experts),
+                                                 _shared_arg(mlp), top_k=top_k,
+                                                 interpret=interpret)
+                    pending = (y, route.logits)
                 elif cfg.is_moe(i):
                     h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
                                              router_logits)

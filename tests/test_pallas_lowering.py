@@ -100,16 +100,16 @@ def test_multi_gemv_methods_lower(fmt, m, method):
     lower(functools.partial(multi_gemv, method=method, layout="chunk"), S((m, D), BF), ws)
 
 
-def moe_weights(fmt):
+def moe_weights(fmt, e=E):
   if fmt == "bf16":
-    experts = dict(gate_up_proj=S((E, 2 * I, D), BF), down_proj=S((E, D, I), BF))
+    experts = dict(gate_up_proj=S((e, 2 * I, D), BF), down_proj=S((e, D, I), BF))
     shared = dict(gate_proj=S((IS, D), BF), up_proj=S((IS, D), BF), down_proj=S((D, IS), BF))
   else:
-    g = nv(2 * I, D, (E,))
-    dn = nv(D, I, (E,))
+    g = nv(2 * I, D, (e,))
+    dn = nv(D, I, (e,))
     experts = dict(gate_up_qweight=g.qweight, gate_up_weight_scale=g.weight_scale,
-                   gate_up_weight_scale_2=S((E, 2), F32), down_qweight=dn.qweight,
-                   down_weight_scale=dn.weight_scale, down_weight_scale_2=S((E,), F32))
+                   gate_up_weight_scale_2=S((e, 2), F32), down_qweight=dn.qweight,
+                   down_weight_scale=dn.weight_scale, down_weight_scale_2=S((e,), F32))
     shared = dict(gate_proj=nv(IS, D), up_proj=nv(IS, D), down_proj=nv(D, IS))
   return experts, shared
 
@@ -127,13 +127,17 @@ def test_moe_lowers(fmt, m, down_split):
 @pytest.mark.parametrize("m", [1, 8])
 def test_moe_routed_lowers(fmt, m):
   """The routed path's kernels, separately and composed: the composed MoE layer (router logits
-  through the next block's normalised input) is 3 Triton kernels and one XLA dot."""
+  through the next block's normalised input) is 3 Triton kernels and one XLA dot (the routing
+  the gate_up kernel stores is 2 more outputs, not a launch)."""
   experts, shared = moe_weights(fmt)
-  lower(moe_decode_routed, S((m, D), BF), S((m, E), F32), experts, shared)
-  lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 6 + 1, m, D), BF), S((m, E), F32),
+  text = lower(moe_decode_routed, S((m, D), BF), S((m, E), F32), experts, shared)
+  assert text.count("__gpu$xla.gpu.triton") == 2
+  lower(functools.partial(moe_decode_routed, top_k=4), S((m, D), BF), S((m, 200), F32),
+        *moe_weights(fmt, 200))   # E not a power of two: masked logits load
+  lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 6 + 1, m, D), BF), S((m, 6), F32),
         S((D,), BF))
-  lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 6 + 1, m, D), BF), S((m, 200), F32),
-        S((D,), BF))   # E not a power of two: masked logits load
+  lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 4 + 1, m, D), BF), S((m, 4), F32),
+        S((D,), BF))
   text = lower(moe_block_add_rms_norm, S((m, D), BF), S((m, D), BF), S((E, D), F32), experts,
                shared, S((D,), BF))
   assert text.count("__gpu$xla.gpu.triton") == 3
@@ -229,8 +233,8 @@ def test_norm_qkv_lowers(fmt, decode, m, mode):
   ws = tuple(S((n, D), BF) if fmt == "bf16" else nv(n, D) for n in QKV)
   kw = {} if decode is None else dict(decode=decode)
   if mode == "moe":
-    fn = lambda h, ws, w, y, lg: norm_qkv(h, ws, w, y=y, logits=lg, **kw)
-    extra = (S((m * 6 + 1, m, D), BF), S((m, E), F32))
+    fn = lambda h, ws, w, y, lg: norm_qkv(h, ws, w, y=y, top_logits=lg, **kw)
+    extra = (S((m * 6 + 1, m, D), BF), S((m, 6), F32))
   elif mode == "dense":
     fn = lambda h, ws, w, y: norm_qkv(h, ws, w, y=y, **kw)
     extra = (S((m, D), BF),)
@@ -248,9 +252,10 @@ def test_norm_qkv_lowers(fmt, decode, m, mode):
     (f, m, meth, "tile") for f in ("bf16", "nvfp4")
     for m, meth in ((1, "reduce"), (1, "dot"), (8, "swap"))] + [("nvfp4", 8, "dot", "chunk")])
 def test_norm_qkv_methods_lower(fmt, m, method, layout):
-  """Other tile methods / the chunk layout, MoE mode with E not a power of two (masked load)."""
+  """Other tile methods / the chunk layout, MoE mode with top_k = 4."""
   from flint_jax.pallas.norm_qkv import norm_qkv   # pylint: disable=g-import-not-at-top
   ws = tuple(S((n, D), BF) if fmt == "bf16" else nv(n, D) for n in QKV)
-  fn = lambda h, ws, w, y, lg: norm_qkv(h, ws, w, y=y, logits=lg, method=method, layout=layout)
-  text = lower(fn, S((m, D), BF), ws, S((D,), BF), S((m * 6 + 1, m, D), BF), S((m, 200), F32))
+  fn = lambda h, ws, w, y, lg: norm_qkv(h, ws, w, y=y, top_logits=lg, method=method,
+                                        layout=layout)
+  text = lower(fn, S((m, D), BF), ws, S((D,), BF), S((m * 4 + 1, m, D), BF), S((m, 4), F32))
   assert text.count("__gpu$xla.gpu.triton") == 1

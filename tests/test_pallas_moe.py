@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from flint_jax.pallas import (add_rms_norm_reference, moe_block, moe_block_add_rms_norm,
-                              moe_block_add_rms_norm_reference, moe_block_reference,
-                              moe_combine_add_rms_norm, moe_combine_add_rms_norm_reference,
-                              moe_decode, moe_decode_reference, moe_decode_routed,
+from flint_jax.pallas import (MoERoute, add_rms_norm_reference, moe_block,
+                              moe_block_add_rms_norm, moe_block_add_rms_norm_reference,
+                              moe_block_reference, moe_combine_add_rms_norm,
+                              moe_combine_add_rms_norm_reference, moe_decode,
+                              moe_decode_reference, moe_decode_routed,
                               moe_decode_routed_reference, moe_route_from_logits,
-                              moe_router_logits)
+                              moe_route_weights, moe_router_logits, moe_topk_route)
 from flint_jax.pallas import _common as C
 from flint_jax.pallas.moe import moe_route, moe_slots
 from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
@@ -114,7 +115,7 @@ def _topk_ids_kernel(l_ref, ids_ref, vals_ref, *, top_k, n_exp, ep):
 
 
 def kernel_topk(logits, top_k):
-  """The in-kernel top-k of moe_decode_routed / moe_combine_add_rms_norm, as (ids, logits)."""
+  """The in-kernel top-k of moe_decode_routed's gate_up kernel, as (ids, logits)."""
   m, e = logits.shape
   kern = functools.partial(_topk_ids_kernel, top_k=top_k, n_exp=e, ep=C.next_pow2(e))
   return pl.pallas_call(
@@ -147,6 +148,9 @@ def test_topk_logits_matches_lax_top_k(m, e, top_k, ties):
   np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_v))
   np.testing.assert_array_equal(np.asarray(moe_route_from_logits(lg, top_k=top_k)[0]),
                                 np.asarray(want_ids))
+  route = moe_topk_route(lg, top_k=top_k)
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(want_ids))
+  np.testing.assert_array_equal(np.asarray(route.logits), np.asarray(want_v))
   if ties:   # lowest index first, explicitly: the all-equal row picks 0, 1, ..., k-1
     np.testing.assert_array_equal(np.asarray(ids)[0], np.arange(top_k))
   _, want_sig = jax.lax.top_k(jax.nn.sigmoid(lg), top_k)
@@ -177,13 +181,50 @@ def _routed_case(fmt, m, e, top_k, d, inter, inter_s, ties, *params):
 ])
 def test_moe_decode_routed(fmt, m, e, top_k, d, inter, inter_s, ties):
   """Every slot's output (all M token rows) vs the reference routed by lax.top_k of the logits:
-  a wrong expert id in either kernel changes whole rows of y."""
+  a wrong expert id in either kernel changes whole rows of y. The routing the gate_up kernel
+  stores is lax.top_k's, bit for bit."""
   _, experts, shared, x, _, logits = _routed_case(fmt, m, e, top_k, d, inter, inter_s, ties)
-  y = moe_decode_routed(x, logits, experts, shared, top_k=top_k, decode=DECODE,
-                        interpret=INTERPRET)
-  ref = moe_decode_routed_reference(x, logits, experts, shared, top_k=top_k)
+  y, route = moe_decode_routed(x, logits, experts, shared, top_k=top_k, decode=DECODE,
+                               interpret=INTERPRET)
+  ref, ref_route = moe_decode_routed_reference(x, logits, experts, shared, top_k=top_k)
   assert y.shape == (m * top_k + 1, m, d)
+  assert_route_is_top_k(route, logits, top_k)
+  np.testing.assert_array_equal(np.asarray(ref_route.ids), np.asarray(route.ids))
   assert_close(y, ref, what=f"moe routed {fmt}")
+
+
+def assert_route_is_top_k(route, logits, top_k):
+  """route (moe_decode_routed's) == lax.top_k(logits): ids (order, lowest index first among
+  equal logits) and the selected logits, bit for bit."""
+  m = logits.shape[0]
+  assert isinstance(route, MoERoute)
+  assert route.ids.shape == route.logits.shape == (m, top_k)
+  assert route.ids.dtype == jnp.int32 and route.logits.dtype == jnp.float32
+  want_v, want_ids = jax.lax.top_k(logits, top_k)
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(want_ids))
+  np.testing.assert_array_equal(np.asarray(route.logits).view(np.uint32),
+                                np.asarray(want_v).view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt,m,e,top_k", [("bf16", 5, 16, 6), ("nvfp4", 2, 256, 6),
+                                           ("bf16", 8, 20, 5), ("bf16", 1, 256, 6)])
+def test_moe_decode_routed_route_ties(fmt, m, e, top_k):
+  """The stored routing on tied logits (a 3-level set, an all-equal row, -inf entries; E up to
+  256): ids == lax.top_k's (lowest index first), the all-equal row routes to experts 0..k-1,
+  and the combine weights from the stored logits equal moe_route_from_logits'."""
+  gen = rng("route-ties", fmt, m, e, top_k)
+  experts, shared = make_weights(fmt, e, 128, 64, 64, gen)
+  x = randn(gen, (m, 128))
+  logits = tie_logits(gen, m, e)
+  y, route = moe_decode_routed(x, logits, experts, shared, top_k=top_k, decode=DECODE,
+                               interpret=INTERPRET)
+  assert_route_is_top_k(route, logits, top_k)
+  np.testing.assert_array_equal(np.asarray(route.ids)[0], np.arange(top_k))
+  ids, w = moe_route_from_logits(logits, top_k=top_k)
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(ids))
+  np.testing.assert_array_equal(np.asarray(moe_route_weights(route.logits)), np.asarray(w))
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=top_k)
+  assert_close(y, ref, what=f"moe routed ties {fmt}")
 
 
 @pytest.mark.parametrize("fmt,m", [("bf16", 1), ("nvfp4", 1), ("nvfp4", 3)])
@@ -191,24 +232,27 @@ def test_moe_decode_routed_down_tiling(fmt, m):
   """The down kernel's own tiling knobs (several K steps over I, its own warps / stages) give the
   same outputs as the reference."""
   _, experts, shared, x, _, logits = _routed_case(fmt, m, 16, 4, 128, 128, 256, False, "dn")
-  y = moe_decode_routed(x, logits, experts, shared, top_k=4, decode=DECODE,
-                        block_n=16, block_n_down=16, block_k_down=64, num_warps_down=2,
-                        num_stages_down=2, interpret=INTERPRET)
-  ref = moe_decode_routed_reference(x, logits, experts, shared, top_k=4)
+  y, route = moe_decode_routed(x, logits, experts, shared, top_k=4, decode=DECODE,
+                               block_n=16, block_n_down=16, block_k_down=64, num_warps_down=2,
+                               num_stages_down=2, interpret=INTERPRET)
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=4)
+  assert_route_is_top_k(route, logits, 4)
   assert_close(y, ref, what=f"moe routed down tiling {fmt}")
 
 
 @pytest.mark.parametrize("m,e,top_k,d,ties", [(1, 16, 6, 256, False), (3, 20, 4, 300, True),
                                               (8, 256, 6, 2048, False), (16, 32, 2, 128, True)])
 def test_moe_combine_add_rms_norm(m, e, top_k, d, ties):
-  """The fused combine + residual add + RMSNorm vs its reference on random expert outputs."""
+  """The fused combine + residual add + RMSNorm (on the selected logits, lax.top_k's values as
+  moe_decode_routed stores them) vs its reference on random expert outputs."""
   gen = rng("combine", m, e, top_k, d, ties)
   y = randn(gen, (m * top_k + 1, m, d))
   lg = tie_logits(gen, m, e) if ties else randn(gen, (m, e), jnp.float32, 2.0)
   h = randn(gen, (m, d), scale=4.0)
   w = randn(gen, (d,), scale=0.3) + 1
-  s, xn = moe_combine_add_rms_norm(h, y, lg, w, top_k=top_k, interpret=INTERPRET)
-  s_ref, xn_ref = moe_combine_add_rms_norm_reference(h, y, lg, w, top_k=top_k)
+  top = moe_topk_route(lg, top_k=top_k).logits                         # [M, top_k]
+  s, xn = moe_combine_add_rms_norm(h, y, top, w, interpret=INTERPRET)
+  s_ref, xn_ref = moe_combine_add_rms_norm_reference(h, y, top, w)
   assert_close(s, s_ref, what="s")
   assert_close(xn, xn_ref, what="x_next")
   # the combine alone, written out: moe = bf16(sum_j w_j y[t*k+j, t] + y[-1, t]) in top-k order
@@ -219,6 +263,24 @@ def test_moe_combine_add_rms_norm(m, e, top_k, d, ties):
                   for t in range(m)])
   s_np = np.asarray(h, np.float32) + np.asarray(jnp.asarray(moe, jnp.bfloat16), np.float32)
   assert_close(s, jnp.asarray(s_np, jnp.bfloat16), what="s vs numpy")
+
+
+def test_moe_combine_add_rms_norm_bad_inputs():
+  """The combine takes the selected logits [M, top_k] f32 (top_k from their shape), not the
+  router's [M, E]."""
+  m, k, d, e = 2, 4, 128, 16
+  gen = rng("combine-bad")
+  y = randn(gen, (m * k + 1, m, d))
+  h = randn(gen, (m, d))
+  w = randn(gen, (d,))
+  lg = randn(gen, (m, e), jnp.float32)
+  top = moe_topk_route(lg, top_k=k).logits
+  with pytest.raises(ValueError, match="y must be"):       # full logits: top_k would be E
+    moe_combine_add_rms_norm(h, y, lg, w, interpret=True)
+  with pytest.raises(ValueError, match="top_logits must be"):
+    moe_combine_add_rms_norm(h, y, top.astype(jnp.bfloat16), w, interpret=True)
+  with pytest.raises(ValueError, match="top_logits must be"):
+    moe_combine_add_rms_norm(h, y, top[:1], w, interpret=True)
 
 
 @pytest.mark.parametrize("fmt,m,e,top_k,d,inter,inter_s", [

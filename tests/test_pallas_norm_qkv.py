@@ -5,8 +5,11 @@ The contract is bit-level against the unfused Pallas kernels (``moe_combine_add_
 (``return_x``) and the GEMV outputs are equal bit for bit. The plain-jnp references are only
 *close*: XLA (``xla_allow_excess_precision``, on by default) may keep the fused ``h + y`` in fp32
 before the norm instead of rounding s to bf16 first (a quarter of the x elements differ by a
-bf16 ulp on these inputs), and ``moe_route_from_logits`` sums the top-k sigmoids with
-``jnp.sum`` where the kernels add them in order (tied logits expose it in s).
+bf16 ulp on these inputs), and ``moe_route_weights`` sums the top-k sigmoids with ``jnp.sum``
+where the kernels add them in order (tied logits expose it in s).
+
+MoE mode takes the selected router logits [M, top_k] (``moe_decode_routed``'s ``route.logits``,
+here ``moe_topk_route``'s: equal bit for bit, tests/test_pallas_moe.py).
 
 Interpret mode starts every Pallas output as NaN, so a tile or a row no program writes fails the
 equality checks. The NVFP4 ``asm`` decode runs only compiled on a GPU (``fp8`` in interpret mode).
@@ -17,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flint_jax.pallas import (add_rms_norm, moe_combine_add_rms_norm, multi_gemv, norm_qkv,
-                              norm_qkv_reference, rms_norm)
+from flint_jax.pallas import (add_rms_norm, moe_combine_add_rms_norm, moe_topk_route, multi_gemv,
+                              norm_qkv, norm_qkv_reference, rms_norm)
 from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -46,7 +49,8 @@ def make_case(fmt, mode, m, d, e, top_k, ns, ties, *params):
   kw = {}
   if mode == "moe":
     lg = tie_logits(gen, m, e) if ties else randn(gen, (m, e), jnp.float32, 2.0)
-    kw = dict(y=randn(gen, (m * top_k + 1, m, d)), logits=lg, top_k=top_k)
+    kw = dict(y=randn(gen, (m * top_k + 1, m, d)),
+              top_logits=moe_topk_route(lg, top_k=top_k).logits)
   elif mode == "dense":
     kw = dict(y=randn(gen, (m, d)))
   return h, ws, w, kw
@@ -55,8 +59,7 @@ def make_case(fmt, mode, m, d, e, top_k, ns, ties, *params):
 def unfused(mode, h, w, kw):
   """(s, x) of the unfused Pallas kernels."""
   if mode == "moe":
-    return moe_combine_add_rms_norm(h, kw["y"], kw["logits"], w, top_k=kw["top_k"],
-                                    interpret=INTERPRET)
+    return moe_combine_add_rms_norm(h, kw["y"], kw["top_logits"], w, interpret=INTERPRET)
   if mode == "dense":
     return add_rms_norm(h, kw["y"], w, interpret=INTERPRET)
   return h, rms_norm(h, w, interpret=INTERPRET)
@@ -138,14 +141,17 @@ def test_norm_qkv_flint_size():
 
 def test_norm_qkv_bad_inputs():
   h, ws, w, ykw = make_case("bf16", "moe", 2, 128, 16, 4, (64, 32), False)
-  y, lg = ykw["y"], ykw["logits"]
+  y, lg = ykw["y"], ykw["top_logits"]
+  full = randn(rng("bad-full"), (2, 16), jnp.float32)           # the router's [M, E] logits
   bad = [
-      (dict(logits=lg), "logits given without y"),
-      (dict(y=y), "dense mode"),                                 # MoE y without logits
-      (dict(y=h, logits=lg, top_k=4), "MoE mode: y must be"),
-      (dict(y=y[:-1], logits=lg, top_k=4), "MoE mode: y must be"),
-      (dict(y=y, logits=lg[:, :3], top_k=4), "top_k"),
-      (dict(y=y, logits=lg.astype(jnp.bfloat16), top_k=4), "logits must be f32"),
+      (dict(top_logits=lg), "top_logits given without y"),
+      (dict(y=y), "dense mode"),                                 # MoE y without top_logits
+      (dict(y=h, top_logits=lg), "MoE mode: y must be"),
+      (dict(y=y[:-1], top_logits=lg), "MoE mode: y must be"),
+      (dict(y=y, top_logits=lg[:, :3]), "top_k=3"),
+      (dict(y=y, top_logits=full), "top_k=16"),
+      (dict(y=y, top_logits=lg[:1]), "top_logits must be"),
+      (dict(y=y, top_logits=lg.astype(jnp.bfloat16)), "top_logits must be"),
       (dict(y=h.astype(jnp.float32)), "y must have h's dtype"),
       (dict(block_d=96), "block_d"),
       (dict(block_k=48), "block_k"),

@@ -32,12 +32,13 @@ from flint_jax.pallas.attention_block import (qk_norm_rope_attention,
                                               qk_norm_rope_attention_reference)
 from flint_jax.pallas.decode_attention import decode_attention, decode_attention_reference
 from flint_jax.pallas.gemv import gemv, gemv_reference, gemv_silu_mul, gemv_silu_mul_reference
-from flint_jax.pallas.moe import (moe_block, moe_block_add_rms_norm,
+from flint_jax.pallas.moe import (MoERoute, moe_block, moe_block_add_rms_norm,
                                   moe_block_add_rms_norm_reference, moe_block_reference,
                                   moe_combine_add_rms_norm, moe_combine_add_rms_norm_reference,
                                   moe_decode, moe_decode_reference, moe_decode_routed,
                                   moe_decode_routed_reference, moe_route, moe_route_from_logits,
-                                  moe_router_logits, moe_slots)
+                                  moe_route_weights, moe_router_logits, moe_slots,
+                                  moe_topk_route)
 from flint_jax.pallas.multi_gemv import multi_gemv, multi_gemv_reference
 from flint_jax.pallas.norm_qkv import norm_qkv, norm_qkv_reference
 from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, dequantize_nvfp4_reference, nvfp4_gemv,
@@ -52,7 +53,8 @@ __all__ = [
     "decode_attention", "decode_attention_reference",
     "gemv", "gemv_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
     "moe_block", "moe_block_reference", "moe_decode", "moe_decode_reference", "moe_route",
-    "moe_slots", "moe_router_logits", "moe_route_from_logits", "moe_decode_routed",
+    "moe_slots", "moe_router_logits", "moe_route_from_logits", "MoERoute", "moe_topk_route",
+    "moe_route_weights", "moe_decode_routed",
     "moe_decode_routed_reference", "moe_combine_add_rms_norm",
     "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
     "moe_block_add_rms_norm_reference",

@@ -210,18 +210,18 @@ def moe_block_from_attention(h, a, w_norm, router_w, experts, shared, w_next, *,
 
   h [M, D] residual before the attention add, a [M, D] attention output, w_norm [D] the
   post-attention norm, router_w [E, D] fp32, experts / shared as ``moe_decode``, w_next [D] the
-  next block's input norm. s, x, logits = ``add_rms_norm_router``; y = ``moe_decode_routed(x,
-  logits)`` (2 launches); (s2, x2) = ``moe_combine_add_rms_norm(s, y, logits, w_next)``.
+  next block's input norm. s, x, logits = ``add_rms_norm_router``; y, route =
+  ``moe_decode_routed(x, logits)`` (2 launches; the top-k is computed once, in its gate_up
+  kernel); (s2, x2) = ``moe_combine_add_rms_norm(s, y, route.logits, w_next)``.
   ``block_e``, ``block_d``, ``router_num_warps`` tune the first kernel, ``**tuning`` the routed
   expert kernels.
   """
   s, x, logits = add_rms_norm_router(h, a, w_norm, router_w, eps=eps, block_e=block_e,
                                      block_d=block_d, num_warps=router_num_warps,
                                      interpret=interpret)
-  y = MOE.moe_decode_routed(x, logits, experts, shared, top_k=top_k, interpret=interpret,
-                            **tuning)
-  return MOE.moe_combine_add_rms_norm(s, y, logits, w_next, top_k=top_k, eps=eps,
-                                      interpret=interpret)
+  y, route = MOE.moe_decode_routed(x, logits, experts, shared, top_k=top_k,
+                                   interpret=interpret, **tuning)
+  return MOE.moe_combine_add_rms_norm(s, y, route.logits, w_next, eps=eps, interpret=interpret)
 
 
 def moe_block_from_attention_reference(h, a, w_norm, router_w, experts, shared, w_next, *,

@@ -46,15 +46,20 @@ Routed path, 4 launches per MoE layer (``moe_block_add_rms_norm``; the old path 
 
 1. ``moe_router_logits``: ``f32(x) . f32(W_router)^T`` [M, E], one XLA dot (precision HIGHEST;
    the cast of x to f32 is an elementwise producer XLA may or may not fuse into the dot).
-2. + 3. ``moe_decode_routed``: the same gate_up and down (split) kernels, but every program
+2. + 3. ``moe_decode_routed``: the same gate_up and down (split) kernels. Every gate_up program
    computes its slot's expert id from the logits row of its token (``_topk_logits``: repeated
    max + lowest-index argmax over E (padded to a power of two), the set and order of
-   ``lax.top_k``; sigmoid is monotonic, so no sigmoid is needed for the ids). No
-   de-duplication: slot u = t * top_k + j is token t's j-th expert, all U = M * top_k slots
-   live. Returns y [U + 1, M, D] bf16 (last = shared expert).
-4. ``moe_combine_add_rms_norm``: one program per token recomputes the top-k logits, the
-   weights w_j = sigmoid(l_j) / sum sigmoid (fp32), ``moe = bf16(sum_j w_j y_j + y_s)`` in top-k
-   order, ``s = bf16(h + moe)`` and ``x_next`` with ``add_rms_norm``'s formula; returns (s, x_next).
+   ``lax.top_k``; sigmoid is monotonic, so no sigmoid is needed for the ids), and the first
+   row block (j == 0) of each slot stores the result: ``route.ids [M, top_k]`` int32 and
+   ``route.logits [M, top_k]`` f32 (the selected logits), two extra gate_up outputs. The down
+   kernel loads its slot's id from ``route.ids`` (the top-k is computed once, in gate_up; the
+   down kernel is launched after it). No de-duplication: slot u = t * top_k + j is token t's
+   j-th expert, all U = M * top_k slots live. Returns ``(y, route)``: y [U + 1, M, D] bf16
+   (last = shared expert) and the ``MoERoute``.
+4. ``moe_combine_add_rms_norm(h, y, route.logits, w_norm)``: one program per token loads its
+   top_k selected logits, forms the weights w_j = sigmoid(l_j) / sum sigmoid (fp32),
+   ``moe = bf16(sum_j w_j y_j + y_s)`` in top-k order, ``s = bf16(h + moe)`` and ``x_next`` with
+   ``add_rms_norm``'s formula; returns (s, x_next).
 
 The routed path selects by ``lax.top_k`` of the *logits* (``moe_route_from_logits``), the old path
 by ``lax.top_k`` of the sigmoid *scores*: identical except where fp32 sigmoid maps distinct
@@ -76,6 +81,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +98,7 @@ ARN = sys.modules["flint_jax.pallas.add_rms_norm"]
 
 __all__ = ["moe_route", "moe_slots", "moe_decode", "moe_decode_reference", "moe_block",
            "moe_block_reference", "expert_format", "moe_router_logits", "moe_route_from_logits",
+           "MoERoute", "moe_topk_route", "moe_route_weights",
            "moe_decode_routed", "moe_decode_routed_reference", "moe_combine_add_rms_norm",
            "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
            "moe_block_add_rms_norm_reference"]
@@ -109,6 +116,16 @@ def moe_router_logits(x, router_w):
   x [M, D], router_w [E, D] (fp32 or bf16)."""
   return lax.dot_general(x.astype(jnp.float32), router_w.astype(jnp.float32),
                          (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
+
+
+class MoERoute(NamedTuple):
+  """The routing of the routed path, per token, in ``lax.top_k`` order (descending logit, lowest
+  expert id first among equal logits): ``ids`` [M, top_k] int32 the selected experts, ``logits``
+  [M, top_k] f32 their router logits (the weights are ``moe_route_weights(logits)``).
+  ``moe_decode_routed`` returns the one its gate_up kernel computed; ``moe_topk_route`` is the
+  XLA reference."""
+  ids: jax.Array
+  logits: jax.Array
 
 
 def moe_route(x, router_w, *, top_k: int = 6):
@@ -230,22 +247,25 @@ def _topk_logits(l_ref, t, top_k, n_exp, ep):
   return sel
 
 
-def _slot_expert(r, u, route):
-  """Expert id of slot u: loaded from ``slot_expert`` (route None), or, with
-  route = (top_k, n_exp, ep), token u // top_k's (u % top_k)-th expert from the logits."""
-  if route is None:
-    return r["slot_expert"][u]
+def _slot_route(l_ref, u, route):
+  """(expert id, its logit) of slot u = t * top_k + rank from the logits l_ref [M, E]
+  (route = (top_k, n_exp, ep)): token t's rank-th ``_topk_logits`` pair."""
   top_k, n_exp, ep = route
-  sel = _topk_logits(r["logits"], u // top_k, top_k, n_exp, ep)
-  j = u % top_k
-  e = sel[0][0]
+  sel = _topk_logits(l_ref, u // top_k, top_k, n_exp, ep)
+  rank = u % top_k
+  e, lg = sel[0]
   for it in range(1, top_k):
-    e = jnp.where(j == it, sel[it][0], e)
-  return e
+    e = jnp.where(rank == it, sel[it][0], e)
+    lg = jnp.where(rank == it, sel[it][1], lg)
+  return e, lg
 
 
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
                     decode, layout, method, route=None):
+  """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
+  route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
+  every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
+  ``route_ids`` / ``route_logits`` [u // top_k, u % top_k]."""
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
   n_i = inter // bn
@@ -267,7 +287,17 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     j = pid % n_i
 
     def slot():
-      e = _slot_expert(r, u, route)
+      if route is None:
+        e = r["slot_expert"][u]
+      else:
+        e, lg = _slot_route(r["logits"], u, route)
+        top_k = route[0]
+
+        @pl.when(j == 0)      # one program per slot stores the routing (scalar stores)
+        def _():
+          r["route_ids"][u // top_k, u % top_k] = e
+          r["route_logits"][u // top_k, u % top_k] = lg
+
       wgu = [r["gu_w"]] if fe == "bf16" else [r["gu_q"], r["gu_s"]]
       ag, au = gemv2(wgu, wgu, (e,), j * bn, inter + j * bn, fe, bk)
       if fe == "nvfp4":
@@ -298,11 +328,13 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
 
 
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
-                 decode, layout, unroll, method, split, route=None):
+                 decode, layout, unroll, method, split, route_top_k=None):
   """split=False: grid (D/BN,), every slot + shared + combine in one program, out [M, D].
   split=True: grid (D/BN, slots + 1), one (slot | shared) per program, y [slots + 1, M, D] bf16
-  (the combine is one XLA fusion, or ``moe_combine_add_rms_norm``). ``route``: see
-  ``_slot_expert`` (split only)."""
+  (the combine is one XLA fusion, or ``moe_combine_add_rms_norm``). Slot u's expert:
+  ``slot_expert[u]`` (route_top_k None; slots u >= ``n_slots`` write zeros), or
+  ``route_ids[u // route_top_k, u % route_top_k]`` (the gate_up kernel's routing; split only,
+  every slot live)."""
   r = dict(zip(names, refs))
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   dt = r["out"].dtype
@@ -320,7 +352,10 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
     return acc.astype(dt)
 
   def slot_y(u):    # y_k = bf16(h_u . Wd_e^T * scale_2[e])
-    e = _slot_expert(r, u, route)
+    if route_top_k is None:
+      e = r["slot_expert"][u]
+    else:
+      e = r["route_ids"][u // route_top_k, u % route_top_k]
     wd = [r["dn_w"]] if fe == "bf16" else [r["dn_q"], r["dn_s"]]
     h = (r["h"], r["h5"])
     acc = lax.fori_loop(
@@ -334,7 +369,7 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
     s_id = pl.program_id(1)
 
     def routed():
-      if route is None:
+      if route_top_k is None:
         y = lax.cond(s_id < r["n_slots"][0], lambda: slot_y(s_id), lambda: zeros.astype(dt))
       else:
         y = slot_y(s_id)
@@ -426,9 +461,11 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
             block_k_down=None, num_warps_down=None, num_stages_down=None):
-  """The gate_up and down pallas_calls. route_names/route_args: the slot inputs of both kernels
-  (["slot_expert", "n_slots"] or ["logits"]); coef [U, M] only for down_split=False.
-  Returns y [U + 1, M, D] (down_split) or out [M, D]."""
+  """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
+  of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
+  (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
+  reads the ids. coef [U, M] only for down_split=False.
+  Returns (y [U + 1, M, D] (down_split) or out [M, D], MoERoute or None)."""
   nv_m1 = fe == "nvfp4" and m == 1
   method = method or ("reduce" if nv_m1 else "dot")
   tiling = default_moe_tiling(fe, m)
@@ -439,6 +476,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   num_warps_down = num_warps_down or tiling["num_warps_down"]
   num_stages_down = num_stages_down or tiling["num_stages_down"]
   method_down = method_down or method
+  C.check(down_split or route is None, "the routed path needs down_split=True")
   C.check_method(method, m)
   C.check_method(method_down, m)
   decode = NV.resolve_decode(decode, interpret)
@@ -474,22 +512,34 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     args += _weight_args(fs, shared["gate_proj"], "") + _weight_args(fs, shared["up_proj"], "")
     args += [_scalar_f32(shared["gate_proj"][2]), _scalar_f32(shared["up_proj"][2])]
   names += ["h", "hs"]
+  out_shape = [jax.ShapeDtypeStruct((u, m, inter), x.dtype),
+               jax.ShapeDtypeStruct((m, inter_s), x.dtype)]
+  if route is not None:
+    top_k = route[0]
+    C.check(u == m * top_k, f"routed: {u=} slots != M * top_k = {m * top_k}")
+    names += ["route_ids", "route_logits"]
+    out_shape += [jax.ShapeDtypeStruct((m, top_k), jnp.int32),
+                  jax.ShapeDtypeStruct((m, top_k), jnp.float32)]
   kernel = functools.partial(
       _gate_up_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn, bk=bk,
       bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout, method=method,
       route=route)
-  h, hs = pl.pallas_call(
-      kernel, grid=(u * (inter // bn) + inter_s // bn,),
-      out_shape=(jax.ShapeDtypeStruct((u, m, inter), x.dtype),
-                 jax.ShapeDtypeStruct((m, inter_s), x.dtype)),
+  res = pl.pallas_call(
+      kernel, grid=(u * (inter // bn) + inter_s // bn,), out_shape=tuple(out_shape),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_moe_gate_up{tag}_{fe}_{fs}_{method}_bn{bn}_bk{bk}",
   )(*args)
+  h, hs = res[:2]
+  route_out = None if route is None else MoERoute(*res[2:])
 
   # ---- kernel 2: down (+ routing-weighted combine unless split) + shared down
-  names = ["h", "h5", "hs", "hs5"] + route_names + (["coef"] if coef is not None else [])
+  if route is None:
+    dn_names, dn_args = route_names, route_args
+  else:   # the gate_up kernel's routing: no top-k here
+    dn_names, dn_args = ["route_ids"], [route_out.ids]
+  names = ["h", "h5", "hs", "hs5"] + dn_names + (["coef"] if coef is not None else [])
   args = [h, NV.x_view(h) if inter % 64 == 0 else h, hs,
-          NV.x_view(hs) if inter_s % 64 == 0 else hs] + route_args
+          NV.x_view(hs) if inter_s % 64 == 0 else hs] + dn_args
   args += [coef] if coef is not None else []
   if fe == "bf16":
     names += ["dn_w"]
@@ -509,18 +559,18 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       _down_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn_dn,
       bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs, decode=decode, layout=layout,
       unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
-      method=method_down, split=down_split, route=route)
+      method=method_down, split=down_split, route_top_k=None if route is None else route[0])
   if down_split:
     return pl.pallas_call(
         kernel, grid=(d // bn_dn, u + 1), out_shape=jax.ShapeDtypeStruct((u + 1, m, d), x.dtype),
         compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
         name=f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}",
-    )(*args)
+    )(*args), route_out
   return pl.pallas_call(
       kernel, grid=(d // bn_dn,), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
       compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
       name=f"flint_moe_down_combine_{fe}_{fs}_{method_down}_bn{bn_dn}",
-  )(*args)
+  )(*args), None
 
 
 @functools.partial(jax.jit, static_argnames=("dedupe", "down_split") + _TUNING)
@@ -549,14 +599,14 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
     dedupe = m > 1
   slot_expert, coef, n_slots = moe_slots(ids, weights, dedupe=dedupe)
   u = slot_expert.shape[0]
-  out = _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, ["slot_expert", "n_slots"],
-                [slot_expert, n_slots], route=None, coef=None if down_split else coef,
-                down_split=down_split, block_n=block_n, block_k=block_k,
-                block_n_down=block_n_down, decode=decode, layout=layout,
-                unroll_slots=unroll_slots, method=method, method_down=method_down,
-                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                block_k_down=block_k_down, num_warps_down=num_warps_down,
-                num_stages_down=num_stages_down)
+  out, _ = _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u,
+                   ["slot_expert", "n_slots"], [slot_expert, n_slots], route=None,
+                   coef=None if down_split else coef, down_split=down_split, block_n=block_n,
+                   block_k=block_k, block_n_down=block_n_down, decode=decode, layout=layout,
+                   unroll_slots=unroll_slots, method=method, method_down=method_down,
+                   num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                   block_k_down=block_k_down, num_warps_down=num_warps_down,
+                   num_stages_down=num_stages_down)
   if not down_split:
     return out
   yk = out[:u].astype(jnp.float32)                                      # [U, M, D]
@@ -570,6 +620,15 @@ def _check_logits(logits, m, n_exp, top_k):
   C.check(1 <= top_k <= n_exp, f"need 1 <= top_k <= E, got {top_k=} {n_exp=}")
 
 
+def _check_top_logits(top_logits, m) -> int:
+  """Checks the selected logits [M, top_k] f32 (``MoERoute.logits``); returns top_k."""
+  C.check(top_logits.ndim == 2 and top_logits.shape[0] == m and top_logits.shape[1] >= 1
+          and top_logits.dtype == jnp.float32,
+          f"top_logits must be the selected router logits f32 [M={m}, top_k] (MoERoute.logits), "
+          f"got {top_logits.shape=} {top_logits.dtype=}")
+  return top_logits.shape[1]
+
+
 @functools.partial(jax.jit, static_argnames=("top_k",) + _TUNING)
 def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
                       block_n: int | None = None, block_k: int | None = None,
@@ -580,14 +639,19 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
                       num_stages: int | None = None,
                       block_k_down: int | None = None, num_warps_down: int | None = None,
                       num_stages_down: int | None = None, interpret: bool = False):
-  """Expert outputs y [M * top_k + 1, M, D] bf16 routed *inside* the kernels (2 pallas_calls).
+  """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls) and the routing.
 
   logits: router logits f32 [M, E] (``moe_router_logits``). Slot u = t * top_k + j is token t's
-  j-th expert in ``lax.top_k`` order (no de-duplication); each kernel program recomputes its
-  slot's expert id from logits row t (``_topk_logits``). y[u, t'] = bf16(expert_{e_u}(x[t']))
-  for every token t' (the kernels multiply all M rows); only y[t * top_k + j, t] is used by the
-  combine. y[M * top_k] = the shared expert's output. Tuning knobs as ``moe_decode``
-  (split down kernel only).
+  j-th expert in ``lax.top_k`` order (no de-duplication). The gate_up kernel computes each
+  slot's expert id from logits row t (``_topk_logits``) and stores the routing; the down kernel
+  reads the stored ids. Returns
+    y [M * top_k + 1, M, D] bf16: y[u, t'] = bf16(expert_{e_u}(x[t'])) for every token t' (the
+      kernels multiply all M rows); only y[t * top_k + j, t] is used by the combine;
+      y[M * top_k] = the shared expert's output.
+    route: ``MoERoute(ids [M, top_k] int32, logits [M, top_k] f32)``, equal to
+      ``moe_topk_route(logits, top_k=top_k)`` (ties by lowest index); pass ``route.logits`` to
+      ``moe_combine_add_rms_norm`` / ``norm_qkv``.
+  Tuning knobs as ``moe_decode`` (split down kernel only).
   """
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
@@ -601,12 +665,13 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
                  num_stages_down=num_stages_down)
 
 
-def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, top_k, n_exp, ep,
-                                 u, d, dp, eps):
+def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, top_k, u, d, dp,
+                                 eps):
   t = pl.program_id(0)
   cols = jnp.arange(dp, dtype=jnp.int32)
   mask = cols < d
-  sig = [jax.nn.sigmoid(v) for _, v in _topk_logits(l_ref, t, top_k, n_exp, ep)]
+  # the selected logits, top-k order (scalar loads: stored by the gate_up kernel)
+  sig = [jax.nn.sigmoid(l_ref[t, j]) for j in range(top_k)]
   den = sig[0]
   for sj in sig[1:]:
     den = den + sj
@@ -624,45 +689,46 @@ def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, to
   plgpu.store(o_ref.at[t, cols], out.astype(o_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "eps", "num_warps", "interpret"))
-def moe_combine_add_rms_norm(h, y, logits, w_norm, *, top_k: int = 6, eps: float = 1e-6,
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def moe_combine_add_rms_norm(h, y, top_logits, w_norm, *, eps: float = 1e-6,
                              num_warps: int | None = None, interpret: bool = False):
   """(s, x_next): MoE combine + residual add + RMSNorm in one pallas_call (grid (M,)).
 
-  h [M, D] residual (bf16), y [M * top_k + 1, M, D] from ``moe_decode_routed``, logits f32
-  [M, E], w_norm [D] (the next block's norm weight). Per token t, with the top-k logits l_j
-  (``_topk_logits``) and w_j = sigmoid(l_j) / sum_j sigmoid(l_j) in fp32:
+  h [M, D] residual (bf16), y [M * top_k + 1, M, D] and top_logits [M, top_k] f32 (its
+  ``route.logits``: the selected router logits in top-k order) from ``moe_decode_routed``,
+  w_norm [D] (the next block's norm weight); top_k is top_logits.shape[1]. Per token t, with
+  l_j = top_logits[t, j] and w_j = sigmoid(l_j) / sum_j sigmoid(l_j) in fp32 (the sigmoids added
+  in top-k order):
     moe  = bf16(sum_j w_j f32(y[t * top_k + j, t]) + f32(y[-1, t]))   (fp32, top-k order)
     s    = bf16(h + moe)                         (``add_rms_norm``'s rules from here on)
     x_next = bf16(w_norm * (f32(s) * rsqrt(mean(f32(s)^2) + eps)))
   """
   C.check(h.ndim == 2, f"h must be [M, D], got {h.shape=}")
   m, d = h.shape
-  n_exp = logits.shape[-1]
-  _check_logits(logits, m, n_exp, top_k)
+  top_k = _check_top_logits(top_logits, m)
   u = m * top_k
   C.check(y.shape == (u + 1, m, d) and y.dtype == h.dtype,
           f"y must be [{u + 1}, {m}, {d}] {h.dtype}, got {y.shape=} {y.dtype=}")
   C.check(w_norm.shape == (d,), f"w_norm must be [D={d}], got {w_norm.shape=}")
   dp = C.next_pow2(d)
-  kernel = functools.partial(_combine_add_rms_norm_kernel, top_k=top_k, n_exp=n_exp,
-                             ep=C.next_pow2(n_exp), u=u, d=d, dp=dp, eps=eps)
+  kernel = functools.partial(_combine_add_rms_norm_kernel, top_k=top_k, u=u, d=d, dp=dp, eps=eps)
   out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype))
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=(m,),
       compiler_params=C.compiler_params(num_warps or ARN._num_warps(dp), 1),
       interpret=interpret, name=f"flint_moe_combine_add_rms_norm_d{d}_k{top_k}",
-  )(y, logits, h, w_norm)
+  )(y, top_logits, h, w_norm)
 
 
 def moe_block_add_rms_norm(x, h, router_w, experts, shared, w_norm, *, top_k: int = 6,
                            eps: float = 1e-6, interpret: bool = False, **tuning):
   """(s, x_next) = add_rms_norm(h, moe_block(x, ...), w_norm) in 4 launches: the router dot (XLA),
-  gate_up and down (``moe_decode_routed``), ``moe_combine_add_rms_norm``."""
+  gate_up and down (``moe_decode_routed``), ``moe_combine_add_rms_norm`` (on the routing the
+  gate_up kernel stored)."""
   logits = moe_router_logits(x, router_w)
-  y = moe_decode_routed(x, logits, experts, shared, top_k=top_k, interpret=interpret, **tuning)
-  return moe_combine_add_rms_norm(h, y, logits, w_norm, top_k=top_k, eps=eps,
-                                  interpret=interpret)
+  y, route = moe_decode_routed(x, logits, experts, shared, top_k=top_k, interpret=interpret,
+                               **tuning)
+  return moe_combine_add_rms_norm(h, y, route.logits, w_norm, eps=eps, interpret=interpret)
 
 
 # ------------------------------------------------------------------------------------------
@@ -733,20 +799,33 @@ def moe_block_reference(x, router_w, experts, shared, *, top_k: int = 6, **unuse
   return moe_decode_reference(x, ids, w, experts, shared)
 
 
+def moe_topk_route(logits, *, top_k: int = 6) -> MoERoute:
+  """``MoERoute`` from router logits f32 [M, E] by ``lax.top_k`` (XLA): the routed kernels'
+  contract (the ids and selected logits ``moe_decode_routed`` returns)."""
+  top, ids = lax.top_k(logits, top_k)
+  return MoERoute(ids.astype(jnp.int32), top)
+
+
+def moe_route_weights(top_logits):
+  """Routing weights [M, k] f32 of the selected logits [M, k] f32 (``MoERoute.logits``):
+  sigmoid, renormalised to sum 1 (fp32, ``jnp.sum``; the kernels add the k sigmoids in order)."""
+  s = jax.nn.sigmoid(top_logits)
+  return s / jnp.sum(s, axis=-1, keepdims=True)
+
+
 def moe_route_from_logits(logits, *, top_k: int = 6):
   """(ids [M, k] int32, weights [M, k] f32) from router logits f32 [M, E]: ``lax.top_k`` of the
   logits (the routed kernels' contract; equals ``moe_route``'s top-k of the sigmoid scores
   unless sigmoid rounds distinct logits to one fp32 value), w = sigmoid / sum (fp32)."""
-  top, ids = lax.top_k(logits, top_k)
-  s = jax.nn.sigmoid(top)
-  return ids.astype(jnp.int32), s / jnp.sum(s, axis=-1, keepdims=True)
+  ids, top = moe_topk_route(logits, top_k=top_k)
+  return ids, moe_route_weights(top)
 
 
 def moe_decode_routed_reference(x, logits, experts, shared, *, top_k: int = 6,
                                 **unused_tuning):
-  """Plain jnp y [M * top_k + 1, M, D]: y[t * top_k + j, t'] = bf16(expert_{ids[t, j]}(x[t'])),
-  ids from ``moe_route_from_logits``; y[-1] = the shared expert (``moe_decode_reference``'s
-  per-expert rounding)."""
+  """Plain jnp (y [M * top_k + 1, M, D], route): y[t * top_k + j, t'] =
+  bf16(expert_{ids[t, j]}(x[t'])), route = ``moe_topk_route(logits)``; y[-1] = the shared expert
+  (``moe_decode_reference``'s per-expert rounding)."""
   del unused_tuning
   return _moe_decode_routed_reference(x, logits, experts, shared, top_k=top_k)
 
@@ -756,7 +835,8 @@ def _moe_decode_routed_reference(x, logits, experts, shared, *, top_k):
   fe, fs, m, d, _, inter, _ = _shapes(x, experts, shared)
   dt = x.dtype
   hi = lax.Precision.HIGHEST
-  ids = moe_route_from_logits(logits, top_k=top_k)[0].reshape(-1)     # [U], slot order
+  route = moe_topk_route(logits, top_k=top_k)
+  ids = route.ids.reshape(-1)                                         # [U], slot order
   gu, dn, s_gu, s_dn = _selected_experts(experts, ids, fe)           # [U, ...]
   g = jnp.einsum("md,uid->umi", x, gu[:, :inter], preferred_element_type=jnp.float32,
                  precision=hi) * s_gu[:, None, 0:1]
@@ -768,21 +848,22 @@ def _moe_decode_routed_reference(x, logits, experts, shared, *, top_k):
   hs = C.silu_mul_f32(_ref_linear(x, shared["gate_proj"], fs),
                       _ref_linear(x, shared["up_proj"], fs)).astype(dt)
   y_s = _ref_linear(hs, shared["down_proj"], fs).astype(dt)
-  return jnp.concatenate([y, y_s[None]], axis=0)
+  return jnp.concatenate([y, y_s[None]], axis=0), route
 
 
-def moe_combine_add_rms_norm_reference(h, y, logits, w_norm, *, top_k: int = 6,
-                                       eps: float = 1e-6, **unused_tuning):
-  """Plain jnp: moe = bf16(sum_j w_j y[t*k+j, t] + y[-1, t]) (fp32, top-k order, weights from
-  ``moe_route_from_logits``), then ``add_rms_norm_reference(h, moe, w_norm)``."""
+def moe_combine_add_rms_norm_reference(h, y, top_logits, w_norm, *, eps: float = 1e-6,
+                                       **unused_tuning):
+  """Plain jnp: moe = bf16(sum_j w_j y[t*k+j, t] + y[-1, t]) (fp32, top-k order, weights
+  ``moe_route_weights(top_logits)``), then ``add_rms_norm_reference(h, moe, w_norm)``."""
   del unused_tuning
-  return _moe_combine_add_rms_norm_reference(h, y, logits, w_norm, top_k=top_k, eps=eps)
+  return _moe_combine_add_rms_norm_reference(h, y, top_logits, w_norm, eps=eps)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "eps"))
-def _moe_combine_add_rms_norm_reference(h, y, logits, w_norm, *, top_k, eps):
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _moe_combine_add_rms_norm_reference(h, y, top_logits, w_norm, *, eps):
   m, d = h.shape
-  _, w = moe_route_from_logits(logits, top_k=top_k)
+  top_k = _check_top_logits(top_logits, m)
+  w = moe_route_weights(top_logits)
   yk = y[:m * top_k].reshape(m, top_k, m, d)[jnp.arange(m), :, jnp.arange(m)]   # [M, k, D]
   tot = jnp.zeros((m, d), jnp.float32)
   for j in range(top_k):                                               # top-k order

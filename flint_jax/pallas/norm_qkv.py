@@ -1,12 +1,13 @@
 """End of a layer + the next layer's input RMSNorm + its fused q|k|v GEMVs, one kernel.
 
-``norm_qkv(h, weights, w_norm, y=..., logits=...)`` returns ``(s, (q, k, v))``:
+``norm_qkv(h, weights, w_norm, y=..., top_logits=...)`` returns ``(s, (q, k, v))``:
 
   s   = the new residual stream [M, D] (h.dtype), by mode:
-          MoE   (y [U+1, M, D], logits [M, E] f32, U = M * top_k; ``moe_decode_routed``'s y):
+          MoE   (y [U+1, M, D], top_logits [M, top_k] f32, U = M * top_k: ``moe_decode_routed``'s
+                y and ``route.logits``, the selected router logits in top-k order):
                 s = bf16(h + bf16(sum_j w_j f32(y[t*top_k+j, t]) + f32(y[U, t])))
-                exactly ``moe.moe_combine_add_rms_norm`` (top-k of the logits with lowest-index
-                ties, w_j = sigmoid(l_j) / sum_j sigmoid(l_j) in fp32, fp32 sum in top-k order);
+                exactly ``moe.moe_combine_add_rms_norm`` (w_j = sigmoid(l_j) / sum_j sigmoid(l_j)
+                in fp32, the sigmoids added in top-k order, fp32 sum in top-k order);
           dense (y [M, D]):      s = bf16(h + y)           (``add_rms_norm``);
           norm  (y None):        s = h                     (``rms_norm``; layer 0's embeddings;
                                                             returned as is, not copied)
@@ -19,9 +20,8 @@ What it fuses: ``moe_combine_add_rms_norm`` / ``add_rms_norm`` / ``rms_norm`` in
 One ``pallas_call`` with ``multi_gemv``'s grid (``sum_i N_i / block_n`` programs, one
 ``pl.when`` branch per matrix). Every program
 
-1. (MoE) recomputes its tokens' top-k logits and combine weights from the logits rows (the
-   repeated max + lowest-index argmin of ``moe._topk_logits``; vectorised over the padded rows
-   when M > 1);
+1. (MoE) loads its tokens' top_k selected logits (stored by ``moe_decode_routed``'s gate_up
+   kernel; scalar loads at M == 1, [Mp] row vectors when M > 1) and forms the combine weights;
 2. runs a pass over D in ``block_d`` chunks: rebuilds s from the h / y chunks (the combine is
    elementwise per column, so every chunk's s is bit-identical to the one-block kernels') and
    accumulates f32(s)^2 per row in an fp32 ``[.., block_d]`` vector, summed at the end
@@ -43,7 +43,7 @@ With M == 1 the rows are not padded for the elementwise work: s / x chunks are 1
 broadcast to the 16 rows the ``dot`` / ``swap`` tiles need.
 
 Shapes / dtypes: h [M, D] bf16 (f32 with bf16-path f32 weights), 1 <= M <= 16; w_norm [D] any
-float; y [M, D] or [M * top_k + 1, M, D] with h's dtype; logits [M, E] f32; weights as
+float; y [M, D] or [M * top_k + 1, M, D] with h's dtype; top_logits [M, top_k] f32; weights as
 ``multi_gemv`` (1..4 bf16 [N_i, D] or ``NVFP4Weight``). Returns (s [M, D] h.dtype,
 tuple of [M, N_i] out_dtype) (+ x [M, D] with ``return_x``).
 """
@@ -78,30 +78,6 @@ MODES = ("moe", "dense", "norm")
 
 # ------------------------------------------------------------------------------------------
 # In-kernel pieces
-
-
-def _topk_values_rows(l_ref, m, mp, top_k, n_exp, ep):
-  """Top-k logit values of rows 0..m-1 (padded to mp) of l_ref [M, E] f32: [[mp] f32] * top_k in
-  ``lax.top_k`` order. The vectorised twin of ``moe._topk_logits`` (same max / lowest-index
-  argmin / mask sequence per row, so the same values bit for bit)."""
-  rows = C.row_load_index(m, mp)
-  cols = jnp.arange(ep, dtype=jnp.int32)
-  if ep == n_exp:
-    lg = l_ref[rows, pl.ds(0, ep)]                                      # [Mp, Ep]
-  else:
-    lg = plgpu.load(l_ref.at[rows[:, None], cols[None, :]], mask=(cols < n_exp)[None, :],
-                    other=-jnp.inf)
-  cols2 = jnp.broadcast_to(cols[None, :], (mp, ep))
-  taken = cols2 >= n_exp
-  vals = []
-  for _ in range(top_k):
-    v = jnp.where(taken, -jnp.inf, lg)
-    mx = jnp.max(v, axis=1)                                             # [Mp]
-    idx = jnp.min(jnp.where((v == mx[:, None]) & jnp.logical_not(taken), cols2, ep), axis=1)
-    idx = jnp.minimum(idx, n_exp - 1)
-    taken = taken | (cols2 == idx[:, None])
-    vals.append(mx)
-  return vals
 
 
 def _nvfp4_tile_dot_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layout, method):
@@ -155,8 +131,8 @@ def _nvfp4_tile_dot_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layou
 
 
 def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, bd, eps,
-                     top_k, n_exp, ep, u, decode, layout, method, return_x):
-  """refs by ``names``: h [M, D], y (dense [M, D] / MoE [(U+1) * M, D]), logits [M, E],
+                     top_k, u, decode, layout, method, return_x):
+  """refs by ``names``: h [M, D], y (dense [M, D] / MoE [(U+1) * M, D]), top_logits [M, top_k],
   w_norm [D], (NVFP4: hv, yv, wv views [.., D/64, 2, 2, 16]), per matrix w (bf16) or (q, s)
   views and s2 f32 [1] (NVFP4), outputs o_0..o_{n-1}, s (unless mode norm), x (return_x)."""
   r = dict(zip(names, refs))
@@ -167,10 +143,8 @@ def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, 
 
   coefs = None
   if mode == "moe":
-    if one:
-      vals = [v for _, v in MOE._topk_logits(r["logits"], 0, top_k, n_exp, ep)]  # pylint: disable=protected-access
-    else:
-      vals = _topk_values_rows(r["logits"], m, mp, top_k, n_exp, ep)
+    # the selected logits in top-k order: scalars (M == 1) or [Mp] (padded rows repeat row m-1)
+    vals = [r["top_logits"][rows, j] for j in range(top_k)]
     sig = [jax.nn.sigmoid(v) for v in vals]
     den = sig[0]
     for sj in sig[1:]:
@@ -278,44 +252,48 @@ def default_block_d(d: int, m: int, block_k: int) -> int:
   return C.pow2_divisor(d, 2048) if m == 1 else block_k
 
 
-def _mode(h, y, logits, top_k, w_norm):
+def _mode(h, y, top_logits, w_norm):
+  """(mode, top_k): "moe" (top_k of top_logits), "dense" or "norm" (top_k 0)."""
   C.check(h.ndim == 2, f"h must be [M, D], got {h.shape=}")
   m, d = h.shape
   C.check(1 <= m <= MG.MAX_ROWS, f"norm_qkv handles 1..{MG.MAX_ROWS} rows, got {m=}")
   C.check(jnp.issubdtype(h.dtype, jnp.floating), f"h must be floating, got {h.dtype=}")
   C.check(w_norm.shape == (d,), f"w_norm must be [D={d}], got {w_norm.shape=}")
   if y is None:
-    C.check(logits is None, "logits given without y: MoE mode needs y [M*top_k+1, M, D]")
-    return "norm"
+    C.check(top_logits is None,
+            "top_logits given without y: MoE mode needs y [M*top_k+1, M, D]")
+    return "norm", 0
   C.check(y.dtype == h.dtype, f"y must have h's dtype, got {y.dtype=} {h.dtype=}")
-  if logits is None:
+  if top_logits is None:
     C.check(y.shape == h.shape,
-            f"dense mode: y must be [M, D] = {h.shape} (MoE mode needs logits), got {y.shape=}")
-    return "dense"
-  MOE._check_logits(logits, m, logits.shape[-1] if logits.ndim else 0, top_k)  # pylint: disable=protected-access
+            f"dense mode: y must be [M, D] = {h.shape} (MoE mode needs top_logits), got {y.shape=}")
+    return "dense", 0
+  top_k = MOE._check_top_logits(top_logits, m)  # pylint: disable=protected-access
   uu = m * top_k
   C.check(y.shape == (uu + 1, m, d),
-          f"MoE mode: y must be [M*top_k+1={uu + 1}, M={m}, D={d}], got {y.shape=}")
-  return "moe"
+          f"MoE mode: y must be [M*top_k+1={uu + 1}, M={m}, D={d}] (top_k={top_k} from "
+          f"top_logits), got {y.shape=}")
+  return "moe", top_k
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "top_k", "eps", "out_dtype", "block_n", "block_k", "block_d", "method", "decode", "layout",
+    "eps", "out_dtype", "block_n", "block_k", "block_d", "method", "decode", "layout",
     "num_warps", "num_stages", "return_x", "interpret"))
-def norm_qkv(h, weights, w_norm, *, y=None, logits=None, top_k: int = 6, eps: float = 1e-6,
+def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
              out_dtype=jnp.bfloat16, block_n: int | None = None, block_k: int | None = None,
              block_d: int | None = None, method: str | None = None, decode: str = "asm",
              layout: str = "tile", num_warps: int | None = None, num_stages: int = 3,
              return_x: bool = False, interpret: bool = False):
   """(s, outs): residual update + RMSNorm + ``multi_gemv`` in one pallas_call (module docstring).
 
-  Mode from the arguments: ``y`` [M*top_k+1, M, D] + ``logits`` [M, E] f32 -> MoE combine;
+  Mode from the arguments: ``y`` [M*top_k+1, M, D] + ``top_logits`` [M, top_k] f32
+  (``moe_decode_routed``'s y and ``route.logits``) -> MoE combine;
   ``y`` [M, D] -> dense residual add; no ``y`` -> RMSNorm of h only (s is h). Tile knobs
   (``block_n``, ``block_k``, ``method``, ``decode``, ``layout``, ``num_warps``, ``num_stages``)
   and their defaults are ``multi_gemv``'s; ``block_d`` (default ``default_block_d``) is the chunk
   of the statistic pass. ``return_x``: also return the kernel's normalised x [M, D] (tests).
   """
-  mode = _mode(h, y, logits, top_k, w_norm)
+  mode, top_k = _mode(h, y, top_logits, w_norm)
   fmt = MG._format(weights)  # pylint: disable=protected-access
   m, d = h.shape
   ns = tuple(MG._n_rows(w, fmt) for w in weights)  # pylint: disable=protected-access
@@ -342,11 +320,11 @@ def norm_qkv(h, weights, w_norm, *, y=None, logits=None, top_k: int = 6, eps: fl
     y2 = y.reshape(-1, d)                                 # MoE: [(U+1) * M, D], free
     names.append("y")
     args.append(y2)
-  n_exp = u = 0
+  u = 0
   if mode == "moe":
-    names.append("logits")
-    args.append(logits)
-    n_exp, u = logits.shape[1], m * top_k
+    names.append("top_logits")
+    args.append(top_logits)
+    u = m * top_k
   names.append("w")
   args.append(w_norm)
   if fmt == "bf16":
@@ -379,9 +357,8 @@ def norm_qkv(h, weights, w_norm, *, y=None, logits=None, top_k: int = 6, eps: fl
     names.append("x")
   kernel = functools.partial(
       _norm_qkv_kernel, names=tuple(names), mode=mode, fmt=fmt, n_mats=n_mats, starts=starts,
-      m=m, mp=mp, d=d, bn=block_n, bk=block_k, bd=block_d, eps=eps, top_k=top_k, n_exp=n_exp,
-      ep=C.next_pow2(max(n_exp, 1)), u=u, decode=decode, layout=layout, method=method,
-      return_x=return_x)
+      m=m, mp=mp, d=d, bn=block_n, bk=block_k, bd=block_d, eps=eps, top_k=top_k, u=u,
+      decode=decode, layout=layout, method=method, return_x=return_x)
   res = pl.pallas_call(
       kernel, out_shape=tuple(out_shape), grid=(starts[-1],),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
@@ -395,16 +372,16 @@ def norm_qkv(h, weights, w_norm, *, y=None, logits=None, top_k: int = 6, eps: fl
   return s, outs
 
 
-def norm_qkv_reference(h, weights, w_norm, *, y=None, logits=None, top_k: int = 6,
-                       eps: float = 1e-6, out_dtype=jnp.bfloat16, **unused_tuning):
+def norm_qkv_reference(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
+                       out_dtype=jnp.bfloat16, **unused_tuning):
   """Plain jnp: ``moe_combine_add_rms_norm_reference`` / ``add_rms_norm_reference`` /
   ``rms_norm_reference`` (by mode), then ``multi_gemv_reference``; returns (s, outs)."""
   del unused_tuning
-  mode = _mode(h, y, logits, top_k, w_norm)
+  mode, _ = _mode(h, y, top_logits, w_norm)
   if mode == "norm":
     s, x = h, ARN.rms_norm_reference(h, w_norm, eps=eps)
   elif mode == "dense":
     s, x = ARN.add_rms_norm_reference(h, y, w_norm, eps=eps)
   else:
-    s, x = MOE.moe_combine_add_rms_norm_reference(h, y, logits, w_norm, top_k=top_k, eps=eps)
+    s, x = MOE.moe_combine_add_rms_norm_reference(h, y, top_logits, w_norm, eps=eps)
   return s, MG.multi_gemv_reference(x, weights, out_dtype=out_dtype)

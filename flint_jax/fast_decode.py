@@ -1,10 +1,11 @@
 """The Pallas decode step: one token per row (batch <= 16) through the fused kernels.
 
-Per layer (default `DecodeOptions`): one q|k|v GEMV kernel -> fused Q/K-norm + RoPE + cache
-write -> split-KV sink attention -> o_proj GEMV -> fused residual add + RMSNorm -> MoE: the router
-dot (XLA), two expert-indexed kernels that pick their experts from the router logits (the shared
-expert included), one kernel combining the experts with the residual add + next RMSNorm; or, for
-dense layers, gate|up+SiLU and down GEMVs -> fused residual add + next RMSNorm.
+Per layer (default `DecodeOptions`): one q|k|v GEMV kernel -> split-KV sink attention with the
+Q/K-norm + RoPE + cache write inside it -> merge -> o_proj GEMV -> fused residual add + RMSNorm ->
+MoE: the router dot (XLA), the gate_up kernel (picks each slot's expert from the router logits,
+stores the route) and the down kernel (shared expert included), one kernel combining the experts
+with the residual add + next RMSNorm; or, for dense layers, gate|up+SiLU and down GEMVs -> fused
+residual add + next RMSNorm.
 The caches stay layer-stacked: kernels index the layer inside, so nothing is sliced or copied,
 and the cache writes are in place under donation.
 
@@ -50,16 +51,18 @@ class DecodeOptions:
       output, residual add, the next layer's input RMSNorm) computed inside the next layer's
       q|k|v kernel (`norm_qkv`): one launch less per layer. Off by default: correct (tests) but
       not yet measured on the H200.
-    attention: "split" = `qk_norm_rope` then `decode_attention` (split + merge kernels: 3
-      launches); "fused" = `qk_norm_rope_attention` (the Q/K norm, RoPE and cache write inside
-      the split kernel, then the merge kernel: 2 launches); "fused_atomic" = the same with the
-      merge done by the last program of each KV head (1 launch; one zeroed counter per step).
+    attention: "fused" (default) = `qk_norm_rope_attention`: the Q/K norm, RoPE and cache
+      write inside the split-KV kernel, then the merge kernel (2 launches; H200: ring layer
+      6.3 us against 4.1 + 3.5 for the two kernels it replaces); "split" = `qk_norm_rope` then
+      `decode_attention` (3 launches); "fused_atomic" = "fused" with the merge done by the last
+      program of each KV head (1 launch, one zeroed counter per step; measured no faster: its
+      merge tail costs about what the launch saved).
     """
     fused_qkv: bool = True
     moe: str = "routed"
     router_in_norm: bool = False
     norm_in_qkv: bool = False
-    attention: str = "split"
+    attention: str = "fused"
 
     def __post_init__(self):
         if self.attention not in ("split", "fused", "fused_atomic"):
@@ -74,9 +77,9 @@ class DecodeOptions:
 
 
 #: The session-1 Pallas step (three projection GEMVs, MoE routing in XLA), kept for comparison.
-V1_OPTIONS = DecodeOptions(fused_qkv=False, moe="v1")
+V1_OPTIONS = DecodeOptions(fused_qkv=False, moe="v1", attention="split")
 #: Every fusion on, including those not yet measured on the H200 (benchmark path "pallas_fused").
-FUSED_OPTIONS = DecodeOptions(router_in_norm=True, norm_in_qkv=True)
+FUSED_OPTIONS = DecodeOptions(router_in_norm=True, norm_in_qkv=True, attention="fused_atomic")
 
 
 # Which implementation each op uses, from the H200 measurements (docs/kernels.md,

@@ -214,11 +214,13 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "pallas_v1" (the session-1 Pallas step: three projection GEMVs, MoE routing in XLA) or
     "pallas_fused" (every fusion, including those off by default until measured), "pallas_nq"
     (the default step plus `norm_in_qkv`), "pallas_fa" / "pallas_faa" (attention "fused" /
-    "fused_atomic"), "pallas_nqfa" / "pallas_nqfaa" (both)."""
+    "fused_atomic"), "pallas_nqfa" / "pallas_nqfaa" (both), "pallas_sp" (attention "split": the
+    session-2 default step)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     options = {"": None, "v1": V1_OPTIONS, "fused": FUSED_OPTIONS,
                "nq": DecodeOptions(norm_in_qkv=True),
+               "sp": DecodeOptions(attention="split"),
                "fa": DecodeOptions(attention="fused"),
                "faa": DecodeOptions(attention="fused_atomic"),
                "nqfaa": DecodeOptions(norm_in_qkv=True, attention="fused_atomic"),

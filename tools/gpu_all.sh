@@ -51,30 +51,42 @@ for stage in "${stages[@]}"; do
                    2>&1 | grep -v "DeprecationWarning\|warnings.warn" | tee "$OUT/suite_nvfp4.log" ;;
     suites_x2)
       # FORMATS (default "bf16 nvfp4"): BF16 suite on GPU 0, NVFP4 suite on GPU 1; the compiled
-      # tests of the newest kernels run on GPU 1 alongside, without preallocation (4 workers).
+      # tests of the newest kernels without preallocation (4 workers), see TESTS_WHEN.
       # CASES, PATHS, PARITY_STEPS, V1_CASES, FUSED_CASES ("none": none), FUSED_PATHS, SUITE_BUDGET
-      # (s) choose the work:
+      # (s; SUITE_BUDGET_NVFP4 for the NVFP4 suite) choose the work:
       # a 10-minute call fits parity + about 4 cases per format (compiles dominate).
       CASES=${CASES:-1x1024,8x1024,1x8192,8x8192,8x100000,1x100000}
-      SUITE="python3 benchmarks/gpu_suite.py --trace --cases $CASES --budget-s ${SUITE_BUDGET:-400}
+      SUITE="python3 benchmarks/gpu_suite.py --trace --cases $CASES
              --paths ${PATHS:-xla,pallas}
              --parity-steps ${PARITY_STEPS:-32} --v1-cases ${V1_CASES:-1x1024,8x1024}
              --fused-cases ${FUSED_CASES:-1x1024,8x1024} --fused-paths ${FUSED_PATHS:-pallas_fused}"
-      CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 300 \
-        python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pallas_multi_gemv.py \
-        tests/test_pallas_moe.py tests/test_pallas_add_rms_norm.py tests/test_fast_decode.py \
-        tests/test_pallas_add_rms_norm_router.py tests/test_pallas_norm_qkv.py \
-        tests/test_pallas_attention_block.py tests/test_pallas_decode_attention.py \
-        tests/test_pallas_qk_norm_rope.py \
-        > "$OUT/tests_new_kernels.log" 2>&1 &
+      # TESTS_WHEN: "concurrent" (default: on GPU 1 beside the NVFP4 suite, whose timings it then
+      # disturbs), "after" (on GPU 0 once the BF16 suite is done: clean timings) or "none".
+      run_tests() {
+        CUDA_VISIBLE_DEVICES=$1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda \
+          timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -n 4 -p no:cacheprovider \
+          tests/test_pallas_multi_gemv.py tests/test_pallas_moe.py tests/test_pallas_add_rms_norm.py \
+          tests/test_fast_decode.py tests/test_pallas_add_rms_norm_router.py \
+          tests/test_pallas_norm_qkv.py tests/test_pallas_attention_block.py \
+          tests/test_pallas_decode_attention.py tests/test_pallas_qk_norm_rope.py \
+          > "$OUT/tests_new_kernels.log" 2>&1
+      }
+      [ "${TESTS_WHEN:-concurrent}" = concurrent ] && run_tests 1 &
       for fmt in ${FORMATS:-bf16 nvfp4}; do
         gpu=0; frac=0.95
         [ "$fmt" = nvfp4 ] && { gpu=1; frac=0.75; }
+        budget=${SUITE_BUDGET:-400}
+        [ "$fmt" = nvfp4 ] && budget=${SUITE_BUDGET_NVFP4:-$budget}
         CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_MEM_FRACTION=$frac $SUITE --format "$fmt" \
+          --budget-s "$budget" \
           --out "$OUT/suite_$fmt.json" 2>&1 \
           | grep --line-buffered -v "DeprecationWarning\|warnings.warn" > "$OUT/suite_$fmt.log" &
         [ "$fmt" = bf16 ] && bf16_pid=$!
       done
+      if [ "${TESTS_WHEN:-concurrent}" = after ]; then
+        [ -n "${bf16_pid:-}" ] && wait "$bf16_pid"
+        run_tests 0
+      fi
       # KERNEL_GROUPS (e.g. "tune2"): kernel microbenchmark groups run on GPU 0 after the BF16 suite.
       if [ -n "${KERNEL_GROUPS:-}" ]; then
         [ -n "${bf16_pid:-}" ] && wait "$bf16_pid"

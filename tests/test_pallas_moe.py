@@ -18,7 +18,7 @@ from flint_jax.pallas import (MoERoute, add_rms_norm_reference, moe_block,
                               moe_route_weights, moe_router_logits, moe_topk_route)
 from flint_jax.pallas import _common as C
 from flint_jax.pallas.moe import moe_route, moe_slots
-from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
+from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng, tie_logits
 
 INTERPRET = jax.default_backend() == "cpu"
 DECODE = "fp8" if INTERPRET else "asm"
@@ -122,15 +122,6 @@ def kernel_topk(logits, top_k):
       kern, grid=(m,), interpret=True,
       out_shape=(jax.ShapeDtypeStruct((m, top_k), jnp.int32),
                  jax.ShapeDtypeStruct((m, top_k), jnp.float32)))(logits)
-
-
-def tie_logits(gen, m, e):
-  """Logits with many exact ties (values from a 3-level set, a row of all-equal logits, -inf)."""
-  lg = gen.integers(0, 3, (m, e)).astype(np.float32) * 0.5 - 0.5
-  lg[0] = 0.25
-  if m > 1:
-    lg[1, ::3] = -np.inf
-  return jnp.asarray(lg)
 
 
 @pytest.mark.parametrize("m,e,top_k,ties", [(1, 16, 6, False), (3, 20, 4, False),

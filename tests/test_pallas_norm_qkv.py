@@ -22,20 +22,11 @@ import pytest
 
 from flint_jax.pallas import (add_rms_norm, moe_combine_add_rms_norm, moe_topk_route, multi_gemv,
                               norm_qkv, norm_qkv_reference, rms_norm)
-from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
+from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng, tie_logits
 
 INTERPRET = jax.default_backend() == "cpu"
 DECODE = "fp8" if INTERPRET else "asm"
 QKV_SMALL = (128, 64, 64)
-
-
-def tie_logits(gen, m, e):
-  """Logits with many exact ties (a 3-level set, a row of all-equal logits, -inf entries)."""
-  lg = gen.integers(0, 3, (m, e)).astype(np.float32) * 0.5 - 0.5
-  lg[0] = 0.25
-  if m > 1:
-    lg[1, ::3] = -np.inf
-  return jnp.asarray(lg)
 
 
 def make_case(fmt, mode, m, d, e, top_k, ns, ties, *params):

@@ -99,6 +99,18 @@ def default_multi_gemv_blocks(ns, k: int, *, m: int = 1, fmt: str = "bf16"):
   return bn, bk, warps
 
 
+def resolve_method(fmt: str, m: int, method, layout: str, decode: str, interpret: bool):
+  """(tile method, NVFP4 decode) after defaults and checks, shared with ``norm_qkv``."""
+  if fmt == "bf16":
+    method = method or G.default_method(m)
+  else:
+    C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}, got {layout=}")
+    decode = NV.resolve_decode(decode, interpret)
+    method = method or NV.default_method(m)
+  C.check_method(method, m)
+  return method, decode
+
+
 def _validate(x, weights, fmt, block_n, block_k):
   C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
   m, k = x.shape
@@ -223,13 +235,7 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   # BF16 at M = 1: 4 stages (Flint q|k|v 8.8 us against 9.8 with 3, session-3 sweep round 2).
   num_stages = num_stages or (4 if fmt == "bf16" and m == 1 else 3)
   m, k, ns = _validate(x, weights, fmt, block_n, block_k)
-  if fmt == "bf16":
-    method = method or G.default_method(m)
-  else:
-    C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}, got {layout=}")
-    decode = NV.resolve_decode(decode, interpret)
-    method = method or NV.default_method(m)
-  C.check_method(method, m)
+  method, decode = resolve_method(fmt, m, method, layout, decode, interpret)
   mp = C.pad_rows(m)
   n_mats = len(weights)
   starts = tuple(sum(ns[:i]) // block_n for i in range(n_mats + 1))

@@ -304,13 +304,7 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   MG._validate(jax.ShapeDtypeStruct((m, d), h.dtype), weights, fmt, block_n, block_k)  # pylint: disable=protected-access
   C.check(C.is_pow2(block_d) and block_d >= 16 and d % block_d == 0,
           f"block_d must be a power of two >= 16 dividing D: {block_d=} {d=}")
-  if fmt == "bf16":
-    method = method or G.default_method(m)
-  else:
-    C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}, got {layout=}")
-    decode = NV.resolve_decode(decode, interpret)
-    method = method or NV.default_method(m)
-  C.check_method(method, m)
+  method, decode = MG.resolve_method(fmt, m, method, layout, decode, interpret)
   mp = C.pad_rows(m)
   n_mats = len(weights)
   starts = tuple(sum(ns[:i]) // block_n for i in range(n_mats + 1))

@@ -75,6 +75,16 @@ def random_nvfp4(gen: np.random.Generator, shape, *, scale_2=None, scale_lo=0x28
   return NVFP4Weight(jnp.asarray(q), s, jnp.asarray(scale_2, jnp.float32))
 
 
+def tie_logits(gen: np.random.Generator, m: int, e: int):
+  """[m, e] f32 router logits with many exact ties (a 3-level set, a row of all-equal logits,
+  -inf entries): routing must break them as ``lax.top_k`` does (lowest index first)."""
+  lg = gen.integers(0, 3, (m, e)).astype(np.float32) * 0.5 - 0.5
+  lg[0] = 0.25
+  if m > 1:
+    lg[1, ::3] = -np.inf
+  return jnp.asarray(lg)
+
+
 def h200_abstract_mesh():
   """Abstract single-device mesh of an H200, for lowering on a CPU-only host."""
   from jax._src.mesh import AbstractDevice  # pylint: disable=g-import-not-at-top

@@ -542,63 +542,6 @@ TUNE_NV1 = {
 }
 
 
-def tune_cases(variants):
-  if variants:
-    return
-  router = randn((E, D), jnp.float32, D ** -0.5)
-  for fmt in ("bf16", "nvfp4"):
-    experts, shared = moe_weights(fmt)
-    per_expert = nbytes({k: v[0] for k, v in experts.items()})
-    shared_b = nbytes(shared)
-    for m in (1, 8):
-      xs = [randn((m, D)) for _ in range(16)]
-      logits = [MOE.moe_router_logits(x, router) for x in xs]
-      sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
-      n_exp = np.mean([len(np.unique(np.asarray(jax.lax.top_k(lg, 6)[1]))) for lg in logits])
-      bytes_ = int(n_exp * per_expert + shared_b + 2 * m * D * 2)
-      lbl = f"routed {fmt} M={m}"
-      # both return (y, MoERoute(ids, logits)): the rel_l2 check covers the stored routing too
-      yield (f"tune/moe/{fmt}/M{m}/xla", "tune", lbl, "xla",
-             jax.jit(MOE.moe_decode_routed_reference), sets, bytes_)
-      for bn, bk, nw, ns, bnd, bkd, nwd, nsd in TUNE_MOE[(fmt, m)]:
-        kw = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, block_n_down=bnd,
-                  block_k_down=bkd, num_warps_down=nwd, num_stages_down=nsd)
-        tag = f"gu bn{bn} bk{bk} w{nw} s{ns} | dn bn{bnd} bk{bkd} w{nwd} s{nsd}"
-        yield (f"tune/moe/{fmt}/M{m}/{tag}", "tune", lbl, tag,
-               functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
-    # q|k|v in one kernel
-    for m in (1, 8):
-      if fmt == "bf16":
-        mk = lambda n, k: randn((n, k), scale=k ** -0.5)  # noqa: E731
-      else:
-        mk = lambda n, k: rand_nvfp4((n, k))  # noqa: E731
-      ws0 = (mk(4096, D), mk(512, D), mk(512, D))
-      wb = nbytes(ws0)
-      sets = [(randn((m, D)), ws0 if i == 0 else (mk(4096, D), mk(512, D), mk(512, D)))
-              for i in range(n_sets(wb, cap=12))]
-      lbl = f"qkv {fmt} M={m}"
-      bytes_ = wb + m * D * 2 + m * 5120 * 2
-      yield (f"tune/qkv/{fmt}/M{m}/xla", "tune", lbl, "xla",
-             jax.jit(MULTI.multi_gemv_reference), sets, bytes_)
-      for mt, bn, bk, nw, ns in TUNE_QKV[(fmt, m)]:
-        tag = f"{mt} bn{bn} bk{bk} w{nw} s{ns}"
-        yield (f"tune/qkv/{fmt}/M{m}/{tag}", "tune", lbl, tag,
-               functools.partial(MULTI.multi_gemv, method=mt, block_n=bn, block_k=bk,
-                                 num_warps=nw, num_stages=ns), sets, bytes_)
-  for name, n, k in [("o_proj", D, 4096), ("lm_head", V, D)]:
-    wb = n * k // 2 + n * k // 16
-    sets = [(randn((1, k)), *rand_nvfp4((n, k))) for _ in range(n_sets(wb, cap=8))]
-    bytes_ = wb + k * 2 + n * 2
-    lbl = f"nvfp4 {name} M=1"
-    yield (f"tune/nv/{name}/xla", "tune", lbl, "xla", jax.jit(NV.nvfp4_gemv_reference), sets,
-           bytes_)
-    for bn, bk, sk, nw in TUNE_NV1[name]:
-      tag = f"bn{bn} bk{bk} sk{sk} w{nw}"
-      yield (f"tune/nv/{name}/{tag}", "tune", lbl, tag,
-             functools.partial(NV.nvfp4_gemv, block_n=bn, block_k=bk, split_k=sk,
-                               num_warps=nw), sets, bytes_)
-
-
 # Round 2 of the session-3 sweep (group "tune2"): around round 1's best points. Each entry is the
 # kwargs of one call; {} = the current default.
 def _moe_kw(bn, bk, nw, ns, bnd, bkd, nwd, nsd, **extra):
@@ -654,55 +597,88 @@ def _tag(kw):
   return " ".join(f"{k}={v}" for k, v in kw.items()) or "default"
 
 
-def tune2_cases(variants):
-  if variants:
-    return
+def _kw(keys, values):
+  """A sweep table row as kwargs (None = the kernel's default, left out)."""
+  return {k: v for k, v in zip(keys, values) if v is not None}
+
+
+_QKV_KEYS = ("method", "block_n", "block_k", "num_warps", "num_stages")
+_NV_KEYS = ("block_n", "block_k", "split_k", "num_warps")
+# Round 1 as kwargs tables, in the same shape as round 2's.
+TUNE1 = dict(
+    moe={fm: [_moe_kw(*row) for row in rows] for fm, rows in TUNE_MOE.items()},
+    qkv={fm: [_kw(_QKV_KEYS, row) for row in rows] for fm, rows in TUNE_QKV.items()},
+    nv={name: [_kw(_NV_KEYS, row) for row in rows] for name, rows in TUNE_NV1.items()},
+    gemv={})
+TUNE2 = dict(moe=TUNE2_MOE, qkv=TUNE2_QKV, nv=TUNE2_NV, gemv=TUNE2_GEMV)
+
+
+def _sweep_cases(prefix, tables):
+  """Cases of one sweep round: the XLA reference of each op, then every kwargs row of its table
+  (the routed MoE, the q|k|v multi_gemv, the NVFP4 o_proj / LM head, the BF16 o_proj)."""
   router = randn((E, D), jnp.float32, D ** -0.5)
   for fmt in ("bf16", "nvfp4"):
     experts, shared = moe_weights(fmt)
     per_expert = nbytes({k: v[0] for k, v in experts.items()})
     shared_b = nbytes(shared)
     for m in (1, 8):
+      if (fmt, m) not in tables["moe"]:
+        continue
       xs = [randn((m, D)) for _ in range(16)]
       logits = [MOE.moe_router_logits(x, router) for x in xs]
       sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
       n_exp = np.mean([len(np.unique(np.asarray(jax.lax.top_k(lg, 6)[1]))) for lg in logits])
       bytes_ = int(n_exp * per_expert + shared_b + 2 * m * D * 2)
       lbl = f"routed {fmt} M={m}"
-      yield (f"tune2/moe/{fmt}/M{m}/xla", "tune", lbl, "xla",
+      # both return (y, MoERoute(ids, logits)): the rel_l2 check covers the stored routing too
+      yield (f"{prefix}/moe/{fmt}/M{m}/xla", "tune", lbl, "xla",
              jax.jit(MOE.moe_decode_routed_reference), sets, bytes_)
-      for kw in TUNE2_MOE[(fmt, m)]:
-        yield (f"tune2/moe/{fmt}/M{m}/{_tag(kw)}", "tune", lbl, _tag(kw),
+      for kw in tables["moe"][(fmt, m)]:
+        yield (f"{prefix}/moe/{fmt}/M{m}/{_tag(kw)}", "tune", lbl, _tag(kw),
                functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
     mk = ((lambda n, k: randn((n, k), scale=k ** -0.5)) if fmt == "bf16"
           else (lambda n, k: rand_nvfp4((n, k))))
-    ws = [(mk(4096, D), mk(512, D), mk(512, D)) for _ in range(n_sets(nbytes(mk(4096, D)) * 1.25,
-                                                                      cap=12))]
-    sets = [(randn((1, D)), w) for w in ws]
-    lbl = f"qkv {fmt} M=1"
-    bytes_ = nbytes(ws[0]) + D * 2 + 5120 * 2
-    yield (f"tune2/qkv/{fmt}/xla", "tune", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
-           bytes_)
-    for kw in TUNE2_QKV[(fmt, 1)]:
-      yield (f"tune2/qkv/{fmt}/{_tag(kw)}", "tune", lbl, _tag(kw),
-             functools.partial(MULTI.multi_gemv, **kw), sets, bytes_)
+    for m in (1, 8):
+      if (fmt, m) not in tables["qkv"]:
+        continue
+      ws = [(mk(4096, D), mk(512, D), mk(512, D))
+            for _ in range(n_sets(nbytes(mk(4096, D)) * 1.25, cap=12))]
+      sets = [(randn((m, D)), w) for w in ws]
+      lbl = f"qkv {fmt} M={m}"
+      bytes_ = nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
+      yield (f"{prefix}/qkv/{fmt}/M{m}/xla", "tune", lbl, "xla",
+             jax.jit(MULTI.multi_gemv_reference), sets, bytes_)
+      for kw in tables["qkv"][(fmt, m)]:
+        yield (f"{prefix}/qkv/{fmt}/M{m}/{_tag(kw)}", "tune", lbl, _tag(kw),
+               functools.partial(MULTI.multi_gemv, **kw), sets, bytes_)
   for name, n, k in [("o_proj", D, 4096), ("lm_head", V, D)]:
     wb = n * k // 2 + n * k // 16
     sets = [(randn((1, k)), *rand_nvfp4((n, k))) for _ in range(n_sets(wb, cap=8))]
     lbl = f"nvfp4 {name} M=1"
-    yield (f"tune2/nv/{name}/xla", "tune", lbl, "xla", jax.jit(NV.nvfp4_gemv_reference), sets,
+    yield (f"{prefix}/nv/{name}/xla", "tune", lbl, "xla", jax.jit(NV.nvfp4_gemv_reference), sets,
            wb + k * 2 + n * 2)
-    for kw in TUNE2_NV[name]:
-      yield (f"tune2/nv/{name}/{_tag(kw)}", "tune", lbl, _tag(kw),
+    for kw in tables["nv"].get(name, []):
+      yield (f"{prefix}/nv/{name}/{_tag(kw)}", "tune", lbl, _tag(kw),
              functools.partial(NV.nvfp4_gemv, **kw), sets, wb + k * 2 + n * 2)
-  n, k = D, 4096
-  sets = [(randn((1, k)), randn((n, k), scale=k ** -0.5)) for _ in range(n_sets(n * k * 2))]
-  lbl = "bf16 o_proj M=1"
-  yield ("tune2/gemv/o_proj/xla", "tune", lbl, "xla", jax.jit(GEMV.gemv_reference), sets,
-         n * k * 2 + k * 2 + n * 2)
-  for kw in TUNE2_GEMV["o_proj"]:
-    yield (f"tune2/gemv/o_proj/{_tag(kw)}", "tune", lbl, _tag(kw),
-           functools.partial(GEMV.gemv, **kw), sets, n * k * 2 + k * 2 + n * 2)
+  if "o_proj" in tables["gemv"]:
+    n, k = D, 4096
+    sets = [(randn((1, k)), randn((n, k), scale=k ** -0.5)) for _ in range(n_sets(n * k * 2))]
+    lbl = "bf16 o_proj M=1"
+    yield (f"{prefix}/gemv/o_proj/xla", "tune", lbl, "xla", jax.jit(GEMV.gemv_reference), sets,
+           n * k * 2 + k * 2 + n * 2)
+    for kw in tables["gemv"]["o_proj"]:
+      yield (f"{prefix}/gemv/o_proj/{_tag(kw)}", "tune", lbl, _tag(kw),
+             functools.partial(GEMV.gemv, **kw), sets, n * k * 2 + k * 2 + n * 2)
+
+
+def tune_cases(variants):
+  """Round 1 of the session-3 sweep (run 10); only in the base pass (--variants 0)."""
+  return iter(()) if variants else _sweep_cases("tune", TUNE1)
+
+
+def tune2_cases(variants):
+  """Round 2 (run 11), around round 1's best points."""
+  return iter(()) if variants else _sweep_cases("tune2", TUNE2)
 
 
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,

@@ -10,31 +10,11 @@ from flint_jax.pallas import (add_rms_norm, add_rms_norm_reference, add_rms_norm
                               add_rms_norm_router_reference,
                               moe_block_from_attention, moe_block_from_attention_reference,
                               moe_router_logits)
-from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
+from flint_jax.pallas.testing import assert_close, randn, random_moe_weights, rng
 
 INTERPRET = jax.default_backend() == "cpu"
 DECODE = "fp8" if INTERPRET else "asm"
 F32_TOL = dict(atol=1e-5, rtol=1e-5)   # fp32 summation order only (relative to max|logit|)
-
-
-def make_weights(fmt, e, d, inter, inter_s, gen):
-  """Experts and shared expert, all bf16 or all NVFP4 (as tests/test_pallas_moe.py)."""
-  if fmt == "bf16":
-    experts = dict(gate_up_proj=randn(gen, (e, 2 * inter, d), scale=2 * d ** -0.5),
-                   down_proj=randn(gen, (e, d, inter), scale=inter ** -0.5))
-    shared = dict(gate_proj=randn(gen, (inter_s, d), scale=2 * d ** -0.5),
-                  up_proj=randn(gen, (inter_s, d), scale=d ** -0.5),
-                  down_proj=randn(gen, (d, inter_s), scale=inter_s ** -0.5))
-    return experts, shared
-  g = random_nvfp4(gen, (e, 2 * inter, d), scale_2=np.ones((e, 2)))
-  s2 = gen.uniform(0.5, 2.0, (e, 2)).astype(np.float32) * 2 * d ** -0.5
-  dn = random_nvfp4(gen, (e, d, inter))
-  experts = dict(gate_up_qweight=g.qweight, gate_up_weight_scale=g.weight_scale,
-                 gate_up_weight_scale_2=jnp.asarray(s2), down_qweight=dn.qweight,
-                 down_weight_scale=dn.weight_scale, down_weight_scale_2=dn.weight_scale_2)
-  shared = dict(gate_proj=random_nvfp4(gen, (inter_s, d)), up_proj=random_nvfp4(gen, (inter_s, d)),
-                down_proj=random_nvfp4(gen, (d, inter_s)))
-  return experts, shared
 
 
 def f32(v):
@@ -115,7 +95,7 @@ def test_moe_block_from_attention(fmt, m, e, top_k, d, inter, inter_s):
   """The 4-launch MoE layer from the attention output vs the unfused path's contract
   (add_rms_norm_router_reference's s, x -> moe_block_add_rms_norm_reference)."""
   gen, h, a, w, router = _inputs(m, d, e, "block", fmt, top_k)
-  experts, shared = make_weights(fmt, e, d, inter, inter_s, gen)
+  experts, shared = random_moe_weights(fmt, e, d, inter, inter_s, gen)
   w_next = randn(gen, (d,), scale=0.3) + 1
   s2, x2 = moe_block_from_attention(h, a, w, router, experts, shared, w_next, top_k=top_k,
                                     decode=DECODE, interpret=INTERPRET)

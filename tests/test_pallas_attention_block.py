@@ -14,7 +14,7 @@ import pytest
 
 from flint_jax.pallas import (qk_norm_rope, qk_norm_rope_attention,
                               qk_norm_rope_attention_reference)
-from flint_jax.pallas.testing import assert_close, randn, rng
+from flint_jax.pallas.testing import assert_close, randn, random_kv_caches, rng
 
 INTERPRET = jax.default_backend() == "cpu"
 DH = 128
@@ -38,17 +38,8 @@ def inputs(b, h, kvh, s_len, positions, *, ring, window, garbage, stacked, dh=DH
   wq = randn(gen, (dh,), scale=0.2) + 1
   wk = randn(gen, (dh,), scale=0.2) + 1
   shape = (b, kvh, s_len, dh)
-  kc = np.asarray(randn(gen, shape, scale=2.0), np.float32)
-  vc = np.asarray(randn(gen, shape), np.float32)
-  if garbage:
-    dead = dead_slots(positions, s_len, ring, window)[:, None, :, None]
-    kc, vc = np.where(dead, np.nan, kc), np.where(dead, np.inf, vc)
-  kc, vc = jnp.asarray(kc, jnp.bfloat16), jnp.asarray(vc, jnp.bfloat16)
-  layer = None
-  if stacked:   # layer 1 of 3; the other layers are NaN
-    layer = 1
-    kc = jnp.stack([jnp.full_like(kc, jnp.nan), kc, jnp.full_like(kc, jnp.nan)])
-    vc = jnp.stack([jnp.full_like(vc, jnp.nan), vc, jnp.full_like(vc, jnp.nan)])
+  dead = dead_slots(positions, s_len, ring, window) if garbage else None
+  kc, vc, layer = random_kv_caches(gen, shape, dead=dead, stacked=stacked)
   pos = jnp.asarray(positions, jnp.int32)
   sinks = jnp.asarray(gen.standard_normal(h), jnp.float32)
   return q, k, v, wq, wk, pos, kc, vc, sinks, layer

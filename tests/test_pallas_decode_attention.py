@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from flint_jax.pallas import decode_attention, decode_attention_reference
-from flint_jax.pallas.testing import assert_close, randn, rng
+from flint_jax.pallas.testing import assert_close, randn, random_kv_caches, rng
 
 INTERPRET = jax.default_backend() == "cpu"
 DH = 128
@@ -29,17 +29,8 @@ def run(b, h, kvh, s_len, positions, *, ring, window=None, garbage=True, stacked
   gen = rng(b, h, kvh, s_len, positions, ring, garbage, stacked, kw)
   shape = (b, kvh, s_len, DH)
   q = randn(gen, (b, h, DH))
-  kc = np.asarray(randn(gen, shape, scale=2.0), np.float32)
-  vc = np.asarray(randn(gen, shape), np.float32)
-  if garbage:
-    dead = dead_slots(positions, s_len, ring, window)[:, None, :, None]
-    kc, vc = np.where(dead, np.nan, kc), np.where(dead, np.inf, vc)
-  kc, vc = jnp.asarray(kc, jnp.bfloat16), jnp.asarray(vc, jnp.bfloat16)
-  layer = None
-  if stacked:   # layer 1 of 3; the other layers are NaN
-    layer = 1
-    kc = jnp.stack([jnp.full_like(kc, jnp.nan), kc, jnp.full_like(kc, jnp.nan)])
-    vc = jnp.stack([jnp.full_like(vc, jnp.nan), vc, jnp.full_like(vc, jnp.nan)])
+  dead = dead_slots(positions, s_len, ring, window) if garbage else None
+  kc, vc, layer = random_kv_caches(gen, shape, dead=dead, stacked=stacked)
   pos = jnp.asarray(positions, jnp.int32)
   sinks = jnp.asarray(gen.standard_normal(h), jnp.float32)
   out = decode_attention(q, kc, vc, pos, sinks, layer, ring=ring, window=window,

@@ -18,34 +18,11 @@ from flint_jax.pallas import (MoERoute, add_rms_norm_reference, moe_block,
                               moe_route_weights, moe_router_logits, moe_topk_route)
 from flint_jax.pallas import _common as C
 from flint_jax.pallas.moe import moe_route, moe_slots
-from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng, tie_logits
+from flint_jax.pallas.testing import assert_close, randn, random_moe_weights, rng, tie_logits
 
 INTERPRET = jax.default_backend() == "cpu"
 DECODE = "fp8" if INTERPRET else "asm"
 moe_mod = sys.modules["flint_jax.pallas.moe"]
-
-
-def make_weights(fmt, e, d, inter, inter_s, gen):
-  """fmt: 'bf16' (all bf16), 'nvfp4' (all NVFP4), 'mixed' (bf16 experts, NVFP4 shared)."""
-  if fmt in ("bf16", "mixed"):
-    experts = dict(gate_up_proj=randn(gen, (e, 2 * inter, d), scale=2 * d ** -0.5),
-                   down_proj=randn(gen, (e, d, inter), scale=inter ** -0.5))
-  else:
-    g = random_nvfp4(gen, (e, 2 * inter, d), scale_2=np.ones((e, 2)))
-    s2 = gen.uniform(0.5, 2.0, (e, 2)).astype(np.float32) * 2 * d ** -0.5
-    dn = random_nvfp4(gen, (e, d, inter))
-    experts = dict(gate_up_qweight=g.qweight, gate_up_weight_scale=g.weight_scale,
-                   gate_up_weight_scale_2=jnp.asarray(s2), down_qweight=dn.qweight,
-                   down_weight_scale=dn.weight_scale, down_weight_scale_2=dn.weight_scale_2)
-  if fmt == "bf16":
-    shared = dict(gate_proj=randn(gen, (inter_s, d), scale=2 * d ** -0.5),
-                  up_proj=randn(gen, (inter_s, d), scale=d ** -0.5),
-                  down_proj=randn(gen, (d, inter_s), scale=inter_s ** -0.5))
-  else:
-    shared = dict(gate_proj=random_nvfp4(gen, (inter_s, d)),
-                  up_proj=random_nvfp4(gen, (inter_s, d)),
-                  down_proj=random_nvfp4(gen, (d, inter_s)))
-  return experts, shared
 
 
 def test_route_and_slots():
@@ -80,7 +57,7 @@ def test_route_and_slots():
 def test_moe_decode(fmt, m, dedupe, unroll, kw):
   e, d, inter, inter_s = 16, 256, 64, 128
   gen = rng(fmt, m, dedupe)
-  experts, shared = make_weights(fmt, e, d, inter, inter_s, gen)
+  experts, shared = random_moe_weights(fmt, e, d, inter, inter_s, gen)
   x = randn(gen, (m, d))
   ids, w = moe_route(x, randn(gen, (e, d), jnp.float32))
   if dedupe:   # force experts shared across tokens: de-duplication must merge them
@@ -96,7 +73,7 @@ def test_moe_decode(fmt, m, dedupe, unroll, kw):
 def test_moe_block_flint_size(fmt, m):
   e, d, inter, inter_s = 256, 2048, 512, 1024
   gen = rng("flint", fmt, m)
-  experts, shared = make_weights(fmt, e, d, inter, inter_s, gen)
+  experts, shared = random_moe_weights(fmt, e, d, inter, inter_s, gen)
   x = randn(gen, (m, d))
   router = randn(gen, (e, d), jnp.float32, d ** -0.5)
   out = moe_block(x, router, experts, shared, decode=DECODE, interpret=INTERPRET)
@@ -150,7 +127,7 @@ def test_topk_logits_matches_lax_top_k(m, e, top_k, ties):
 
 def _routed_case(fmt, m, e, top_k, d, inter, inter_s, ties, *params):
   gen = rng("routed", fmt, m, e, top_k, d, inter, inter_s, ties, *params)
-  experts, shared = make_weights(fmt, e, d, inter, inter_s, gen)
+  experts, shared = random_moe_weights(fmt, e, d, inter, inter_s, gen)
   x = randn(gen, (m, d))
   # logits ~ N(0, 1), as a trained router's: logits above ~17 round sigmoid to 1.0 in fp32, where
   # moe_route's top-k of the scores breaks the tie by index (see moe_route_from_logits)
@@ -204,7 +181,7 @@ def test_moe_decode_routed_route_ties(fmt, m, e, top_k):
   256): ids == lax.top_k's (lowest index first), the all-equal row routes to experts 0..k-1,
   and the combine weights from the stored logits equal moe_route_from_logits'."""
   gen = rng("route-ties", fmt, m, e, top_k)
-  experts, shared = make_weights(fmt, e, 128, 64, 64, gen)
+  experts, shared = random_moe_weights(fmt, e, 128, 64, 64, gen)
   x = randn(gen, (m, 128))
   logits = tie_logits(gen, m, e)
   y, route = moe_decode_routed(x, logits, experts, shared, top_k=top_k, decode=DECODE,
@@ -311,9 +288,9 @@ def test_moe_block_add_rms_norm_flint_size(fmt, m):
       return q.astype(jnp.bfloat16) * jnp.bfloat16(scale / 5)
     experts = dict(gate_up_proj=ri((e, 2 * inter, d), 2 * d ** -0.5),
                    down_proj=ri((e, d, inter), inter ** -0.5))
-    _, shared = make_weights("bf16", 1, d, 64, inter_s, gen)
+    _, shared = random_moe_weights("bf16", 1, d, 64, inter_s, gen)
   else:
-    experts, shared = make_weights(fmt, e, d, inter, inter_s, gen)
+    experts, shared = random_moe_weights(fmt, e, d, inter, inter_s, gen)
   x = randn(gen, (m, d))
   h = randn(gen, (m, d), scale=4.0)
   router = randn(gen, (e, d), jnp.float32, d ** -0.5)

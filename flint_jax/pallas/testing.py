@@ -75,6 +75,50 @@ def random_nvfp4(gen: np.random.Generator, shape, *, scale_2=None, scale_lo=0x28
   return NVFP4Weight(jnp.asarray(q), s, jnp.asarray(scale_2, jnp.float32))
 
 
+def random_kv_caches(gen: np.random.Generator, shape, *, dead=None, stacked: bool = False):
+  """bf16 K/V caches of ``shape`` [B, KVH, S, Dh] (keys scaled 2x) -> (k_cache, v_cache, layer).
+
+  ``dead`` [B, S] bool: those slots hold NaN keys and inf values, garbage a kernel must never
+  let leak into its output. ``stacked``: the caches are layer 1 of a 3-layer stack whose other
+  layers are NaN (``layer`` = 1; else None)."""
+  kc = np.asarray(randn(gen, shape, scale=2.0), np.float32)
+  vc = np.asarray(randn(gen, shape), np.float32)
+  if dead is not None:
+    d = np.asarray(dead)[:, None, :, None]
+    kc, vc = np.where(d, np.nan, kc), np.where(d, np.inf, vc)
+  kc, vc = jnp.asarray(kc, jnp.bfloat16), jnp.asarray(vc, jnp.bfloat16)
+  if not stacked:
+    return kc, vc, None
+  kc = jnp.stack([jnp.full_like(kc, jnp.nan), kc, jnp.full_like(kc, jnp.nan)])
+  vc = jnp.stack([jnp.full_like(vc, jnp.nan), vc, jnp.full_like(vc, jnp.nan)])
+  return kc, vc, 1
+
+
+def random_moe_weights(fmt: str, e: int, d: int, inter: int, inter_s: int,
+                       gen: np.random.Generator):
+  """(experts, shared) in the kernels' layout. fmt: 'bf16' (all bf16), 'nvfp4' (all NVFP4),
+  'mixed' (bf16 experts, NVFP4 shared expert)."""
+  if fmt in ("bf16", "mixed"):
+    experts = dict(gate_up_proj=randn(gen, (e, 2 * inter, d), scale=2 * d ** -0.5),
+                   down_proj=randn(gen, (e, d, inter), scale=inter ** -0.5))
+  else:
+    g = random_nvfp4(gen, (e, 2 * inter, d), scale_2=np.ones((e, 2)))
+    s2 = gen.uniform(0.5, 2.0, (e, 2)).astype(np.float32) * 2 * d ** -0.5
+    dn = random_nvfp4(gen, (e, d, inter))
+    experts = dict(gate_up_qweight=g.qweight, gate_up_weight_scale=g.weight_scale,
+                   gate_up_weight_scale_2=jnp.asarray(s2), down_qweight=dn.qweight,
+                   down_weight_scale=dn.weight_scale, down_weight_scale_2=dn.weight_scale_2)
+  if fmt == "bf16":
+    shared = dict(gate_proj=randn(gen, (inter_s, d), scale=2 * d ** -0.5),
+                  up_proj=randn(gen, (inter_s, d), scale=d ** -0.5),
+                  down_proj=randn(gen, (d, inter_s), scale=inter_s ** -0.5))
+  else:
+    shared = dict(gate_proj=random_nvfp4(gen, (inter_s, d)),
+                  up_proj=random_nvfp4(gen, (inter_s, d)),
+                  down_proj=random_nvfp4(gen, (d, inter_s)))
+  return experts, shared
+
+
 def tie_logits(gen: np.random.Generator, m: int, e: int):
   """[m, e] f32 router logits with many exact ties (a 3-level set, a row of all-equal logits,
   -inf entries): routing must break them as ``lax.top_k`` does (lowest index first)."""

@@ -61,14 +61,16 @@ for stage in "${stages[@]}"; do
              --parity-steps ${PARITY_STEPS:-32} --v1-cases ${V1_CASES:-1x1024,8x1024}
              --fused-cases ${FUSED_CASES:-1x1024,8x1024} --fused-paths ${FUSED_PATHS:-pallas_fused}"
       # TESTS_WHEN: "concurrent" (default: on GPU 1 beside the NVFP4 suite, whose timings it then
-      # disturbs), "after" (on GPU 0 once the BF16 suite is done: clean timings) or "none".
+      # disturbs), "after" (on GPU 0 once the BF16 suite is done: clean timings) or "none";
+      # TEST_FILES overrides the test files.
       run_tests() {
         CUDA_VISIBLE_DEVICES=$1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda \
           timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -n 4 -p no:cacheprovider \
-          tests/test_pallas_multi_gemv.py tests/test_pallas_moe.py tests/test_pallas_add_rms_norm.py \
-          tests/test_fast_decode.py tests/test_pallas_add_rms_norm_router.py \
-          tests/test_pallas_norm_qkv.py tests/test_pallas_attention_block.py \
-          tests/test_pallas_decode_attention.py tests/test_pallas_qk_norm_rope.py \
+          ${TEST_FILES:-tests/test_pallas_multi_gemv.py tests/test_pallas_moe.py \
+            tests/test_pallas_add_rms_norm.py tests/test_fast_decode.py \
+            tests/test_pallas_add_rms_norm_router.py tests/test_pallas_norm_qkv.py \
+            tests/test_pallas_attention_block.py tests/test_pallas_decode_attention.py \
+            tests/test_pallas_qk_norm_rope.py tests/test_pallas_l2_prefetch.py} \
           > "$OUT/tests_new_kernels.log" 2>&1
       }
       [ "${TESTS_WHEN:-concurrent}" = concurrent ] && run_tests 1 &

@@ -58,18 +58,12 @@ class DecodeOptions:
       `decode_attention` (3 launches); "fused_atomic" = "fused" with the merge done by the last
       program of each KV head (1 launch, one zeroed counter per step; measured no faster: its
       merge tail costs about what the launch saved).
-    l2_prefetch: extra programs in the latency-bound kernels load the next GEMV's weights into
-      the L2 (`pallas.l2_prefetch`): the attention kernel the o_proj's, the kernel that ends a
-      layer (MoE combine or add + norm) the next layer's q|k|v, and at batch 1 the MoE gate_up
-      kernel the selected experts' down weights (attention="fused" or "fused_atomic",
-      norm_in_qkv off). Outputs unchanged.
     """
     fused_qkv: bool = True
     moe: str = "routed"
     router_in_norm: bool = False
     norm_in_qkv: bool = False
     attention: str = "fused"
-    l2_prefetch: bool = False
 
     def __post_init__(self):
         if self.attention not in ("split", "fused", "fused_atomic"):
@@ -81,9 +75,6 @@ class DecodeOptions:
             raise ValueError("DecodeOptions.router_in_norm needs moe='routed'")
         if self.norm_in_qkv and (self.moe != "routed" or not self.fused_qkv):
             raise ValueError("DecodeOptions.norm_in_qkv needs moe='routed' and fused_qkv=True")
-        if self.l2_prefetch and (self.attention == "split" or self.norm_in_qkv):
-            raise ValueError("DecodeOptions.l2_prefetch needs attention='fused'|'fused_atomic' "
-                             "and norm_in_qkv=False")
 
 
 #: The session-1 Pallas step (three projection GEMVs, MoE routing in XLA), kept for comparison.
@@ -133,29 +124,13 @@ def _qkv(attn, x, fused, interpret):
     return multi_gemv(x, _qkv_weights(attn), interpret=interpret)
 
 
-def prefetch_down_parts(batch: int) -> int:
-    """Prefetch programs per MoE slot that load the down weights during the gate_up kernel
-    (l2_prefetch): only at batch 1, where the gate_up grid leaves SMs idle; at batch 8 it runs
-    several waves and extra programs would only start after it."""
-    return 16 if batch == 1 else 0
-
-
-def _weight_arrays(lin):
-    """The arrays of a linear layer worth prefetching (not the NVFP4 tensor scale)."""
-    return (lin.qweight[...], lin.weight_scale[...]) if lin.quant else (lin.weight[...],)
-
-
-def _qkv_arrays(attn):
-    return sum((_weight_arrays(lin) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)), ())
-
-
 def _shared_arg(mlp):
     return {n: _lin_arg(getattr(mlp.shared_expert, n)) for n in ("gate_proj", "up_proj", "down_proj")}
 
 
-def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, prefetch=()):
+def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None):
     """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). `logits`: the router's,
-    when already computed (routed mode); `prefetch`: arrays the final kernel pulls into the L2."""
+    when already computed (routed mode)."""
     eps = cfg.rms_norm_eps
     k = cfg.num_experts_per_tok
     if mode == "v1":
@@ -164,17 +139,15 @@ def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, pref
         if logits is None:
             logits = moe_router_logits(x, mlp.gate.weight[...])
         y, route = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp),
-                                     top_k=k, interpret=interpret,
-                                     prefetch_down=prefetch_down_parts(x.shape[0]) if prefetch
-                                     else 0)
+                                     top_k=k, interpret=interpret)
         return moe_combine_add_rms_norm(h, y, route.logits, w_next, eps=eps,
-                                        prefetch=prefetch, interpret=interpret)
+                                        interpret=interpret)
     if mode == "slots":
         y = moe_block(x, mlp.gate.weight[...], _experts_arg(mlp.experts), _shared_arg(mlp),
                       top_k=cfg.num_experts_per_tok, interpret=interpret)
     else:
         y = mlp(x[:, None, :])[:, 0]  # the XLA path: gathered experts, einsums
-    return add_rms_norm(h, y, w_next, eps=eps, prefetch=prefetch, interpret=interpret)
+    return add_rms_norm(h, y, w_next, eps=eps, interpret=interpret)
 
 
 def _lin_arg(lin):
@@ -220,10 +193,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # One zeroed merge counter per step for every layer (attention="fused_atomic").
         counter = (jnp.zeros((len(layers), b, kvh), jnp.int32)
                    if opts.attention == "fused_atomic" else None)
-        pf = opts.l2_prefetch
         if not opts.norm_in_qkv:
-            x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret,
-                         prefetch=_qkv_arrays(layers[0].self_attn) if pf else ())
+            x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
         for i, layer in enumerate(layers):
             j = cfg.cache_index[i]
             sliding = cfg.is_sliding(i)
@@ -252,8 +223,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     res = qk_norm_rope_attention(
                         q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc,
                         attn.sinks[...], j, rope=sliding, ring=sliding, window=window,
-                        theta=cfg.rope_theta, eps=eps, interpret=interpret,
-                        prefetch=_weight_arrays(attn.o_proj) if pf else (), **atomic)
+                        theta=cfg.rope_theta, eps=eps, interpret=interpret, **atomic)
                     o, kc, vc = res[:3]
                     if counter is not None:
                         counter = res[3]
@@ -271,8 +241,6 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 else:
                     h, x = add_rms_norm(h, a, post_ln, eps=eps, interpret=interpret)
                 nxt = layers[i + 1].input_layernorm.weight[...] if not last else m.model.norm.weight[...]
-                # the next layer's q|k|v, pulled into the L2 by the kernel that ends this layer
-                nxt_pf = _qkv_arrays(layers[i + 1].self_attn) if pf and not last else ()
                 if cfg.is_moe(i) and opts.norm_in_qkv and not last:
                     if router_logits is None:
                         router_logits = moe_router_logits(x, mlp.gate.weight[...])
@@ -282,14 +250,13 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     pending = (y, route.logits)
                 elif cfg.is_moe(i):
                     h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
-                                             router_logits, prefetch=nxt_pf)
+                                             router_logits)
                 else:
                     y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret), interpret)
                     if opts.norm_in_qkv and not last:
                         pending = (y, None)
                     else:
-                        h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret,
-                                            prefetch=nxt_pf)
+                        h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)
         logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32)
         new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
                             lengths=pos + 1)

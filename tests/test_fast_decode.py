@@ -21,11 +21,9 @@ def small_cfg():
 # own kernel / in the last program (with norm_in_qkv for the atomic one).
 OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            "fused": FUSED_OPTIONS, "attn": DecodeOptions(attention="fused"),
-           "attn_atomic": DecodeOptions(attention="fused_atomic", norm_in_qkv=True),
-           "l2": DecodeOptions(l2_prefetch=True)}
+           "attn_atomic": DecodeOptions(attention="fused_atomic", norm_in_qkv=True)}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
-         ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
-         ("bf16", "l2"), ("nvfp4", "l2")]
+         ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic")]
 
 
 @pytest.mark.parametrize("fmt,options", CASES)
@@ -43,24 +41,7 @@ def test_pallas_generate_equals_xla(fmt, options):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_l2_prefetch_step_is_bit_identical_at_batch_1(fmt):
-    """Batch 1 is where the MoE gate_up kernel also prefetches the down weights: tokens and
-    logprobs with l2_prefetch must equal the default step's bit for bit."""
-    mod = FlintForCausalLM(small_cfg(), quant=fmt == "nvfp4", rngs=nnx.Rngs(5))
-    outs = []
-    for opts in (DecodeOptions(), DecodeOptions(l2_prefetch=True)):
-        pal = flint_jax.from_module(mod, kernels="pallas")
-        pal.decode_options = opts
-        (out,) = flint_jax.generate(pal, [list(range(5, 80))], max_new_tokens=4, temperature=0,
-                                    stop_token_ids=[], logprobs=True, return_details=True)
-        outs.append(out)
-    np.testing.assert_array_equal(outs[0].token_ids, outs[1].token_ids)
-    np.testing.assert_array_equal(outs[0].logprobs, outs[1].logprobs)
-
-
 @pytest.mark.parametrize("kw,match", [
-    (dict(l2_prefetch=True, attention="split"), "l2_prefetch needs"),
     (dict(moe="einsum"), "routed|slots|xla|v1"),
     (dict(moe="xla", router_in_norm=True), "router_in_norm needs moe='routed'"),
     (dict(fused_qkv=False, norm_in_qkv=True), "norm_in_qkv needs"),

@@ -124,15 +124,6 @@ def test_moe_lowers(fmt, m, down_split):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_moe_down_prefetch_lowers(fmt):
-  """The gate_up kernel with programs that prefetch each slot's down weights into the L2."""
-  experts, shared = moe_weights(fmt)
-  text = lower(functools.partial(moe_decode_routed, prefetch_down=16), S((1, D), BF),
-               S((1, E), F32), experts, shared)
-  assert text.count("__gpu$xla.gpu.triton") == 2 and "_pf16" in text
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 8])
 def test_moe_routed_lowers(fmt, m):
   """The routed path's kernels, separately and composed: the composed MoE layer (router logits

@@ -16,8 +16,6 @@ numerical contract of the kernel and the XLA fallback):
 | ``attention_block`` | ``qk_norm_rope_attention``: ``qk_norm_rope`` fused into the attention |
 | | split kernel; merge by a second kernel or by the last split program (atomic counter) |
 | ``add_rms_norm`` | ``add_rms_norm``, ``rms_norm`` |
-| ``l2_prefetch`` | ``l2_prefetch``: prefetch lanes that warm the L2 with the next kernel's weights, |
-| | added to latency-bound kernels (``prefetch=``) |
 | ``add_rms_norm_router`` | ``add_rms_norm_router``: residual add + RMSNorm + fp32 router GEMV; |
 | | ``moe_block_from_attention``: attention output -> next block's input, 4 launches |
 
@@ -34,7 +32,6 @@ from flint_jax.pallas.attention_block import (qk_norm_rope_attention,
                                               qk_norm_rope_attention_reference)
 from flint_jax.pallas.decode_attention import decode_attention, decode_attention_reference
 from flint_jax.pallas.gemv import gemv, gemv_reference, gemv_silu_mul, gemv_silu_mul_reference
-from flint_jax.pallas.l2_prefetch import l2_prefetch, l2_prefetch_reference
 from flint_jax.pallas.moe import (MoERoute, moe_block, moe_block_add_rms_norm,
                                   moe_block_add_rms_norm_reference, moe_block_reference,
                                   moe_combine_add_rms_norm, moe_combine_add_rms_norm_reference,
@@ -54,7 +51,6 @@ __all__ = [
     "add_rms_norm_router", "add_rms_norm_router_reference", "moe_block_from_attention",
     "moe_block_from_attention_reference",
     "decode_attention", "decode_attention_reference",
-    "l2_prefetch", "l2_prefetch_reference",
     "gemv", "gemv_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
     "moe_block", "moe_block_reference", "moe_decode", "moe_decode_reference", "moe_route",
     "moe_slots", "moe_router_logits", "moe_route_from_logits", "MoERoute", "moe_topk_route",

@@ -26,7 +26,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
-from flint_jax.pallas.l2_prefetch import DEFAULT_PROGRAMS as PREFETCH_PROGRAMS, prefetch_call
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
 
@@ -69,14 +68,10 @@ def _num_warps(dp: int) -> int:
   return max(1, min(8, dp // 512))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "prefetch_programs",
-                                             "interpret"))
-def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None, prefetch=(),
-                 prefetch_programs: int = PREFETCH_PROGRAMS, interpret: bool = False):
-  """(s, out) = (h + y, RMSNorm(h + y) * w); h, y [M, D], w [D].
-
-  prefetch: arrays (the next GEMV's weights) that extra programs of this kernel load into the L2
-  (``l2_prefetch``); outputs unchanged."""
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None,
+                 interpret: bool = False):
+  """(s, out) = (h + y, RMSNorm(h + y) * w); h, y [M, D], w [D]."""
   _check(h, w, "h")
   C.check(y.shape == h.shape and y.dtype == h.dtype,
           f"y must match h, got {y.shape=} {y.dtype=} vs {h.shape=} {h.dtype=}")
@@ -84,11 +79,11 @@ def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None, pr
   dp = C.next_pow2(d)
   kernel = functools.partial(_add_rms_norm_kernel, d=d, dp=dp, eps=eps)
   out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype))
-  return prefetch_call(
-      kernel, out_shape=out_shape, grid=(m,), args=(h, y, w), prefetch=prefetch,
-      prefetch_programs=prefetch_programs,
+  return pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(m,),
       compiler_params=C.compiler_params(num_warps or _num_warps(dp), 1),
-      interpret=interpret, name=f"flint_add_rms_norm_d{d}")
+      interpret=interpret, name=f"flint_add_rms_norm_d{d}",
+  )(h, y, w)
 
 
 def add_rms_norm_reference(h, y, w, *, eps: float = 1e-6, **unused_tuning):
@@ -103,21 +98,19 @@ def _add_rms_norm_reference(h, y, w, *, eps):
   return s, _rms_norm_reference(s, w, eps=eps)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "prefetch_programs",
-                                             "interpret"))
-def rms_norm(x, w, *, eps: float = 1e-6, num_warps: int | None = None, prefetch=(),
-             prefetch_programs: int = PREFETCH_PROGRAMS, interpret: bool = False):
-  """bf16(w * (x * rsqrt(mean(x^2) + eps))) row-wise, math in fp32; x [M, D], w [D].
-  prefetch: as in ``add_rms_norm``."""
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def rms_norm(x, w, *, eps: float = 1e-6, num_warps: int | None = None,
+             interpret: bool = False):
+  """bf16(w * (x * rsqrt(mean(x^2) + eps))) row-wise, math in fp32; x [M, D], w [D]."""
   _check(x, w, "x")
   m, d = x.shape
   dp = C.next_pow2(d)
   kernel = functools.partial(_rms_norm_kernel, d=d, dp=dp, eps=eps)
-  return prefetch_call(
-      kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(m,), args=(x, w),
-      prefetch=prefetch, prefetch_programs=prefetch_programs,
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(m,),
       compiler_params=C.compiler_params(num_warps or _num_warps(dp), 1),
-      interpret=interpret, name=f"flint_rms_norm_d{d}")
+      interpret=interpret, name=f"flint_rms_norm_d{d}",
+  )(x, w)
 
 
 def rms_norm_reference(x, w, *, eps: float = 1e-6, **unused_tuning):

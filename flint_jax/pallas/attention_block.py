@@ -67,7 +67,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
-from flint_jax.pallas.l2_prefetch import DEFAULT_PROGRAMS as PREFETCH_PROGRAMS, prefetch_call
 from flint_jax.pallas.decode_attention import _validate as _attn_validate
 from flint_jax.pallas.decode_attention import (decode_attention_reference,
                                                default_attention_blocks, merge_splits,
@@ -214,19 +213,15 @@ def _blocks(b, kvh, s_len, block_k, num_splits):
 
 @functools.partial(jax.jit, static_argnames=(
     "rope", "ring", "window", "theta", "eps", "scale", "block_k", "num_splits", "merge",
-    "num_warps", "num_stages", "prefetch_programs", "interpret"))
+    "num_warps", "num_stages", "interpret"))
 def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, sinks,
                            layer=None, counter=None, *, counter_layer=None, rope: bool,
                            ring: bool, window: int | None = None, theta: float = 10000.0,
                            eps: float = 1e-6, scale: float | None = None,
                            block_k: int | None = None, num_splits: int | None = None,
                            merge: str = "kernel", num_warps: int = 4, num_stages: int = 2,
-                           prefetch=(), prefetch_programs: int = PREFETCH_PROGRAMS,
                            interpret: bool = False):
   """qk_norm_rope + decode_attention in one split kernel; see the module docstring.
-
-  prefetch: arrays (the o_proj weights) that extra programs of the split kernel load into the
-  L2 while attention runs (``l2_prefetch``); outputs unchanged.
 
   Returns ``(out [B, H, Dh], k_cache, v_cache)``, and the counter as a 4th output with
   ``merge="atomic"`` (unchanged when ``num_splits == 1``).
@@ -288,12 +283,12 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
       window=window or s_len, ring=ring, rope=rope, eps=eps, scale=scale,
       stacked=layer is not None, counter_stacked=counter_stacked, mode=mode,
       interpret=interpret)
-  res = prefetch_call(
-      kernel, out_shape=out_shape, grid=(b, kvh, num_splits), args=args,
-      prefetch=prefetch, prefetch_programs=prefetch_programs, input_output_aliases=aliases,
+  res = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(b, kvh, num_splits), input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=(f"flint_qk_norm{'_rope' if rope else ''}_attn_{'ring' if ring else 'full'}"
-            f"_bk{block_k}_ns{num_splits}{'' if mode == 'kernel' else '_' + mode}"))
+            f"_bk{block_k}_ns{num_splits}{'' if mode == 'kernel' else '_' + mode}"),
+  )(*args)
   if mode == "direct":
     out, kc, vc = res
   elif mode == "kernel":

@@ -90,7 +90,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
-from flint_jax.pallas.l2_prefetch import DEFAULT_PROGRAMS as PREFETCH_PROGRAMS, prefetch_call, prefetch_part
 import flint_jax.pallas.add_rms_norm  # noqa: F401  (modules, not the functions the package
 import flint_jax.pallas.nvfp4_gemv  # noqa: F401    re-exports under the same names)
 
@@ -262,14 +261,11 @@ def _slot_route(l_ref, u, route):
 
 
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
-                    decode, layout, method, route=None, prefetch_parts=0):
+                    decode, layout, method, route=None):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
-  ``route_ids`` / ``route_logits`` [u // top_k, u % top_k].
-  prefetch_parts > 0: ``(slots + 1) * prefetch_parts`` more programs after the gate_up ones load
-  each slot's down weights (and the shared expert's) into the L2 for the down kernel
-  (``l2_prefetch``), their sums stored to ``pf_sink``."""
+  ``route_ids`` / ``route_logits`` [u // top_k, u % top_k]."""
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
   n_i = inter // bn
@@ -328,27 +324,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       au = au * (r["su_s2"][0] * f)
     C.store_tile(r["hs"], (), C.silu_mul_f32(ag, au), j * bn, bn, m, mp, method)
 
-  if not prefetch_parts:
-    lax.cond(pid < n_routed, routed, shared)
-    return
-  n_gu = n_routed + inter_s // bn
-  pl.when(pid < n_routed)(routed)
-  pl.when((pid >= n_routed) & (pid < n_gu))(shared)
-
-  @pl.when(pid >= n_gu)
-  def _():
-    q = pid - n_gu
-    u, part = q // prefetch_parts, q % prefetch_parts
-    slot_refs = [r["pf_dn_w"]] if fe == "bf16" else [r["pf_dn_q"], r["pf_dn_s"]]
-    shared_refs = [r["pf_sd_w"]] if fs == "bf16" else [r["pf_sd_q"], r["pf_sd_s"]]
-
-    def slot_part():
-      uc = jnp.minimum(u, n_slots_max - 1)
-      e = r["slot_expert"][uc] if route is None else _slot_route(r["logits"], uc, route)[0]
-      return prefetch_part(slot_refs, part, prefetch_parts, lead=(e,))
-
-    r["pf_sink"][q] = lax.cond(
-        u < n_slots_max, slot_part, lambda: prefetch_part(shared_refs, part, prefetch_parts))
+  lax.cond(pid < n_routed, routed, shared)
 
 
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
@@ -484,12 +460,11 @@ _TUNING = ("block_n", "block_k", "block_n_down", "block_k_down", "decode", "layo
 def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, route_args, *,
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
-            block_k_down=None, num_warps_down=None, num_stages_down=None, prefetch_down=0):
+            block_k_down=None, num_warps_down=None, num_stages_down=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
-  reads the ids. coef [U, M] only for down_split=False. prefetch_down: programs per slot (and
-  for the shared expert) that load the down weights into the L2 during the gate_up kernel.
+  reads the ids. coef [U, M] only for down_split=False.
   Returns (y [U + 1, M, D] (down_split) or out [M, D], MoERoute or None)."""
   nv_m1 = fe == "nvfp4" and m == 1
   method = method or ("reduce" if nv_m1 else "dot")
@@ -536,19 +511,6 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     names += ["sg_q", "sg_s", "su_q", "su_s", "sg_s2", "su_s2"]
     args += _weight_args(fs, shared["gate_proj"], "") + _weight_args(fs, shared["up_proj"], "")
     args += [_scalar_f32(shared["gate_proj"][2]), _scalar_f32(shared["up_proj"][2])]
-  if prefetch_down:   # the down weights, for the prefetch programs
-    if fe == "bf16":
-      names += ["pf_dn_w"]
-      args += [experts["down_proj"]]
-    else:
-      names += ["pf_dn_q", "pf_dn_s"]
-      args += [experts["down_qweight"], experts["down_weight_scale"]]
-    if fs == "bf16":
-      names += ["pf_sd_w"]
-      args += [shared["down_proj"]]
-    else:
-      names += ["pf_sd_q", "pf_sd_s"]
-      args += list(shared["down_proj"][:2])
   names += ["h", "hs"]
   out_shape = [jax.ShapeDtypeStruct((u, m, inter), x.dtype),
                jax.ShapeDtypeStruct((m, inter_s), x.dtype)]
@@ -558,22 +520,17 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     names += ["route_ids", "route_logits"]
     out_shape += [jax.ShapeDtypeStruct((m, top_k), jnp.int32),
                   jax.ShapeDtypeStruct((m, top_k), jnp.float32)]
-  n_gu = u * (inter // bn) + inter_s // bn
-  if prefetch_down:
-    names += ["pf_sink"]
-    out_shape += [jax.ShapeDtypeStruct(((u + 1) * prefetch_down,), jnp.float32)]
   kernel = functools.partial(
       _gate_up_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn, bk=bk,
       bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout, method=method,
-      route=route, prefetch_parts=prefetch_down)
+      route=route)
   res = pl.pallas_call(
-      kernel, grid=(n_gu + (u + 1) * prefetch_down,), out_shape=tuple(out_shape),
+      kernel, grid=(u * (inter // bn) + inter_s // bn,), out_shape=tuple(out_shape),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=(f"flint_moe_gate_up{tag}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
-            f"{f'_pf{prefetch_down}' if prefetch_down else ''}"),
+      name=f"flint_moe_gate_up{tag}_{fe}_{fs}_{method}_bn{bn}_bk{bk}",
   )(*args)
   h, hs = res[:2]
-  route_out = None if route is None else MoERoute(*res[2:4])
+  route_out = None if route is None else MoERoute(*res[2:])
 
   # ---- kernel 2: down (+ routing-weighted combine unless split) + shared down
   if route is None:
@@ -672,8 +629,8 @@ def _check_top_logits(top_logits, m) -> int:
   return top_logits.shape[1]
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "prefetch_down") + _TUNING)
-def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, prefetch_down: int = 0,
+@functools.partial(jax.jit, static_argnames=("top_k",) + _TUNING)
+def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
                       block_n: int | None = None, block_k: int | None = None,
                       block_n_down: int | None = None,
                       decode: str = "asm", layout: str = "tile",
@@ -694,14 +651,10 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, prefetch_do
     route: ``MoERoute(ids [M, top_k] int32, logits [M, top_k] f32)``, equal to
       ``moe_topk_route(logits, top_k=top_k)`` (ties by lowest index); pass ``route.logits`` to
       ``moe_combine_add_rms_norm`` / ``norm_qkv``.
-  Tuning knobs as ``moe_decode`` (split down kernel only). ``prefetch_down`` > 0: that many
-  extra gate_up programs per slot (and for the shared expert) load the down weights into the L2
-  while the gate_up streams (``l2_prefetch``; at M = 1 the BF16 gate_up leaves half the SMs
-  idle); outputs unchanged.
+  Tuning knobs as ``moe_decode`` (split down kernel only).
   """
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
-  C.check(prefetch_down >= 0, f"prefetch_down must be >= 0, got {prefetch_down}")
   route = (top_k, n_exp, C.next_pow2(n_exp))
   return _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, ["logits"],
                  [logits], route=route, coef=None, down_split=True, block_n=block_n,
@@ -709,7 +662,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, prefetch_do
                  unroll_slots=unroll_slots, method=method, method_down=method_down,
                  num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                  block_k_down=block_k_down, num_warps_down=num_warps_down,
-                 num_stages_down=num_stages_down, prefetch_down=prefetch_down)
+                 num_stages_down=num_stages_down)
 
 
 def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, top_k, u, d, dp,
@@ -736,12 +689,9 @@ def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, to
   plgpu.store(o_ref.at[t, cols], out.astype(o_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "prefetch_programs",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
 def moe_combine_add_rms_norm(h, y, top_logits, w_norm, *, eps: float = 1e-6,
-                             num_warps: int | None = None, prefetch=(),
-                             prefetch_programs: int = PREFETCH_PROGRAMS,
-                             interpret: bool = False):
+                             num_warps: int | None = None, interpret: bool = False):
   """(s, x_next): MoE combine + residual add + RMSNorm in one pallas_call (grid (M,)).
 
   h [M, D] residual (bf16), y [M * top_k + 1, M, D] and top_logits [M, top_k] f32 (its
@@ -752,8 +702,6 @@ def moe_combine_add_rms_norm(h, y, top_logits, w_norm, *, eps: float = 1e-6,
     moe  = bf16(sum_j w_j f32(y[t * top_k + j, t]) + f32(y[-1, t]))   (fp32, top-k order)
     s    = bf16(h + moe)                         (``add_rms_norm``'s rules from here on)
     x_next = bf16(w_norm * (f32(s) * rsqrt(mean(f32(s)^2) + eps)))
-  prefetch: arrays (the next layer's q|k|v weights) that extra programs load into the L2
-  (``l2_prefetch``); outputs unchanged.
   """
   C.check(h.ndim == 2, f"h must be [M, D], got {h.shape=}")
   m, d = h.shape
@@ -765,11 +713,11 @@ def moe_combine_add_rms_norm(h, y, top_logits, w_norm, *, eps: float = 1e-6,
   dp = C.next_pow2(d)
   kernel = functools.partial(_combine_add_rms_norm_kernel, top_k=top_k, u=u, d=d, dp=dp, eps=eps)
   out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype))
-  return prefetch_call(
-      kernel, out_shape=out_shape, grid=(m,), args=(y, top_logits, h, w_norm),
-      prefetch=prefetch, prefetch_programs=prefetch_programs,
+  return pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(m,),
       compiler_params=C.compiler_params(num_warps or ARN._num_warps(dp), 1),
-      interpret=interpret, name=f"flint_moe_combine_add_rms_norm_d{d}_k{top_k}")
+      interpret=interpret, name=f"flint_moe_combine_add_rms_norm_d{d}_k{top_k}",
+  )(y, top_logits, h, w_norm)
 
 
 def moe_block_add_rms_norm(x, h, router_w, experts, shared, w_norm, *, top_k: int = 6,

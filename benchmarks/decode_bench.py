@@ -215,8 +215,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "pallas_fused" (every fusion, including those off by default until measured), "pallas_nq"
     (the default step plus `norm_in_qkv`), "pallas_fa" / "pallas_faa" (attention "fused" /
     "fused_atomic"), "pallas_nqfa" / "pallas_nqfaa" (both), "pallas_sp" (attention "split": the
-    session-2 default step), "pallas_l2" (`l2_prefetch`: the next GEMV's weights pulled into the
-    L2 by the latency-bound kernels before it), "pallas_nol2" (the default step without it)."""
+    session-2 default step)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     options = {"": None, "v1": V1_OPTIONS, "fused": FUSED_OPTIONS,
@@ -225,9 +224,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "fa": DecodeOptions(attention="fused"),
                "faa": DecodeOptions(attention="fused_atomic"),
                "nqfaa": DecodeOptions(norm_in_qkv=True, attention="fused_atomic"),
-               "nqfa": DecodeOptions(norm_in_qkv=True, attention="fused"),
-               "l2": DecodeOptions(l2_prefetch=True),
-               "nol2": DecodeOptions(l2_prefetch=False)}[variant]
+               "nqfa": DecodeOptions(norm_in_qkv=True, attention="fused")}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

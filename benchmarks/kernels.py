@@ -681,71 +681,9 @@ def tune2_cases(variants):
   return iter(()) if variants else _sweep_cases("tune2", TUNE2)
 
 
-# ------------------------------------------------------------------------------------------
-# L2 prefetch (pallas/l2_prefetch.py): what a GEMV gains when its weights are already in the L2,
-# how fast the prefetch lanes pull weights in, and the GEMV right after a prefetch.
-
-PF = importlib.import_module("flint_jax.pallas.l2_prefetch")
-
-
-def _after_prefetch(op, n_weights, programs):
-  """fn(x, *weights, *rest): the prefetch lanes load the weights, then op runs (x depends on
-  the sinks, so XLA cannot reorder them; the `x + 0 * sink` fusion shows in the breakdown)."""
-  def fn(x, *args):
-    sink = PF.l2_prefetch([w for w in args[:n_weights] if w.ndim], num_programs=programs)
-    x = x + (sink[0] * 0).astype(x.dtype)
-    return op(x, *args)
-  return fn
-
-
-def l2_cases(variants):
-  if variants:
-    return
-  nv_args = lambda w: (w.qweight, w.weight_scale, w.weight_scale_2)  # noqa: E731
-  # (label, make one set of args (x first, then the weight arrays), how many are weights, op)
-  specs = [
-      ("bf16 o_proj M=1 (XLA)", lambda: (randn((1, 4096)), randn((D, 4096), scale=0.02)), 1,
-       jax.jit(GEMV.gemv_reference)),
-      ("bf16 qkv M=1 (multi_gemv)",
-       lambda: (randn((1, D)), randn((4096, D), scale=0.02), randn((512, D), scale=0.02),
-                randn((512, D), scale=0.02)), 3,
-       lambda x, *w: MULTI.multi_gemv(x, w)),
-      ("nvfp4 o_proj M=1", lambda: (randn((1, 4096)), *nv_args(rand_nvfp4((D, 4096)))), 2,
-       NV.nvfp4_gemv),
-      ("nvfp4 qkv M=1 (multi_gemv)",
-       lambda: (randn((1, D)), *nv_args(rand_nvfp4((4096, D))), *nv_args(rand_nvfp4((512, D))),
-                *nv_args(rand_nvfp4((512, D)))), 8,
-       lambda x, *a: MULTI.multi_gemv(x, [NV.NVFP4Weight(*a[i:i + 3]) for i in (0, 3, 6)])),
-  ]
-  for label, make, n_w, op in specs:
-    one = make()
-    wb = nbytes(one[1:])
-    cold = [one] + [make() for _ in range(n_sets(wb) - 1)]
-    key = label.split(" (")[0].replace(" ", "_").replace("=", "")
-    yield (f"l2/{key}/cold", "l2", label, "cold (rotated past the L2)", op, cold, wb)
-    yield (f"l2/{key}/hot", "l2", label, "hot (same weights every call)", op, [one], wb)
-    # weights whose index is < n_w in the flat arg list after x; NVFP4 tensor scales included
-    for programs in (132, 264, 528):
-      yield (f"l2/{key}/prefetch_p{programs}", "l2", label, f"prefetch lanes alone p{programs}",
-             lambda *a, p=programs: PF.l2_prefetch([w for w in a[1:] if w.ndim], num_programs=p),
-             cold, wb)
-    yield (f"l2/{key}/after_prefetch", "l2", label, "prefetch p264, then the op",
-           _after_prefetch(op, len(one) - 1, 264), cold, 2 * wb)
-  router = randn((E, D), jnp.float32, D ** -0.5)
-  for fmt in ("bf16", "nvfp4"):
-    experts, shared = moe_weights(fmt)
-    per_expert = nbytes({k: v[0] for k, v in experts.items()})
-    xs = [randn((1, D)) for _ in range(16)]
-    sets = [(x, MOE.moe_router_logits(x, router), experts, shared) for x in xs]
-    bytes_ = int(6 * per_expert + nbytes(shared))
-    for parts in (0, 8, 16, 32):
-      yield (f"l2/moe_{fmt}/pf{parts}", "l2", f"{fmt} routed MoE M=1", f"prefetch_down={parts}",
-             functools.partial(MOE.moe_decode_routed, prefetch_down=parts), sets, bytes_)
-
-
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
-          "tune2": tune2_cases, "l2": l2_cases}
+          "tune2": tune2_cases}
 
 
 # ------------------------------------------------------------------------------------------

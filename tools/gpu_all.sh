@@ -11,7 +11,8 @@
 #   checkpoints   synth -> convert -> load -> generate at full size (tools/gpu_checkpoints.sh nvfp4)
 #   sharded       2 GPUs (nvidia-h200-x2): a BF16 checkpoint restored over both equals one GPU
 #   suites_x2     (nvidia-h200-x2) both suites at once, BF16 on GPU 0 and NVFP4 on GPU 1, with
-#                 the compiled tests of the newest kernels on GPU 1 alongside (one 10-minute call)
+#                 the compiled tests of the newest kernels on GPU 1 alongside (one 10-minute call);
+#                 on one GPU the suites run one after the other, then the tests
 #   all           everything above but `sharded`, in order (needs more than one 10-minute call)
 #
 # Each stage fits one 10-minute device command; results (logs, JSON) land in $OUT.
@@ -70,13 +71,17 @@ for stage in "${stages[@]}"; do
             tests/test_pallas_add_rms_norm.py tests/test_fast_decode.py \
             tests/test_pallas_add_rms_norm_router.py tests/test_pallas_norm_qkv.py \
             tests/test_pallas_attention_block.py tests/test_pallas_decode_attention.py \
-            tests/test_pallas_qk_norm_rope.py tests/test_pallas_l2_prefetch.py} \
+            tests/test_pallas_qk_norm_rope.py} \
           > "$OUT/tests_new_kernels.log" 2>&1
       }
+      # On a one-GPU machine (nvidia-h200) the formats run one after the other on GPU 0 and the
+      # tests never run concurrently.
+      ngpu=$(nvidia-smi -L | grep -c GPU)
+      [ "$ngpu" -lt 2 ] && [ "${TESTS_WHEN:-concurrent}" = concurrent ] && TESTS_WHEN=after
       [ "${TESTS_WHEN:-concurrent}" = concurrent ] && run_tests 1 &
       for fmt in ${FORMATS:-bf16 nvfp4}; do
         gpu=0; frac=0.95
-        [ "$fmt" = nvfp4 ] && { gpu=1; frac=0.75; }
+        [ "$fmt" = nvfp4 ] && [ "$ngpu" -ge 2 ] && { gpu=1; frac=0.75; }
         budget=${SUITE_BUDGET:-400}
         [ "$fmt" = nvfp4 ] && budget=${SUITE_BUDGET_NVFP4:-$budget}
         CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_MEM_FRACTION=$frac $SUITE --format "$fmt" \
@@ -84,6 +89,7 @@ for stage in "${stages[@]}"; do
           --out "$OUT/suite_$fmt.json" 2>&1 \
           | grep --line-buffered -v "DeprecationWarning\|warnings.warn" > "$OUT/suite_$fmt.log" &
         [ "$fmt" = bf16 ] && bf16_pid=$!
+        [ "$ngpu" -lt 2 ] && { wait $!; bf16_pid=; }
       done
       if [ "${TESTS_WHEN:-concurrent}" = after ]; then
         [ -n "${bf16_pid:-}" ] && wait "$bf16_pid"
@@ -98,7 +104,7 @@ for stage in "${stages[@]}"; do
         sed -n '/^| group/,$p' "$OUT/kernels.log" | cut -c1-200
       fi
       wait
-      tail -n 3 "$OUT/tests_new_kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests_new_kernels.log" | head -20
+      [ -f "$OUT/tests_new_kernels.log" ] && tail -n 3 "$OUT/tests_new_kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests_new_kernels.log" | head -20
       for fmt in ${FORMATS:-bf16 nvfp4}; do grep -v "^|" "$OUT/suite_$fmt.log" | cut -c1-600; done ;;
     checkpoints) OUT=$OUT bash tools/gpu_checkpoints.sh nvfp4 ;;
     sharded)     OUT=$OUT bash tools/gpu_checkpoints.sh sharded ;;

@@ -215,9 +215,13 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "pallas_fused" (every fusion, including those off by default until measured), "pallas_nq"
     (the default step plus `norm_in_qkv`), "pallas_fa" / "pallas_faa" (attention "fused" /
     "fused_atomic"), "pallas_nqfa" / "pallas_nqfaa" (both), "pallas_sp" (attention "split": the
-    session-2 default step)."""
+    session-2 default step), "pallas_rsN" (the sliding layers' attention in N splits,
+    `DecodeOptions.ring_splits`)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
+    if variant.startswith("rs"):
+        return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
+                     decode_options=DecodeOptions(ring_splits=int(variant[2:])))
     options = {"": None, "v1": V1_OPTIONS, "fused": FUSED_OPTIONS,
                "nq": DecodeOptions(norm_in_qkv=True),
                "sp": DecodeOptions(attention="split"),

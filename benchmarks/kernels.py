@@ -681,9 +681,35 @@ def tune2_cases(variants):
   return iter(()) if variants else _sweep_cases("tune2", TUNE2)
 
 
+def route_cases(variants):
+  """The MoE kernels with the routing computed in the gate_up kernel (the default: every program
+  runs the top-k of its token's 256 logits before its first weight load) against the same
+  kernels given the expert ids (``moe_decode``; the ids come from XLA's top-k outside the timed
+  call). Compare the gate_up kernels' times: the difference is what the in-kernel top-k costs."""
+  if variants:
+    return
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  for fmt in ("bf16", "nvfp4"):
+    experts, shared = moe_weights(fmt)
+    per_expert = nbytes({k: v[0] for k, v in experts.items()})
+    for m in (1, 8):
+      xs = [randn((m, D)) for _ in range(16)]
+      logits = [MOE.moe_router_logits(x, router) for x in xs]
+      routes = [MOE.moe_route(x, router) for x in xs]
+      n_exp = np.mean([len(np.unique(np.asarray(r[0]))) for r in routes])
+      bytes_ = int(n_exp * per_expert + nbytes(shared))
+      lbl = f"{fmt} M={m}"
+      yield (f"route/{fmt}/M{m}/routed", "route", lbl, "routed (top-k in gate_up)",
+             functools.partial(MOE.moe_decode_routed), [
+                 (x, lg, experts, shared) for x, lg in zip(xs, logits)], bytes_)
+      yield (f"route/{fmt}/M{m}/ids", "route", lbl, "ids given (moe_decode, no dedupe)",
+             functools.partial(MOE.moe_decode, dedupe=False), [
+                 (x, ids, w, experts, shared) for x, (ids, w) in zip(xs, routes)], bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
-          "tune2": tune2_cases}
+          "tune2": tune2_cases, "route": route_cases}
 
 
 # ------------------------------------------------------------------------------------------

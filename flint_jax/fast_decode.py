@@ -58,17 +58,25 @@ class DecodeOptions:
       `decode_attention` (3 launches); "fused_atomic" = "fused" with the merge done by the last
       program of each KV head (1 launch, one zeroed counter per step; measured no faster: its
       merge tail costs about what the launch saved).
+    ring_splits: split count of the sliding layers' attention (their 576-slot ring holds 513
+      live keys); None = `decode_attention.default_attention_blocks` (16 at batch 1). 1 = one
+      program per (row, KV head) that normalises itself: no merge kernel.
     """
     fused_qkv: bool = True
     moe: str = "routed"
     router_in_norm: bool = False
     norm_in_qkv: bool = False
     attention: str = "fused"
+    ring_splits: int | None = None
 
     def __post_init__(self):
         if self.attention not in ("split", "fused", "fused_atomic"):
             raise ValueError("DecodeOptions.attention must be split|fused|fused_atomic, got "
                              f"{self.attention!r}")
+        if self.ring_splits is not None and (self.ring_splits < 1 or
+                                             self.ring_splits & (self.ring_splits - 1)):
+            raise ValueError("DecodeOptions.ring_splits must be a power of two >= 1, got "
+                             f"{self.ring_splits!r}")
         if self.moe not in ("routed", "slots", "xla", "v1"):
             raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
         if self.router_in_norm and self.moe != "routed":
@@ -210,20 +218,22 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 q, k, v = q.reshape(b, h_, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)
                 window = cfg.sliding_window if sliding else None
+                splits = opts.ring_splits if sliding else None
                 if opts.attention == "split":
                     q, kc, vc = qk_norm_rope(
                         q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc,
                         j, rope=sliding, ring=sliding, theta=cfg.rope_theta, eps=eps,
                         interpret=interpret)
                     o = decode_attention(q, kc, vc, pos, attn.sinks[...], j, ring=sliding,
-                                         window=window, interpret=interpret)
+                                         window=window, num_splits=splits, interpret=interpret)
                 else:
                     atomic = dict(counter=counter, counter_layer=i, merge="atomic") if (
                         counter is not None) else dict(merge="kernel")
                     res = qk_norm_rope_attention(
                         q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc,
                         attn.sinks[...], j, rope=sliding, ring=sliding, window=window,
-                        theta=cfg.rope_theta, eps=eps, interpret=interpret, **atomic)
+                        theta=cfg.rope_theta, eps=eps, num_splits=splits, interpret=interpret,
+                        **atomic)
                     o, kc, vc = res[:3]
                     if counter is not None:
                         counter = res[3]

@@ -21,9 +21,12 @@ def small_cfg():
 # own kernel / in the last program (with norm_in_qkv for the atomic one).
 OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            "fused": FUSED_OPTIONS, "attn": DecodeOptions(attention="fused"),
-           "attn_atomic": DecodeOptions(attention="fused_atomic", norm_in_qkv=True)}
+           "attn_atomic": DecodeOptions(attention="fused_atomic", norm_in_qkv=True),
+           "ring1": DecodeOptions(ring_splits=1),
+           "ring2_split": DecodeOptions(ring_splits=2, attention="split")}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
-         ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic")]
+         ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
+         ("bf16", "ring1"), ("nvfp4", "ring2_split")]
 
 
 @pytest.mark.parametrize("fmt,options", CASES)
@@ -47,6 +50,8 @@ def test_pallas_generate_equals_xla(fmt, options):
     (dict(fused_qkv=False, norm_in_qkv=True), "norm_in_qkv needs"),
     (dict(moe="slots", norm_in_qkv=True), "norm_in_qkv needs"),
     (dict(attention="flash"), "split|fused|fused_atomic"),
+    (dict(ring_splits=3), "power of two"),
+    (dict(ring_splits=0), "power of two"),
 ])
 def test_decode_options_reject_inconsistent_choices(kw, match):
     with pytest.raises(ValueError, match=match):

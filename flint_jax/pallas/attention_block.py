@@ -31,9 +31,7 @@ Grid ``(B, KVH, NS)`` like ``decode_attention``'s split kernel. Program (b, kv, 
    program 0 may be writing it while the others read it (whatever they read is masked out by a
    ``where``). The current token enters once, in program j == 0, whose carry starts at
    ``m = q.k_new * scale, l = 1, o = v_new`` (p = exp(0) = 1, exact in bf16), when its slot is in
-   range (ring: always; full: p < S). The chunk's first K/V block is loaded at the start of the
-   program, before steps 1-3 (its addresses depend only on p), so its memory latency overlaps
-   the norm / RoPE chain; each block's K and V loads are issued together.
+   range (ring: always; full: p < S).
 5. Merge of the NS partials with the sinks (``M = max(max_j m_j, sink)``,
    ``out = sum_j o_j e^(m_j - M) / (sum_j l_j e^(m_j - M) + e^(sink - M))``):
 
@@ -106,22 +104,6 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
   s_len, half = kc_in.shape[-2], dh // 2
   p = pos_ref[b]
 
-  # This split's chunk of the live slots (step 4). Its first K/V block is loaded here, before the
-  # norm / RoPE chain: its addresses depend only on the position, so its memory latency overlaps
-  # steps 1-3 (at short contexts most programs have one block, and that latency was serial).
-  n = jnp.minimum(p + 1, s_len)
-  chunk = ((n + ns - 1) // ns + bk - 1) // bk * bk
-  start = j * chunk
-  nblk = jnp.minimum((jnp.maximum(n - start, 0) + bk - 1) // bk, chunk // bk)
-
-  def load_block(k0):      # K in two halves of Dh/2 ([BK, Dh/2] each) and V [BK, Dh], together
-    return (kc_in[(*lead, b, kv, pl.ds(k0, bk), pl.ds(0, half))],
-            kc_in[(*lead, b, kv, pl.ds(k0, bk), pl.ds(half, half))],
-            vc_in[(*lead, b, kv, pl.ds(k0, bk), slice(None))])
-
-  k0_first = pl.multiple_of(jnp.minimum(start, s_len - bk), bk)   # in bounds; unused if nblk == 0
-  first = load_block(k0_first)
-
   # 1-2. q rows of the group and the new k (norm + RoPE, rounded), raw v: [Gp, Dh/2] / [Gp, Dh].
   cos = sin = None
   if rope:
@@ -146,36 +128,38 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
   plgpu.store(kc_ref.at[(*lead, b, rk[:, None], sc, hi[None, :])], k2, mask=wmask)
   plgpu.store(vc_ref.at[(*lead, b, rk[:, None], sc, cols[None, :])], v_new, mask=wmask)
 
-  # 4. The chunk's blocks, without the current slot; program 0 starts with the current token.
+  # 4. This split's chunk of the live slots, without the current slot; program 0 starts with the
+  # current token.
+  n = jnp.minimum(p + 1, s_len)
+  chunk = ((n + ns - 1) // ns + bk - 1) // bk * bk
+  start = j * chunk
+  nblk = jnp.minimum((jnp.maximum(n - start, 0) + bk - 1) // bk, chunk // bk)
   s_cur = (jnp.sum(q1.astype(f32) * k1.astype(f32), axis=1)
            + jnp.sum(q2.astype(f32) * k2.astype(f32), axis=1)) * scale      # [Gp]
   with_cur = (j == 0) & cur_ok
 
-  def update(k0, blk, carry, live=True):
-    """Online-softmax update with the block at k0 (live=False: it adds nothing)."""
+  def body(it, carry):
     o, m, l = carry
-    kb1, kb2, vb = blk
+    k0 = pl.multiple_of(start + it * bk, bk)
+    kb1 = kc_in[(*lead, b, kv, pl.ds(k0, bk), pl.ds(0, half))]        # [BK, Dh/2]
+    kb2 = kc_in[(*lead, b, kv, pl.ds(k0, bk), pl.ds(half, half))]
     s = (C.dot_nt(q1, kb1) + C.dot_nt(q2, kb2)) * scale                # [Gp, BK] f32
     idx = k0 + jnp.arange(bk, dtype=jnp.int32)
-    valid = valid_slots(idx, p, n, s_len, window, ring) & (idx != slot) & live
+    valid = valid_slots(idx, p, n, s_len, window, ring) & (idx != slot)
     s = jnp.where(valid[None, :], s, C.MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
     pr = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
     l = l * alpha + jnp.sum(pr, axis=1)
+    vb = vc_in[(*lead, b, kv, pl.ds(k0, bk), slice(None))]            # [BK, Dh]
     vb = jnp.where(valid[:, None], vb, jnp.zeros_like(vb))
     o = o * alpha[:, None] + C.dot_nn(pr.astype(vb.dtype), vb)
     return o, m_new, l
 
-  def body(it, carry):
-    k0 = pl.multiple_of(start + it * bk, bk)
-    return update(k0, load_block(k0), carry)
-
   init = (jnp.where(with_cur, v_new.astype(f32), 0.0),
           jnp.where(with_cur, s_cur, C.MASK_VALUE),
           jnp.where(with_cur, jnp.ones((gp,), f32), 0.0))
-  carry = update(k0_first, first, init, live=nblk > 0)   # == start when nblk > 0
-  o, m, l = lax.fori_loop(1, nblk, body, carry)
+  o, m, l = lax.fori_loop(0, nblk, body, init)
 
   # 5. Normalise (NS == 1) or store the partials (and merge in the last program).
   if mode == "direct":

@@ -29,6 +29,21 @@ from flint_jax.decode import prefill
 from flint_jax.engine import Flint
 
 
+def choice_gap(a, b):
+    """For logits a (reference path) and b [B, V]: None if every row's argmax agrees, else for
+    the first row where they differ, each path's logit margin between its own choice and the
+    other's, with the row's largest |logit| and largest |a - b| for scale."""
+    diff = np.flatnonzero(a.argmax(-1) != b.argmax(-1))
+    if not diff.size:
+        return None
+    r = int(diff[0])
+    ia, ib = int(a[r].argmax()), int(b[r].argmax())
+    return {"row": r, "ref_margin": float(a[r, ia] - a[r, ib]),
+            "pallas_margin": float(b[r, ib] - b[r, ia]),
+            "logit_scale": float(np.abs(a[r]).max()),
+            "max_abs_diff": float(np.abs(a[r] - b[r]).max())}
+
+
 def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600):
     xla = Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels="xla")
     pal = decode_bench.make_handle(cfg, graphdef, state, quant, "pallas")
@@ -40,12 +55,14 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600):
     fx, fp = xla.decode_logits_fn(), pal.decode_logits_fn()
     tx = tp = first
     toks_x, toks_p, errs = [np.asarray(first)], [np.asarray(first)], []
+    near_tie = None   # at the first divergence: how close the two paths' choices were
     for _ in range(steps):
         lx, cache_x = fx(xla.leaves, cache_x, tx)
         lp, cache_p = fp(pal.leaves, cache_p, tp)
         a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
         if np.array_equal(np.asarray(tx), np.asarray(tp)):
             errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(a)))
+            near_tie = near_tie or choice_gap(a, b)
         tx, tp = jnp.argmax(lx, -1).astype(jnp.int32), jnp.argmax(lp, -1).astype(jnp.int32)
         toks_x.append(np.asarray(tx))
         toks_p.append(np.asarray(tp))
@@ -69,6 +86,9 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600):
             "batch": batch, "prompt_lens": [len(r) for r in rows], "steps": steps,
             "tokens_identical": all(same),
             "first_divergence": None if all(same) else same.index(False),
+            # The two tokens' logit gap in each path where they first chose differently,
+            # against the largest logit difference between the paths on that row.
+            "first_divergence_near_tie": near_tie,
             "rel_l2_max": max(errs), "rel_l2_median": float(np.median(errs)),
             "rel_l2_per_step": errs}
 
@@ -126,7 +146,8 @@ def main():
             save()
     if a.parity_steps and "error" not in p:
         print(f"[{a.format}] parity: tokens identical over {p['steps']} steps: "
-              f"{p['tokens_identical']} (first divergence {p['first_divergence']}); logits rel-L2 "
+              f"{p['tokens_identical']} (first divergence {p['first_divergence']}, "
+              f"{p['first_divergence_near_tie']}); logits rel-L2 "
               f"max {p['rel_l2_max']:.2e} median {p['rel_l2_median']:.2e}; teacher-forced: "
               f"argmax agreement {p['teacher_forced_argmax_agreement']:.3f}, rel-L2 median "
               f"{p['teacher_forced_rel_l2_median']:.2e} max {p['teacher_forced_rel_l2_max']:.2e} "

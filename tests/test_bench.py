@@ -7,6 +7,8 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import decode_bench  # noqa: E402
+import gpu_suite  # noqa: E402
+import numpy as np  # noqa: E402
 
 from flint_jax.config import preset  # noqa: E402
 
@@ -39,3 +41,30 @@ def test_run_case_tiny_on_cpu():
     # Same cache contents and token for both paths: the logits agree to bf16 accuracy.
     assert row["rel_l2_pallas_vs_xla"] < 2e-2
     assert "| bf16 | 2 | 40 |" in decode_bench.table([row], ["xla", "pallas"])
+
+
+def test_choice_gap_reports_the_first_disagreeing_row():
+    a = np.array([[0.0, 5.0, 4.9], [1.0, 2.0, 3.0], [9.0, 0.0, 8.0]], np.float32)
+    assert gpu_suite.choice_gap(a, a.copy()) is None
+    b = a.copy()
+    b[1, 0] = 3.5          # row 1 now picks token 0 (margin 0.5 over the reference's token 2)
+    b[2, 2] = 9.5          # row 2 too, but row 1 comes first
+    gap = gpu_suite.choice_gap(a, b)
+    assert gap["row"] == 1
+    assert gap["ref_margin"] == pytest.approx(2.0)       # a[1, 2] - a[1, 0]
+    assert gap["pallas_margin"] == pytest.approx(0.5)    # b[1, 0] - b[1, 2]
+    assert gap["max_abs_diff"] == pytest.approx(2.5)
+    assert gap["logit_scale"] == pytest.approx(3.0)
+
+
+def test_parity_tiny_on_cpu():
+    cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=())
+    graphdef, state = decode_bench.build_state(cfg, quant=True)
+    p = gpu_suite.parity(cfg, graphdef, state, True, steps=2, batch=2, prompt_len=45)
+    assert p["steps"] == 2 and p["prompt_lens"] == [45, 8]
+    assert 0.0 <= p["teacher_forced_argmax_agreement"] <= 1.0
+    assert p["teacher_forced_rel_l2_max"] < 5e-2
+    if p["tokens_identical"]:
+        assert p["first_divergence"] is None and p["first_divergence_near_tie"] is None
+    else:
+        assert p["first_divergence_near_tie"]["ref_margin"] >= 0

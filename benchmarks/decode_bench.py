@@ -216,7 +216,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     (the default step plus `norm_in_qkv`), "pallas_fa" / "pallas_faa" (attention "fused" /
     "fused_atomic"), "pallas_nqfa" / "pallas_nqfaa" (both), "pallas_sp" (attention "split": the
     session-2 default step), "pallas_rsN" (the sliding layers' attention in N splits,
-    `DecodeOptions.ring_splits`)."""
+    `DecodeOptions.ring_splits`), "pallas_qw" (`qkv_wait`: each layer's end and the next q|k|v
+    as one producer / consumer kernel)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -228,7 +229,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "fa": DecodeOptions(attention="fused"),
                "faa": DecodeOptions(attention="fused_atomic"),
                "nqfaa": DecodeOptions(norm_in_qkv=True, attention="fused_atomic"),
-               "nqfa": DecodeOptions(norm_in_qkv=True, attention="fused")}[variant]
+               "nqfa": DecodeOptions(norm_in_qkv=True, attention="fused"),
+               "qw": DecodeOptions(qkv_wait=True)}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

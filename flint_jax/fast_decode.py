@@ -25,7 +25,7 @@ from flint_jax.cache import KVCache
 from flint_jax.config import FlintConfig
 from flint_jax import layers
 from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, decode_attention,
-                              moe_block, moe_combine_add_rms_norm, moe_decode_routed,
+                              layer_end_qkv, moe_block, moe_combine_add_rms_norm, moe_decode_routed,
                               moe_router_logits, multi_gemv, norm_qkv, nvfp4_gemv,
                               nvfp4_gemv_silu_mul, qk_norm_rope, qk_norm_rope_attention,
                               rms_norm)
@@ -58,6 +58,10 @@ class DecodeOptions:
       `decode_attention` (3 launches); "fused_atomic" = "fused" with the merge done by the last
       program of each KV head (1 launch, one zeroed counter per step; measured no faster: its
       merge tail costs about what the launch saved).
+    qkv_wait: (with moe="routed" and fused_qkv; instead of norm_in_qkv) the end of each layer
+      and the next layer's q|k|v in one `layer_end_qkv` kernel: one program per row computes
+      the layer end once, the GEMV programs load their weights first and wait for it on a
+      device-side counter (one zeroed counter per step). NOT YET MEASURED on the GPU.
     ring_splits: split count of the sliding layers' attention (their 576-slot ring holds 513
       live keys); None = `decode_attention.default_attention_blocks` (16 at batch 1). 1 = one
       program per (row, KV head) that normalises itself: no merge kernel.
@@ -68,6 +72,12 @@ class DecodeOptions:
     norm_in_qkv: bool = False
     attention: str = "fused"
     ring_splits: int | None = None
+    qkv_wait: bool = False
+
+    @property
+    def fold_layer_end(self) -> bool:
+        """Whether each layer's end is computed inside the next layer's q|k|v kernel."""
+        return self.norm_in_qkv or self.qkv_wait
 
     def __post_init__(self):
         if self.attention not in ("split", "fused", "fused_atomic"):
@@ -83,6 +93,9 @@ class DecodeOptions:
             raise ValueError("DecodeOptions.router_in_norm needs moe='routed'")
         if self.norm_in_qkv and (self.moe != "routed" or not self.fused_qkv):
             raise ValueError("DecodeOptions.norm_in_qkv needs moe='routed' and fused_qkv=True")
+        if self.qkv_wait and (self.moe != "routed" or not self.fused_qkv or self.norm_in_qkv):
+            raise ValueError("DecodeOptions.qkv_wait needs moe='routed', fused_qkv=True and "
+                             "norm_in_qkv=False")
 
 
 #: The session-1 Pallas step (three projection GEMVs, MoE routing in XLA), kept for comparison.
@@ -201,7 +214,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # One zeroed merge counter per step for every layer (attention="fused_atomic").
         counter = (jnp.zeros((len(layers), b, kvh), jnp.int32)
                    if opts.attention == "fused_atomic" else None)
-        if not opts.norm_in_qkv:
+        # qkv_wait: one zeroed (ticket, ready) counter pair per layer for every step.
+        qcounter = jnp.zeros((len(layers), 2), jnp.int32) if opts.qkv_wait else None
+        if not opts.fold_layer_end:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
         for i, layer in enumerate(layers):
             j = cfg.cache_index[i]
@@ -209,7 +224,12 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             attn = layer.self_attn
             last = i + 1 == len(layers)
             with jax.named_scope(f"layer_{i}"):
-                if opts.norm_in_qkv:
+                if opts.qkv_wait:
+                    h, (q, k, v), qcounter = layer_end_qkv(
+                        h, _qkv_weights(attn), layer.input_layernorm.weight[...], qcounter,
+                        y=pending[0], top_logits=pending[1], counter_index=i, eps=eps,
+                        interpret=interpret)
+                elif opts.norm_in_qkv:
                     h, (q, k, v) = norm_qkv(h, _qkv_weights(attn), layer.input_layernorm.weight[...],
                                             y=pending[0], top_logits=pending[1], eps=eps,
                                             interpret=interpret)
@@ -251,7 +271,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 else:
                     h, x = add_rms_norm(h, a, post_ln, eps=eps, interpret=interpret)
                 nxt = layers[i + 1].input_layernorm.weight[...] if not last else m.model.norm.weight[...]
-                if cfg.is_moe(i) and opts.norm_in_qkv and not last:
+                if cfg.is_moe(i) and opts.fold_layer_end and not last:
                     if router_logits is None:
                         router_logits = moe_router_logits(x, mlp.gate.weight[...])
                     y, route = moe_decode_routed(x, router_logits, _experts_arg(mlp.experts),
@@ -263,7 +283,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                              router_logits)
                 else:
                     y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret), interpret)
-                    if opts.norm_in_qkv and not last:
+                    if opts.fold_layer_end and not last:
                         pending = (y, None)
                     else:
                         h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)

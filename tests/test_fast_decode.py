@@ -23,10 +23,11 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            "fused": FUSED_OPTIONS, "attn": DecodeOptions(attention="fused"),
            "attn_atomic": DecodeOptions(attention="fused_atomic", norm_in_qkv=True),
            "ring1": DecodeOptions(ring_splits=1),
-           "ring2_split": DecodeOptions(ring_splits=2, attention="split")}
+           "ring2_split": DecodeOptions(ring_splits=2, attention="split"),
+           "qkv_wait": DecodeOptions(qkv_wait=True)}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
          ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
-         ("bf16", "ring1"), ("nvfp4", "ring2_split")]
+         ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait")]
 
 
 @pytest.mark.parametrize("fmt,options", CASES)
@@ -51,6 +52,8 @@ def test_pallas_generate_equals_xla(fmt, options):
     (dict(moe="slots", norm_in_qkv=True), "norm_in_qkv needs"),
     (dict(attention="flash"), "split|fused|fused_atomic"),
     (dict(ring_splits=3), "power of two"),
+    (dict(qkv_wait=True, norm_in_qkv=True), "qkv_wait needs"),
+    (dict(qkv_wait=True, moe="slots"), "qkv_wait needs"),
     (dict(ring_splits=0), "power of two"),
 ])
 def test_decode_options_reject_inconsistent_choices(kw, match):

@@ -125,6 +125,20 @@ def test_moe_lowers(fmt, m, down_split):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 8])
+def test_layer_end_qkv_lowers(fmt, m):
+  """The producer / consumer kernel (layer end + next q|k|v) at Flint sizes: one Triton kernel."""
+  from flint_jax.pallas.layer_end_qkv import layer_end_qkv  # pylint: disable=g-import-not-at-top
+  ws = (tuple(S((n, D), BF) for n in (4096, 512, 512)) if fmt == "bf16"
+        else tuple(nv(n, D) for n in (4096, 512, 512)))
+  fn = lambda h, ws, w, c, y, tl: layer_end_qkv(h, ws, w, c, y=y, top_logits=tl,  # noqa: E731
+                                                counter_index=3)
+  text = lower(fn, S((m, D), BF), ws, S((D,), BF), S((49, 2), I32), S((m * 6 + 1, m, D), BF),
+               S((m, 6), F32))
+  assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 8])
 def test_moe_routed_lowers(fmt, m):
   """The routed path's kernels, separately and composed: the composed MoE layer (router logits
   through the next block's normalised input) is 3 Triton kernels and one XLA dot (the routing

@@ -8,6 +8,8 @@ numerical contract of the kernel and the XLA fallback):
 | ``gemv`` | ``gemv``, ``gemv_silu_mul``: bf16 small-batch GEMV, fused gate/up + SiLU |
 | ``multi_gemv`` | ``multi_gemv``: 1-4 GEMVs sharing x (fused q, k, v), bf16 or NVFP4 |
 | ``norm_qkv`` | ``norm_qkv``: MoE combine / residual add + RMSNorm + ``multi_gemv``, one kernel |
+| ``layer_end_qkv`` | ``layer_end_qkv``: the same split into producer programs and GEMV programs |
+| | that load their weights first and wait on a device-side counter |
 | ``nvfp4_gemv`` | ``nvfp4_gemv``, ``nvfp4_gemv_silu_mul``: W4A16 GEMV on the half-split layout |
 | ``moe`` | ``moe_route`` (XLA), ``moe_decode``, ``moe_block``: expert-indexed MoE decode; |
 | | ``moe_block_add_rms_norm``: routing in-kernel + fused combine/add/norm (4 launches) |
@@ -32,6 +34,7 @@ from flint_jax.pallas.attention_block import (qk_norm_rope_attention,
                                               qk_norm_rope_attention_reference)
 from flint_jax.pallas.decode_attention import decode_attention, decode_attention_reference
 from flint_jax.pallas.gemv import gemv, gemv_reference, gemv_silu_mul, gemv_silu_mul_reference
+from flint_jax.pallas.layer_end_qkv import layer_end_qkv, layer_end_qkv_reference
 from flint_jax.pallas.moe import (MoERoute, moe_block, moe_block_add_rms_norm,
                                   moe_block_add_rms_norm_reference, moe_block_reference,
                                   moe_combine_add_rms_norm, moe_combine_add_rms_norm_reference,
@@ -59,6 +62,7 @@ __all__ = [
     "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
     "moe_block_add_rms_norm_reference",
     "multi_gemv", "multi_gemv_reference", "norm_qkv", "norm_qkv_reference",
+    "layer_end_qkv", "layer_end_qkv_reference",
     "NVFP4Weight", "dequantize_nvfp4_reference", "nvfp4_gemv", "nvfp4_gemv_reference",
     "nvfp4_gemv_silu_mul", "nvfp4_gemv_silu_mul_reference",
     "qk_norm_rope", "qk_norm_rope_reference",

@@ -21,10 +21,10 @@ the latency-bound layer end, which is what vLLM gets from programmatic dependent
   keep a producer from being scheduled (no deadlock whatever the dispatch order).
 
 ``counter``: int32 ``[L, 2]`` (or ``[2]``) **zeros on entry**, row ``counter_index``; aliased
-input -> output and returned (its row ends at ``(M + programs, M)``), so a decode step passes one
-zeroed array for all its layers (one memset), as ``attention="fused_atomic"`` does. Interpret
-mode runs the programs in grid order, so the tickets come in that order and every producer has
-finished before the first consumer polls.
+input -> output and returned (its row ends at ``(M + GEMV programs, M)``), so a decode step
+passes one zeroed array for all its layers (one memset), as ``attention="fused_atomic"`` does.
+Interpret mode runs the programs in grid order, so the tickets come in that order and every
+producer has finished before the first consumer polls.
 
 Register budget (why ``block_n`` is small): a consumer holds ``block_n x K`` bf16 weights:
 16 x 2048 = 64 KB per program, 64 registers per thread at 8 warps. Tile method: ``reduce`` at

@@ -707,9 +707,50 @@ def route_cases(variants):
                  (x, ids, w, experts, shared) for x, (ids, w) in zip(xs, routes)], bytes_)
 
 
+LEQ = importlib.import_module("flint_jax.pallas.layer_end_qkv")
+NQ = importlib.import_module("flint_jax.pallas.norm_qkv")
+
+
+def wait_cases(variants):
+  """The end of a MoE layer + the next q|k|v, three ways: the default step's two kernels
+  (``moe_combine_add_rms_norm`` then ``multi_gemv``), ``norm_qkv`` (the layer end repeated in
+  every GEMV program), and ``layer_end_qkv`` (one producer per row; GEMV programs load their
+  weights first and wait on a device counter; its zeroed counter is one more tiny kernel)."""
+  if variants:
+    return
+  top_k = 6
+  for fmt in ("bf16", "nvfp4"):
+    for m in (1, 8):
+      def make_w():
+        if fmt == "bf16":
+          return tuple(randn((n, D), scale=D ** -0.5) for n in (H * DH, KVH * DH, KVH * DH))
+        return tuple(rand_nvfp4((n, D)) for n in (H * DH, KVH * DH, KVH * DH))
+      wb = nbytes(make_w())
+      sets = [(randn((m, D)), randn((m * top_k + 1, m, D)),
+               randn((m, top_k), jnp.float32), randn((D,)) + 1, make_w())
+              for _ in range(n_sets(wb))]
+      bytes_ = wb + (m * top_k + 2) * m * D * 2
+      lbl = f"{fmt} M={m}"
+
+      def split(h, y, tl, w, ws):
+        s, x = MOE.moe_combine_add_rms_norm(h, y, tl, w)
+        return s, MULTI.multi_gemv(x, ws)
+
+      yield (f"wait/{fmt}/M{m}/split", "wait", lbl, "combine + multi_gemv (default)", split,
+             sets, bytes_)
+      yield (f"wait/{fmt}/M{m}/norm_qkv", "wait", lbl, "norm_qkv (prologue in every program)",
+             lambda h, y, tl, w, ws: NQ.norm_qkv(h, ws, w, y=y, top_logits=tl), sets, bytes_)
+      for bn, pre in ((16, None), (16, 1), (32, 1), (32, 0)):
+        yield (f"wait/{fmt}/M{m}/wait_bn{bn}_pre{pre}", "wait", lbl,
+               f"layer_end_qkv bn{bn} preload {'all' if pre is None else pre}",
+               lambda h, y, tl, w, ws, bn=bn, pre=pre: LEQ.layer_end_qkv(
+                   h, ws, w, jnp.zeros((2,), jnp.int32), y=y, top_logits=tl, block_n=bn,
+                   preload=pre)[:2], sets, bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
-          "tune2": tune2_cases, "route": route_cases}
+          "tune2": tune2_cases, "route": route_cases, "wait": wait_cases}
 
 
 # ------------------------------------------------------------------------------------------

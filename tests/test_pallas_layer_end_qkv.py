@@ -62,6 +62,19 @@ def test_layer_end_qkv_matches_reference(fmt, m, mode, d, ns):
   np.testing.assert_array_equal(np.asarray(c2), want)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("preload", [0, 1])
+def test_layer_end_qkv_partial_preload(fmt, preload):
+  """Weights of the first `preload` K steps before the wait, the rest after: same results."""
+  h, ws, w, kw = make(fmt, 2, "moe", 192, (32, 16), top_k=3, seed=2)
+  s, outs, _ = layer_end_qkv(h, ws, w, jnp.zeros((2,), jnp.int32), block_k=64, preload=preload,
+                             interpret=INTERPRET, **kw)
+  rs, routs = layer_end_qkv_reference(h, ws, w, **kw)
+  np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(rs, np.float32))
+  for o, ro in zip(outs, routs):
+    assert_close(o, ro)
+
+
 def test_layer_end_qkv_unstacked_counter_and_dot_at_m1():
   h, ws, w, kw = make("bf16", 1, "moe", 128, (32, 16, 16), top_k=4, seed=1)
   s, outs, c2 = layer_end_qkv(h, ws, w, jnp.zeros((2,), jnp.int32), method="dot",
@@ -78,6 +91,7 @@ def test_layer_end_qkv_unstacked_counter_and_dot_at_m1():
     (dict(counter=jnp.zeros((3, 2), jnp.int32)), r"counter must be int32 zeros \[2\]"),
     (dict(method="swap"), "reduce .* or dot"),
     (dict(block_n=24), "block_n"),
+    (dict(preload=5), r"preload must be 0\.\.1 K steps"),
 ])
 def test_layer_end_qkv_rejects_bad_arguments(bad, match):
   h, ws, w, kw = make("bf16", 1, "dense", 64, (32, 16))

@@ -96,7 +96,7 @@ def _produce_row(r, t, *, mode, top_k, u, d, dp, eps):
 
 
 def _kernel(*refs, names, mode, fmt, starts, m, mp, d, dp, bn, bk, eps, top_k, u, decode,
-            method, stacked, interpret):
+            method, stacked, preload, interpret):
   r = dict(zip(names, refs))
   cnt = r["counter_out"]
   ci = (r["counter_index"][0],) if stacked else ()
@@ -112,20 +112,20 @@ def _kernel(*refs, names, mode, fmt, starts, m, mp, d, dp, bn, bk, eps, top_k, u
 
   def consumer(i):
     n0 = pl.multiple_of((ticket - m - starts[i]) * bn, bn)
-    steps = d // bk
-    # 1. The weights first: every K step's tile, loaded (NVFP4: decoded) into registers.
-    if fmt == "bf16":
-      tiles = [r[f"w{i}"][pl.ds(n0, bn), pl.ds(j * bk, bk)] for j in range(steps)]
-    else:
-      nb = bk // 64
-      q_ref, s_ref = r[f"q{i}"], r[f"sc{i}"]
-      tiles = []
-      for j in range(steps):
-        blk = pl.ds(j * nb, nb)
-        q = q_ref[pl.ds(n0, bn), blk, :, :]                             # [BN, nb, 2, 16]
-        s_lo = s_ref[pl.ds(n0, bn), blk, 0, :].astype(jnp.float32)[..., None]
-        s_hi = s_ref[pl.ds(n0, bn), blk, 1, :].astype(jnp.float32)[..., None]
-        tiles.append(NV._decode_pair(q, s_lo, s_hi, decode))  # pylint: disable=protected-access
+    nb = bk // 64
+
+    def weight_tile(j):   # K step j's weights: bf16 [BN, BK] or decoded NVFP4 (w_lo, w_hi)
+      if fmt == "bf16":
+        return r[f"w{i}"][pl.ds(n0, bn), pl.ds(j * bk, bk)]
+      blk = pl.ds(j * nb, nb)
+      q = r[f"q{i}"][pl.ds(n0, bn), blk, :, :]                          # [BN, nb, 2, 16]
+      s_lo = r[f"sc{i}"][pl.ds(n0, bn), blk, 0, :].astype(jnp.float32)[..., None]
+      s_hi = r[f"sc{i}"][pl.ds(n0, bn), blk, 1, :].astype(jnp.float32)[..., None]
+      return NV._decode_pair(q, s_lo, s_hi, decode)  # pylint: disable=protected-access
+
+    # 1. The weights first: the first ``preload`` K steps' tiles, loaded (NVFP4: decoded) into
+    # registers; the other steps are loaded after the wait.
+    tiles = [weight_tile(j) for j in range(preload)]
     # 2. Wait for the M producers (volatile polls), then one acquire.
     done = lambda: plgpu.load(cnt.at[slot(1)], volatile=True)  # noqa: E731
     lax.while_loop(lambda v: v < m, lambda v: done(), done())
@@ -133,7 +133,8 @@ def _kernel(*refs, names, mode, fmt, starts, m, mp, d, dp, bn, bk, eps, top_k, u
     # 3. x (volatile: written by another CTA during this kernel) times the tiles.
     rows = C.row_load_index(m, mp)
     acc = jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32)
-    for j, tile in enumerate(tiles):
+    for j in range(d // bk):
+      tile = tiles[j] if j < preload else weight_tile(j)
       if fmt == "bf16":
         kk = j * bk + jnp.arange(bk, dtype=jnp.int32)
         if method == "reduce":
@@ -165,13 +166,17 @@ def _kernel(*refs, names, mode, fmt, starts, m, mp, d, dp, bn, bk, eps, top_k, u
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "eps", "out_dtype", "block_n", "block_k", "method", "decode", "num_warps", "interpret"))
+    "eps", "out_dtype", "block_n", "block_k", "method", "decode", "num_warps", "preload",
+    "interpret"))
 def layer_end_qkv(h, weights, w_norm, counter, *, y=None, top_logits=None, counter_index=None,
                   eps: float = 1e-6, out_dtype=jnp.bfloat16, block_n: int = 16,
                   block_k: int | None = None, method: str | None = None, decode: str = "asm",
-                  num_warps: int = 8, interpret: bool = False):
+                  num_warps: int = 8, preload: int | None = None, interpret: bool = False):
   """(s, outs, counter): ``norm_qkv``'s result, computed by producer and consumer programs (see
-  the module docstring). counter: int32 zeros ``[2]``, or ``[L, 2]`` with ``counter_index``."""
+  the module docstring). counter: int32 zeros ``[2]``, or ``[L, 2]`` with ``counter_index``.
+  preload: K steps (of ``block_k``) whose weights a GEMV program loads before it waits; the rest
+  after (default all: ``block_n`` x D weights held in registers; fewer frees registers for more
+  programs per SM)."""
   mode, top_k = NQ._mode(h, y, top_logits, w_norm)  # pylint: disable=protected-access
   fmt = MG._format(weights)  # pylint: disable=protected-access
   m, d = h.shape
@@ -183,6 +188,9 @@ def layer_end_qkv(h, weights, w_norm, counter, *, y=None, top_logits=None, count
           and counter.ndim == (2 if stacked else 1),
           f"counter must be int32 zeros {'[L, 2] (with counter_index)' if stacked else '[2]'}, "
           f"got {counter.shape} {counter.dtype}")
+  steps = d // block_k
+  preload = steps if preload is None else preload
+  C.check(0 <= preload <= steps, f"preload must be 0..{steps} K steps, got {preload=}")
   method = method or ("reduce" if m == 1 else "dot")
   C.check_method(method, m)
   C.check(method != "swap", "layer_end_qkv: method must be reduce (M == 1) or dot")
@@ -231,12 +239,13 @@ def layer_end_qkv(h, weights, w_norm, counter, *, y=None, top_logits=None, count
   kernel = functools.partial(
       _kernel, names=tuple(names), mode=mode, fmt=fmt, starts=starts, m=m, mp=mp, d=d, dp=dp,
       bn=block_n, bk=block_k, eps=eps, top_k=top_k, u=u, decode=decode, method=method,
-      stacked=stacked, interpret=interpret)
+      stacked=stacked, preload=preload, interpret=interpret)
   res = pl.pallas_call(
       kernel, out_shape=tuple(out_shape), grid=(m + starts[-1],),
       input_output_aliases={n_in: len(out_shape) - 1},
       compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,
-      name=f"flint_layer_end_qkv{n_mats}_{mode}_{fmt}_{method}_bn{block_n}_bk{block_k}",
+      name=(f"flint_layer_end_qkv{n_mats}_{mode}_{fmt}_{method}_bn{block_n}_bk{block_k}"
+            f"_pre{preload}"),
   )(*args)
   outs = tuple(res[:n_mats])
   s = h if mode == "norm" else res[n_mats + 1]

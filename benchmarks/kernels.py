@@ -370,18 +370,25 @@ def moe_weights(fmt):
   return experts, shared
 
 
+def moe_inputs(m, router, experts, shared):
+  """16 inputs x [M, D] (fresh routing per call: no L2 reuse), their router logits, their routes
+  (ids, weights) from XLA, and the bytes a call must read: the distinct experts of a route on
+  average, the shared expert, x and the output."""
+  xs = [randn((m, D)) for _ in range(16)]
+  logits = [MOE.moe_router_logits(x, router) for x in xs]
+  routes = [MOE.moe_route(x, router) for x in xs]
+  per_expert = nbytes({k: v[0] for k, v in experts.items()})
+  n_exp = np.mean([len(np.unique(np.asarray(ids))) for ids, _ in routes])
+  return xs, logits, routes, int(n_exp * per_expert + nbytes(shared) + 2 * m * D * 2)
+
+
 def moe_cases(variants):
   router = randn((E, D), jnp.float32, D ** -0.5)
   for fmt in ("bf16", "nvfp4"):
     experts, shared = moe_weights(fmt)
-    per_expert = nbytes({k: v[0] for k, v in experts.items()})
-    shared_b = nbytes(shared)
     for m in (1, 8):
-      xs = [randn((m, D)) for _ in range(16)]       # fresh routing per call: no L2 reuse
-      routed = [MOE.moe_route(x, router) for x in xs]
+      xs, _, routed, bytes_ = moe_inputs(m, router, experts, shared)
       sets = [(x, ids, w, experts, shared) for x, (ids, w) in zip(xs, routed)]
-      n_exp = np.mean([len(np.unique(np.asarray(r[0]))) for r in routed])
-      bytes_ = int(n_exp * per_expert + shared_b + 2 * m * D * 2)
       if not variants:
         yield (f"moe/{fmt}/M{m}/xla", "moe", f"{fmt} M={m}", "xla (gather+einsum ref)",
                jax.jit(MOE.moe_decode_reference), sets, bytes_)
@@ -619,16 +626,11 @@ def _sweep_cases(prefix, tables):
   router = randn((E, D), jnp.float32, D ** -0.5)
   for fmt in ("bf16", "nvfp4"):
     experts, shared = moe_weights(fmt)
-    per_expert = nbytes({k: v[0] for k, v in experts.items()})
-    shared_b = nbytes(shared)
     for m in (1, 8):
       if (fmt, m) not in tables["moe"]:
         continue
-      xs = [randn((m, D)) for _ in range(16)]
-      logits = [MOE.moe_router_logits(x, router) for x in xs]
+      xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
       sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
-      n_exp = np.mean([len(np.unique(np.asarray(jax.lax.top_k(lg, 6)[1]))) for lg in logits])
-      bytes_ = int(n_exp * per_expert + shared_b + 2 * m * D * 2)
       lbl = f"routed {fmt} M={m}"
       # both return (y, MoERoute(ids, logits)): the rel_l2 check covers the stored routing too
       yield (f"{prefix}/moe/{fmt}/M{m}/xla", "tune", lbl, "xla",
@@ -691,16 +693,11 @@ def route_cases(variants):
   router = randn((E, D), jnp.float32, D ** -0.5)
   for fmt in ("bf16", "nvfp4"):
     experts, shared = moe_weights(fmt)
-    per_expert = nbytes({k: v[0] for k, v in experts.items()})
     for m in (1, 8):
-      xs = [randn((m, D)) for _ in range(16)]
-      logits = [MOE.moe_router_logits(x, router) for x in xs]
-      routes = [MOE.moe_route(x, router) for x in xs]
-      n_exp = np.mean([len(np.unique(np.asarray(r[0]))) for r in routes])
-      bytes_ = int(n_exp * per_expert + nbytes(shared))
+      xs, logits, routes, bytes_ = moe_inputs(m, router, experts, shared)
       lbl = f"{fmt} M={m}"
       yield (f"route/{fmt}/M{m}/routed", "route", lbl, "routed (top-k in gate_up)",
-             functools.partial(MOE.moe_decode_routed), [
+             MOE.moe_decode_routed, [
                  (x, lg, experts, shared) for x, lg in zip(xs, logits)], bytes_)
       yield (f"route/{fmt}/M{m}/ids", "route", lbl, "ids given (moe_decode, no dedupe)",
              functools.partial(MOE.moe_decode, dedupe=False), [

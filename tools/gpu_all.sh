@@ -23,16 +23,7 @@
 # The numbers in docs/performance.md came from:
 #   run(command="bash tools/gpu_all.sh suite_bf16", carry=[".whl"], timeout_s=600)   (and so on)
 set -uo pipefail
-OUT=${OUT:-/tmp/flint_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:$PWD/benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache
-# Full-size BF16 weights (80 GB) plus a 100K-token batch-8 cache (30 GB) need most of the card.
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
+source tools/gpu_env.sh
 
 stages=("$@")
 [ "${stages[0]:-all}" = all ] && stages=(kernels suite_bf16 suite_nvfp4 checkpoints)

@@ -8,14 +8,7 @@
 # none) is the set whose run also checks Pallas-vs-XLA parity (16 greedy steps). Results:
 # $OUT/flags_<format>_<set index>.json and a summary line per run on stdout.
 set -uo pipefail
-OUT=${OUT:-/tmp/flint_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:$PWD/benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
+source tools/gpu_env.sh
 IFS=';' read -r -a sets <<< "${FLAG_SETS:-default;--xla_gpu_enable_pdl=true}"
 for fmt in ${FORMATS:-bf16 nvfp4}; do
   for i in "${!sets[@]}"; do

@@ -37,7 +37,11 @@ def _normalize(s32, w32, d, eps):
 
 
 def _add_rms_norm_kernel(h_ref, y_ref, w_ref, s_ref, o_ref, *, d, dp, eps):
-  row = pl.program_id(0)
+  _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, pl.program_id(0), d=d, dp=dp, eps=eps)
+
+
+def _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, row, *, d, dp, eps):
+  """Row ``row`` of ``add_rms_norm`` (also a producer of ``layer_end_qkv``)."""
   cols = jnp.arange(dp, dtype=jnp.int32)
   mask = cols < d
   h = plgpu.load(h_ref.at[row, cols], mask=mask, other=0)           # [Dp]
@@ -50,7 +54,11 @@ def _add_rms_norm_kernel(h_ref, y_ref, w_ref, s_ref, o_ref, *, d, dp, eps):
 
 
 def _rms_norm_kernel(x_ref, w_ref, o_ref, *, d, dp, eps):
-  row = pl.program_id(0)
+  _rms_norm_row(x_ref, w_ref, o_ref, pl.program_id(0), d=d, dp=dp, eps=eps)
+
+
+def _rms_norm_row(x_ref, w_ref, o_ref, row, *, d, dp, eps):
+  """Row ``row`` of ``rms_norm`` (also a producer of ``layer_end_qkv``)."""
   cols = jnp.arange(dp, dtype=jnp.int32)
   mask = cols < d
   x = plgpu.load(x_ref.at[row, cols], mask=mask, other=0).astype(jnp.float32)

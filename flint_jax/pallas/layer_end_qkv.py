@@ -54,11 +54,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
 import flint_jax.pallas.add_rms_norm  # noqa: F401  (modules, not the functions the package
-import flint_jax.pallas.multi_gemv  # noqa: F401    re-exports under the same names)
+import flint_jax.pallas.moe  # noqa: F401           re-exports under the same names)
+import flint_jax.pallas.multi_gemv  # noqa: F401
 import flint_jax.pallas.norm_qkv  # noqa: F401
 import flint_jax.pallas.nvfp4_gemv  # noqa: F401
 
 ARN = sys.modules["flint_jax.pallas.add_rms_norm"]
+MOE = sys.modules["flint_jax.pallas.moe"]
 MG = sys.modules["flint_jax.pallas.multi_gemv"]
 NQ = sys.modules["flint_jax.pallas.norm_qkv"]
 NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
@@ -67,32 +69,17 @@ __all__ = ["layer_end_qkv", "layer_end_qkv_reference"]
 
 
 def _produce_row(r, t, *, mode, top_k, u, d, dp, eps):
-  """Row t's s (stored unless mode "norm") and normalised x (stored to the scratch ``x``)."""
-  cols = jnp.arange(dp, dtype=jnp.int32)
-  mask = cols < d
-  h = plgpu.load(r["h"].at[t, cols], mask=mask, other=0)
+  """Row t's s (stored unless mode "norm") and normalised x (stored to the scratch ``x``): the
+  row code of ``moe_combine_add_rms_norm`` / ``add_rms_norm`` / ``rms_norm``."""
+  # pylint: disable=protected-access
+  kw = dict(d=d, dp=dp, eps=eps)
   if mode == "norm":
-    s = h
+    ARN._rms_norm_row(r["h"], r["w"], r["x"], t, **kw)
   elif mode == "dense":
-    y = plgpu.load(r["y"].at[t, cols], mask=mask, other=0)
-    s = (h.astype(jnp.float32) + y.astype(jnp.float32)).astype(h.dtype)
-  else:   # moe_combine_add_rms_norm's formula, top-k order
-    sig = [jax.nn.sigmoid(r["top_logits"][t, j]) for j in range(top_k)]
-    den = sig[0]
-    for sj in sig[1:]:
-      den = den + sj
-    tot = jnp.zeros((dp,), jnp.float32)
-    for j, sj in enumerate(sig):
-      yj = plgpu.load(r["y"].at[t * top_k + j, t, cols], mask=mask, other=0)
-      tot = tot + (sj / den) * yj.astype(jnp.float32)
-    ys = plgpu.load(r["y"].at[u, t, cols], mask=mask, other=0).astype(jnp.float32)
-    moe = (tot + ys).astype(h.dtype)
-    s = (h.astype(jnp.float32) + moe.astype(jnp.float32)).astype(h.dtype)
-  w = plgpu.load(r["w"].at[cols], mask=mask, other=0).astype(jnp.float32)
-  x = ARN._normalize(s.astype(jnp.float32), w, d, eps)  # pylint: disable=protected-access
-  if mode != "norm":
-    plgpu.store(r["s"].at[t, cols], s, mask=mask)
-  plgpu.store(r["x"].at[t, cols], x.astype(r["x"].dtype), mask=mask)
+    ARN._add_rms_norm_row(r["h"], r["y"], r["w"], r["s"], r["x"], t, **kw)
+  else:
+    MOE._combine_add_rms_norm_row(r["y"], r["top_logits"], r["h"], r["w"], r["s"], r["x"], t,
+                                  top_k=top_k, u=u, **kw)
 
 
 def _kernel(*refs, names, mode, fmt, starts, m, mp, d, dp, bn, bk, eps, top_k, u, decode,
@@ -132,6 +119,9 @@ def _kernel(*refs, names, mode, fmt, starts, m, mp, d, dp, bn, bk, eps, top_k, u
     plgpu.atomic_add(cnt, slot(1), jnp.int32(0))
     # 3. x (volatile: written by another CTA during this kernel) times the tiles.
     rows = C.row_load_index(m, mp)
+    if fmt == "nvfp4":   # the half-split layout: block b, nibble half h -> k = 64 b + 32 h + ..
+      ar = lambda n: jnp.arange(n, dtype=jnp.int32)  # noqa: E731
+      nvfp4_k = 64 * ar(nb)[:, None, None] + 16 * ar(2)[None, :, None] + ar(16)[None, None, :]
     acc = jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32)
     for j in range(d // bk):
       tile = tiles[j] if j < preload else weight_tile(j)
@@ -146,9 +136,7 @@ def _kernel(*refs, names, mode, fmt, starts, m, mp, d, dp, bn, bk, eps, top_k, u
       w_lo, w_hi = tile
       for half, w in ((0, w_lo), (1, w_hi)):
         base = j * bk + half * 32
-        ar = lambda n: jnp.arange(n, dtype=jnp.int32)  # noqa: E731
-        kk = (base + 64 * ar(nb)[:, None, None] + 16 * ar(2)[None, :, None]
-              + ar(16)[None, None, :])                                   # [nb, 2, 16]
+        kk = base + nvfp4_k                                              # [nb, 2, 16]
         if method == "reduce":
           xt = plgpu.load(r["x"].at[0, kk], volatile=True).astype(jnp.float32)
           p = jnp.sum(w.astype(jnp.float32) * xt[None], axis=3)            # [BN, nb, 2]
@@ -199,28 +187,7 @@ def layer_end_qkv(h, weights, w_norm, counter, *, y=None, top_logits=None, count
   n_mats = len(weights)
   starts = tuple(sum(ns[:i]) // block_n for i in range(n_mats + 1))
 
-  names, args = ["h"], [h]
-  u = 0
-  if mode != "norm":
-    names.append("y")
-    args.append(y)
-  if mode == "moe":
-    names.append("top_logits")
-    args.append(top_logits)
-    u = m * top_k
-  names.append("w")
-  args.append(w_norm)
-  if fmt == "bf16":
-    for i, w in enumerate(weights):
-      names.append(f"w{i}")
-      args.append(w)
-  else:
-    for i, w in enumerate(weights):
-      names += [f"q{i}", f"sc{i}"]
-      args += list(NV.nvfp4_views(w[0], w[1]))
-    for i, w in enumerate(weights):
-      names.append(f"s2_{i}")
-      args.append(jnp.asarray(w[2], jnp.float32).reshape(1))
+  names, args, u = NQ.layer_end_inputs(h, y, top_logits, w_norm, weights, mode, top_k, fmt)
   if stacked:
     names.append("counter_index")
     args.append(C.as_index_array(counter_index, "counter_index"))

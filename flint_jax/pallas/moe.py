@@ -667,7 +667,13 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
 
 def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, top_k, u, d, dp,
                                  eps):
-  t = pl.program_id(0)
+  _combine_add_rms_norm_row(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, pl.program_id(0),
+                            top_k=top_k, u=u, d=d, dp=dp, eps=eps)
+
+
+def _combine_add_rms_norm_row(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, t, *, top_k, u, d, dp,
+                              eps):
+  """Token t of ``moe_combine_add_rms_norm`` (also a producer of ``layer_end_qkv``)."""
   cols = jnp.arange(dp, dtype=jnp.int32)
   mask = cols < d
   # the selected logits, top-k order (scalar loads: stored by the gate_up kernel)

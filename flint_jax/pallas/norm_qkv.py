@@ -71,7 +71,7 @@ MG = sys.modules["flint_jax.pallas.multi_gemv"]
 NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
 G = MG.G
 
-__all__ = ["norm_qkv", "norm_qkv_reference", "default_block_d", "MODES"]
+__all__ = ["norm_qkv", "norm_qkv_reference", "default_block_d", "layer_end_inputs", "MODES"]
 
 MODES = ("moe", "dense", "norm")
 
@@ -276,6 +276,35 @@ def _mode(h, y, top_logits, w_norm):
   return "moe", top_k
 
 
+def layer_end_inputs(h, y, top_logits, w_norm, weights, mode, top_k, fmt):
+  """(names, args, u) of the inputs ``norm_qkv`` and ``layer_end_qkv`` share: h, y (unless mode
+  "norm"), top_logits (MoE; u = M * top_k slots, else 0), w_norm, then per matrix ``w{i}``
+  (bf16) or the ``q{i}`` / ``sc{i}`` views and ``s2_{i}`` (NVFP4: one f32 [1] input per tensor
+  scale, a free reshape, where stacking them as ``multi_gemv`` does is one more XLA launch)."""
+  names, args, u = ["h"], [h], 0
+  if mode != "norm":
+    names.append("y")
+    args.append(y)
+  if mode == "moe":
+    names.append("top_logits")
+    args.append(top_logits)
+    u = h.shape[0] * top_k
+  names.append("w")
+  args.append(w_norm)
+  if fmt == "bf16":
+    for i, w in enumerate(weights):
+      names.append(f"w{i}")
+      args.append(w)
+    return names, args, u
+  for i, w in enumerate(weights):
+    names += [f"q{i}", f"sc{i}"]
+    args += list(NV.nvfp4_views(w[0], w[1]))
+  for i, w in enumerate(weights):
+    names.append(f"s2_{i}")
+    args.append(MOE._scalar_f32(w[2]))  # pylint: disable=protected-access
+  return names, args, u
+
+
 @functools.partial(jax.jit, static_argnames=(
     "eps", "out_dtype", "block_n", "block_k", "block_d", "method", "decode", "layout",
     "num_warps", "num_stages", "return_x", "interpret"))
@@ -309,22 +338,9 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   n_mats = len(weights)
   starts = tuple(sum(ns[:i]) // block_n for i in range(n_mats + 1))
 
-  names, args = ["h"], [h]
-  if mode != "norm":
-    y2 = y.reshape(-1, d)                                 # MoE: [(U+1) * M, D], free
-    names.append("y")
-    args.append(y2)
-  u = 0
-  if mode == "moe":
-    names.append("top_logits")
-    args.append(top_logits)
-    u = m * top_k
-  names.append("w")
-  args.append(w_norm)
+  y2 = None if mode == "norm" else y.reshape(-1, d)      # MoE: [(U+1) * M, D], free
+  names, args, u = layer_end_inputs(h, y2, top_logits, w_norm, weights, mode, top_k, fmt)
   if fmt == "bf16":
-    for i, w in enumerate(weights):
-      names.append(f"w{i}")
-      args.append(w)
     tag = f"bf16_{method}"
   else:
     names.append("hv")
@@ -334,12 +350,6 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
       args.append(NV.x_view(y2))
     names.append("wv")
     args.append(w_norm.reshape(d // 64, 2, 2, 16))
-    for i, w in enumerate(weights):
-      names += [f"q{i}", f"sc{i}"]
-      args += list(NV.nvfp4_views(w[0], w[1]))
-    for i, w in enumerate(weights):   # one f32 [1] input per scale: a free reshape, while
-      names.append(f"s2_{i}")         # stacking them (multi_gemv) is one more XLA launch
-      args.append(MOE._scalar_f32(w[2]))  # pylint: disable=protected-access
     tag = f"nvfp4_{method}_{decode}_{layout}"
   out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns]
   names += [f"o{i}" for i in range(n_mats)]

@@ -44,9 +44,9 @@ def choice_gap(a, b):
             "max_abs_diff": float(np.abs(a[r] - b[r]).max())}
 
 
-def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600):
+def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pallas"):
     xla = Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels="xla")
-    pal = decode_bench.make_handle(cfg, graphdef, state, quant, "pallas")
+    pal = decode_bench.make_handle(cfg, graphdef, state, quant, path)
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, cfg.vocab_size, size=prompt_len - 37 * i).tolist() for i in range(batch)]
     logits, cache_x = prefill(xla, rows, cache_length=1024)
@@ -83,7 +83,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600):
             "teacher_forced_rel_l2_max": max(tf_errs),
             "teacher_forced_argmax_agreement": float(np.mean(tf_agree)),
             "teacher_forced_rel_l2_per_step": tf_errs,
-            "batch": batch, "prompt_lens": [len(r) for r in rows], "steps": steps,
+            "path": path, "batch": batch, "prompt_lens": [len(r) for r in rows], "steps": steps,
             "tokens_identical": all(same),
             "first_divergence": None if all(same) else same.index(False),
             # The two tokens' logit gap in each path where they first chose differently,
@@ -99,6 +99,9 @@ def main():
     ap.add_argument("--config", default="flint")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--parity-steps", type=int, default=32)
+    ap.add_argument("--parity-path", default="pallas",
+                    help="the path compared with xla (decode_bench.make_handle names)")
+    ap.add_argument("--parity-batch", type=int, default=2)
     ap.add_argument("--cases", default="1x1024,8x1024,1x100000,8x100000,1x8192,8x8192",
                     help="comma-separated BATCHxCONTEXT, in order")
     ap.add_argument("--v1-cases", default="1x1024,8x1024",
@@ -136,7 +139,8 @@ def main():
     if a.parity_steps:
         t0 = time.perf_counter()
         try:
-            res["parity"] = parity(cfg, graphdef, state, quant, a.parity_steps)
+            res["parity"] = parity(cfg, graphdef, state, quant, a.parity_steps,
+                                   batch=a.parity_batch, path=a.parity_path)
         except Exception as e:  # noqa: BLE001 (report, then run the benchmark cases)
             res["parity"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
         res["timeline"]["parity_s"] = time.perf_counter() - t0
@@ -145,7 +149,7 @@ def main():
             print(f"[{a.format}] parity FAILED: {p['error'][:500]}", flush=True)
             save()
     if a.parity_steps and "error" not in p:
-        print(f"[{a.format}] parity: tokens identical over {p['steps']} steps: "
+        print(f"[{a.format}] parity ({p['path']}, batch {p['batch']}): tokens identical over {p['steps']} steps: "
               f"{p['tokens_identical']} (first divergence {p['first_divergence']}, "
               f"{p['first_divergence_near_tie']}); logits rel-L2 "
               f"max {p['rel_l2_max']:.2e} median {p['rel_l2_median']:.2e}; teacher-forced: "

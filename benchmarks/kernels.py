@@ -733,11 +733,15 @@ def wait_cases(variants):
         s, x = MOE.moe_combine_add_rms_norm(h, y, tl, w)
         return s, MULTI.multi_gemv(x, ws)
 
+      yield (f"wait/{fmt}/M{m}/xla", "wait", lbl, "xla",
+             jax.jit(lambda h, y, tl, w, ws: LEQ.layer_end_qkv_reference(
+                 h, ws, w, y=y, top_logits=tl)), sets, bytes_)
       yield (f"wait/{fmt}/M{m}/split", "wait", lbl, "combine + multi_gemv (default)", split,
              sets, bytes_)
       yield (f"wait/{fmt}/M{m}/norm_qkv", "wait", lbl, "norm_qkv (prologue in every program)",
              lambda h, y, tl, w, ws: NQ.norm_qkv(h, ws, w, y=y, top_logits=tl), sets, bytes_)
-      for bn, pre in ((16, None), (16, 1), (32, 1), (32, 0)):
+      tiles = ((16, 0), (16, 1), (16, 2), (16, None), (32, 1)) if m == 1 else ((32, 0), (16, 0))
+      for bn, pre in tiles:
         yield (f"wait/{fmt}/M{m}/wait_bn{bn}_pre{pre}", "wait", lbl,
                f"layer_end_qkv bn{bn} preload {'all' if pre is None else pre}",
                lambda h, y, tl, w, ws, bn=bn, pre=pre: LEQ.layer_end_qkv(

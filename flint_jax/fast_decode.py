@@ -61,7 +61,11 @@ class DecodeOptions:
     qkv_wait: (with moe="routed" and fused_qkv; instead of norm_in_qkv) the end of each layer
       and the next layer's q|k|v in one `layer_end_qkv` kernel: one program per row computes
       the layer end once, the GEMV programs load their weights first and wait for it on a
-      device-side counter (one zeroed counter per step). NOT YET MEASURED on the GPU.
+      device-side counter (one zeroed counter per step). Used at batches up to
+      ``qkv_wait_max_batch`` (default 1: at batch 8 the GEMV part is slower than ``multi_gemv``,
+      docs/kernels.md); larger batches keep the default pair of kernels.
+    qkv_wait_block_n, qkv_wait_preload: ``layer_end_qkv``'s ``block_n`` and ``preload`` (weight
+      rows per GEMV program; K steps loaded before the wait).
     ring_splits: split count of the sliding layers' attention (their 576-slot ring holds 513
       live keys); None = `decode_attention.default_attention_blocks` (16 at batch 1). 1 = one
       program per (row, KV head) that normalises itself: no merge kernel.
@@ -73,11 +77,17 @@ class DecodeOptions:
     attention: str = "fused"
     ring_splits: int | None = None
     qkv_wait: bool = False
+    qkv_wait_max_batch: int = 1
+    qkv_wait_block_n: int = 16
+    qkv_wait_preload: int | None = 1
 
-    @property
-    def fold_layer_end(self) -> bool:
+    def qkv_wait_at(self, batch: int) -> bool:
+        """Whether the step at this batch size runs ``layer_end_qkv``."""
+        return self.qkv_wait and batch <= self.qkv_wait_max_batch
+
+    def fold_layer_end(self, batch: int) -> bool:
         """Whether each layer's end is computed inside the next layer's q|k|v kernel."""
-        return self.norm_in_qkv or self.qkv_wait
+        return self.norm_in_qkv or self.qkv_wait_at(batch)
 
     def __post_init__(self):
         if self.attention not in ("split", "fused", "fused_atomic"):
@@ -215,8 +225,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         counter = (jnp.zeros((len(layers), b, kvh), jnp.int32)
                    if opts.attention == "fused_atomic" else None)
         # qkv_wait: one zeroed (ticket, ready) counter pair per layer for every step.
-        qcounter = jnp.zeros((len(layers), 2), jnp.int32) if opts.qkv_wait else None
-        if not opts.fold_layer_end:
+        wait, fold = opts.qkv_wait_at(b), opts.fold_layer_end(b)
+        qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
+        if not fold:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
         for i, layer in enumerate(layers):
             j = cfg.cache_index[i]
@@ -224,10 +235,11 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             attn = layer.self_attn
             last = i + 1 == len(layers)
             with jax.named_scope(f"layer_{i}"):
-                if opts.qkv_wait:
+                if wait:
                     h, (q, k, v), qcounter = layer_end_qkv(
                         h, _qkv_weights(attn), layer.input_layernorm.weight[...], qcounter,
                         y=pending[0], top_logits=pending[1], counter_index=i, eps=eps,
+                        block_n=opts.qkv_wait_block_n, preload=opts.qkv_wait_preload,
                         interpret=interpret)
                 elif opts.norm_in_qkv:
                     h, (q, k, v) = norm_qkv(h, _qkv_weights(attn), layer.input_layernorm.weight[...],
@@ -271,7 +283,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 else:
                     h, x = add_rms_norm(h, a, post_ln, eps=eps, interpret=interpret)
                 nxt = layers[i + 1].input_layernorm.weight[...] if not last else m.model.norm.weight[...]
-                if cfg.is_moe(i) and opts.fold_layer_end and not last:
+                if cfg.is_moe(i) and fold and not last:
                     if router_logits is None:
                         router_logits = moe_router_logits(x, mlp.gate.weight[...])
                     y, route = moe_decode_routed(x, router_logits, _experts_arg(mlp.experts),
@@ -283,7 +295,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                              router_logits)
                 else:
                     y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret), interpret)
-                    if opts.fold_layer_end and not last:
+                    if fold and not last:
                         pending = (y, None)
                     else:
                         h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)

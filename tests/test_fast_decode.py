@@ -24,10 +24,14 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            "attn_atomic": DecodeOptions(attention="fused_atomic", norm_in_qkv=True),
            "ring1": DecodeOptions(ring_splits=1),
            "ring2_split": DecodeOptions(ring_splits=2, attention="split"),
-           "qkv_wait": DecodeOptions(qkv_wait=True)}
+           # qkv_wait runs at batch 1 by default; these 2-row tests raise the limit to reach it.
+           "qkv_wait": DecodeOptions(qkv_wait=True, qkv_wait_max_batch=8),
+           "qkv_wait_pre0": DecodeOptions(qkv_wait=True, qkv_wait_max_batch=8,
+                                          qkv_wait_preload=0, qkv_wait_block_n=32)}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
          ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
-         ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait")]
+         ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait"),
+         ("nvfp4", "qkv_wait_pre0")]
 
 
 @pytest.mark.parametrize("fmt,options", CASES)
@@ -43,6 +47,21 @@ def test_pallas_generate_equals_xla(fmt, options):
     b = flint_jax.generate(pal, rows, **kw)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_qkv_wait_batch_one_equals_xla(fmt):
+    """The default qkv_wait limit (batch 1): one row runs layer_end_qkv, and equals XLA."""
+    opts = DecodeOptions(qkv_wait=True)
+    assert opts.qkv_wait_at(1) and not opts.qkv_wait_at(2)
+    mod = FlintForCausalLM(small_cfg(), quant=fmt == "nvfp4", rngs=nnx.Rngs(5))
+    xla = flint_jax.from_module(mod, kernels="xla")
+    pal = flint_jax.from_module(mod, kernels="pallas")
+    pal.decode_options = opts
+    kw = dict(max_new_tokens=5, temperature=0, stop_token_ids=[])
+    rows = [list(range(11, 80))]
+    np.testing.assert_array_equal(flint_jax.generate(xla, rows, **kw)[0],
+                                  flint_jax.generate(pal, rows, **kw)[0])
 
 
 @pytest.mark.parametrize("kw,match", [

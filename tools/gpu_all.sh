@@ -44,13 +44,14 @@ for stage in "${stages[@]}"; do
     suites_x2)
       # FORMATS (default "bf16 nvfp4"): BF16 suite on GPU 0, NVFP4 suite on GPU 1; the compiled
       # tests of the newest kernels without preallocation (4 workers), see TESTS_WHEN.
-      # CASES, PATHS, PARITY_STEPS, V1_CASES, FUSED_CASES ("none": none), FUSED_PATHS, SUITE_BUDGET
+      # CASES, PATHS, PARITY_STEPS, PARITY_PATH, PARITY_BATCH, V1_CASES, FUSED_CASES ("none": none), FUSED_PATHS, SUITE_BUDGET
       # (s; SUITE_BUDGET_NVFP4 for the NVFP4 suite) choose the work:
       # a 10-minute call fits parity + about 4 cases per format (compiles dominate).
       CASES=${CASES:-1x1024,8x1024,1x8192,8x8192,8x100000,1x100000}
       SUITE="python3 benchmarks/gpu_suite.py --trace --cases $CASES
              --paths ${PATHS:-xla,pallas}
-             --parity-steps ${PARITY_STEPS:-32} --v1-cases ${V1_CASES:-1x1024,8x1024}
+             --parity-steps ${PARITY_STEPS:-32} --parity-path ${PARITY_PATH:-pallas}
+             --parity-batch ${PARITY_BATCH:-2} --v1-cases ${V1_CASES:-1x1024,8x1024}
              --fused-cases ${FUSED_CASES:-1x1024,8x1024} --fused-paths ${FUSED_PATHS:-pallas_fused}"
       # TESTS_WHEN: "concurrent" (default: on GPU 1 beside the NVFP4 suite, whose timings it then
       # disturbs), "after" (on GPU 0 once the BF16 suite is done: clean timings) or "none";

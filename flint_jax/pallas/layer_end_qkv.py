@@ -114,11 +114,15 @@ def _kernel(*refs, names, mode, fmt, starts, m, mp, d, dp, bn, bk, eps, top_k, u
     # registers; the other steps are loaded after the wait.
     tiles = [weight_tile(j) for j in range(preload)]
     # 2. Wait for the M producers (volatile polls), then one acquire.
+    # Every result below depends on the one before it: a poll loop whose value is unused is
+    # dead code to jax (DCE removed it in the first GPU run, so nothing waited), and the x loads
+    # take their address from the acquire's result, so they cannot move above it.
     done = lambda: plgpu.load(cnt.at[slot(1)], volatile=True)  # noqa: E731
-    lax.while_loop(lambda v: v < m, lambda v: done(), done())
-    plgpu.atomic_add(cnt, slot(1), jnp.int32(0))
+    seen = lax.while_loop(lambda v: v < m, lambda v: done(), done())
+    acquired = plgpu.atomic_add(cnt, (*ci, jnp.minimum(seen, m) - m + 1), jnp.int32(0))
+    zero = jnp.minimum(acquired, m) - m         # 0: the producers' count never exceeds m
     # 3. x (volatile: written by another CTA during this kernel) times the tiles.
-    rows = C.row_load_index(m, mp)
+    rows = C.row_load_index(m, mp) + zero
     if fmt == "nvfp4":   # the half-split layout: block b, nibble half h -> k = 64 b + 32 h + ..
       ar = lambda n: jnp.arange(n, dtype=jnp.int32)  # noqa: E731
       nvfp4_k = 64 * ar(nb)[:, None, None] + 16 * ar(2)[None, :, None] + ar(16)[None, None, :]
@@ -126,7 +130,7 @@ def _kernel(*refs, names, mode, fmt, starts, m, mp, d, dp, bn, bk, eps, top_k, u
     for j in range(d // bk):
       tile = tiles[j] if j < preload else weight_tile(j)
       if fmt == "bf16":
-        kk = j * bk + jnp.arange(bk, dtype=jnp.int32)
+        kk = j * bk + zero + jnp.arange(bk, dtype=jnp.int32)
         if method == "reduce":
           xt = plgpu.load(r["x"].at[0, kk], volatile=True)                 # [BK]
         else:
@@ -135,7 +139,7 @@ def _kernel(*refs, names, mode, fmt, starts, m, mp, d, dp, bn, bk, eps, top_k, u
         continue
       w_lo, w_hi = tile
       for half, w in ((0, w_lo), (1, w_hi)):
-        base = j * bk + half * 32
+        base = j * bk + half * 32 + zero
         kk = base + nvfp4_k                                              # [nb, 2, 16]
         if method == "reduce":
           xt = plgpu.load(r["x"].at[0, kk], volatile=True).astype(jnp.float32)

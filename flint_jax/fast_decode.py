@@ -132,14 +132,14 @@ def _linear(lin, x, interpret, out_dtype=jnp.bfloat16):
 
 
 def _silu_mul(mlp, x, interpret):
-    """bf16(silu(x Wg^T) * (x Wu^T)), gate and up in fp32, one rounding."""
+    """bf16(silu(g) * u) in fp32 from g = bf16(x Wg^T), u = bf16(x Wu^T) (the model's rule)."""
     g, u = mlp.gate_proj, mlp.up_proj
     if g.quant:
         return nvfp4_gemv_silu_mul(
             x, (g.qweight[...], g.weight_scale[...], g.weight_scale_2[...]),
             (u.qweight[...], u.weight_scale[...], u.weight_scale_2[...]), interpret=interpret)
-    gate = layers.matmul_t(x, g.weight[...])
-    return (gate * jax.nn.sigmoid(gate) * layers.matmul_t(x, u.weight[...])).astype(x.dtype)
+    return layers.silu_mul(layers.matmul_t(x, g.weight[...]).astype(x.dtype),
+                           layers.matmul_t(x, u.weight[...]).astype(x.dtype))
 
 
 def _qkv_weights(attn):

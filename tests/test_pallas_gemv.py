@@ -6,6 +6,7 @@ check of ``assert_close`` (the poisoned-output check for non-aliased outputs).
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from flint_jax.pallas import gemv, gemv_reference, gemv_silu_mul, gemv_silu_mul_reference
@@ -50,3 +51,19 @@ def test_gemv_rejects_bad_shapes():
     gemv(jnp.zeros((17, 128), jnp.bfloat16), jnp.zeros((32, 128), jnp.bfloat16), interpret=True)
   with pytest.raises(ValueError, match="dtype"):
     gemv(x, jnp.zeros((32, 128), jnp.float32), interpret=True)
+
+
+def test_silu_mul_rounds_where_the_model_does():
+  """The kernels' gate|up epilogue rounds g and u to bf16 before silu * up, as the model's
+  bf16 projections do (layers.silu_mul of two bf16 outputs): bit-identical on any fp32 inputs,
+  and not the same as rounding only at the end (which the kernels did before session 5)."""
+  from flint_jax import layers  # pylint: disable=g-import-not-at-top
+  from flint_jax.pallas._common import silu_mul_f32  # pylint: disable=g-import-not-at-top
+  g = rng("silu_round")
+  a = jnp.asarray(g.standard_normal((4, 999)) * 3, jnp.float32)
+  b = jnp.asarray(g.standard_normal((4, 999)), jnp.float32)
+  ours = silu_mul_f32(a, b).astype(jnp.bfloat16)
+  model = layers.silu_mul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(model, np.float32))
+  once = (a * jax.nn.sigmoid(a) * b).astype(jnp.bfloat16)
+  assert np.any(np.asarray(once, np.float32) != np.asarray(model, np.float32))

@@ -117,8 +117,12 @@ def store_tile(o_ref, lead, acc, n0, bn, m, mp, method):
     plgpu.store(o_ref.at[(*lead, 0, cols)], acc)
 
 
-def silu_mul_f32(g, u):
-  """silu(g) * u in fp32 (g, u fp32): g / (1 + exp(-g)) * u."""
+def silu_mul_f32(g, u, act_dtype=jnp.bfloat16):
+  """silu(g) * u in fp32 from the fp32 products g, u, each first rounded to ``act_dtype``: the
+  reference model (and HF's) takes gate and up as the bf16 outputs of their projections, so the
+  kernels round there too rather than at a point the reference does not have."""
+  g = g.astype(act_dtype).astype(jnp.float32)
+  u = u.astype(act_dtype).astype(jnp.float32)
   return g / (1.0 + jnp.exp(-g)) * u
 
 

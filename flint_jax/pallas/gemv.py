@@ -185,7 +185,8 @@ def _gemv_silu_mul_kernel(x_ref, wg_ref, wu_ref, o_ref, *, m, mp, bn, bk, k_len,
 def gemv_silu_mul(x, w_gate, w_up, *, block_n: int | None = None, block_k: int | None = None,
                   method: str | None = None, num_warps: int | None = None, num_stages: int = 3,
                   interpret: bool = False):
-  """h[M, I] = x.dtype(silu(x @ w_gate^T) * (x @ w_up^T)), gate/up in fp32, one rounding."""
+  """h[M, I] = x.dtype(silu(g) * u): g, u the fp32 products x @ w_gate^T, x @ w_up^T rounded
+  to bf16 (the model's rule), silu and the product in fp32, rounded once more."""
   n, k = w_gate.shape
   dbn, dbk, _, dwarps = default_gemv_blocks(n, k, m=x.shape[0], n_mats=2)
   block_n = block_n or dbn
@@ -205,7 +206,7 @@ def gemv_silu_mul(x, w_gate, w_up, *, block_n: int | None = None, block_k: int |
 
 
 def gemv_silu_mul_reference(x, w_gate, w_up, **unused_tuning):
-  """Plain jnp: bf16(silu(g) * u) with g, u the fp32 products (one rounding)."""
+  """Plain jnp: bf16(silu(g) * u) with g, u the fp32 products rounded to bf16 first."""
   del unused_tuning
   return _gemv_silu_mul_reference(x, w_gate, w_up)
 

@@ -4,7 +4,7 @@
 
   out[t] = bf16( sum_k w[t,k] * y_k[t] + y_s[t] )          (fp32 sum, k in top-k order)
   y_k[t] = bf16( down_e(h) * down_scale_2[e] )               e = ids[t, k]
-  h      = bf16( silu(g) * u ),  g/u = fp32 (x[t] . gate|up_e) * gate|up_scale_2[e]
+  h      = bf16( silu(g) * u ),  g/u = bf16( fp32 (x[t] . gate|up_e) * gate|up_scale_2[e] )
   y_s[t] = the shared expert (I_s = 1024) with the same rules, never gated
 
 (``*_scale_2`` only with NVFP4 weights; BF16 experts use 1.) This is the rounding rule of

@@ -10,7 +10,7 @@ for M = 1..16 tokens, with W in the flint_jax NVFP4 layout (docs/design.md):
   weight_scale_2 float32        []         tensor scale, applied to the fp32 accumulator
 
 ``nvfp4_gemv_silu_mul``: the fused gate|up step ``bf16(silu(g) * u)`` with ``g, u`` the fp32
-products times their tensor scales (one rounding).
+products times their tensor scales, rounded to bf16 as the model's projections are.
 
 What the kernel fuses: the dequantization (never materialised in HBM), the GEMV on the tensor
 cores, the tensor scale and the output cast. Every ``e2m1 * e4m3`` product is exact in bf16, so
@@ -419,7 +419,8 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
 
 
 def nvfp4_gemv_silu_mul_reference(x, gate, up, **unused_tuning):
-  """Plain jnp: bf16(silu(g) * u) from the fp32 products times their tensor scales."""
+  """Plain jnp: bf16(silu(g) * u) from the fp32 products times their tensor scales, each
+  rounded to bf16 first."""
   del unused_tuning
   g = _nvfp4_gemv_reference(x, *gate, out_dtype=jnp.float32)
   u = _nvfp4_gemv_reference(x, *up, out_dtype=jnp.float32)

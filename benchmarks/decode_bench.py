@@ -213,7 +213,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     """A model handle for a benchmark path: "xla", "pallas" (default `DecodeOptions`),
     "pallas_v1" (the session-1 Pallas step: three projection GEMVs, MoE routing in XLA) or
     "pallas_fused" (every fusion, including those off by default until measured), "pallas_nq"
-    (the default step plus `norm_in_qkv`), "pallas_fa" / "pallas_faa" (attention "fused" /
+    / "pallas_nonq" (`norm_in_qkv` forced on / off; the default: on for BF16 at batch 1), "pallas_fa" / "pallas_faa" (attention "fused" /
     "fused_atomic"), "pallas_nqfa" / "pallas_nqfaa" (both), "pallas_sp" (attention "split": the
     session-2 default step), "pallas_rsN" (the sliding layers' attention in N splits,
     `DecodeOptions.ring_splits`), "pallas_qw" (`qkv_wait`: each layer's end and the next q|k|v
@@ -225,6 +225,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                      decode_options=DecodeOptions(ring_splits=int(variant[2:])))
     options = {"": None, "v1": V1_OPTIONS, "fused": FUSED_OPTIONS,
                "nq": DecodeOptions(norm_in_qkv=True),
+               "nonq": DecodeOptions(norm_in_qkv=False),
                "sp": DecodeOptions(attention="split"),
                "fa": DecodeOptions(attention="fused"),
                "faa": DecodeOptions(attention="fused_atomic"),

@@ -49,9 +49,11 @@ class DecodeOptions:
       slower on the H200 (4.7 us against 1.8 + 2.5; perf log 9).
     norm_in_qkv: (with moe="routed" and fused_qkv) the end of each layer (MoE combine or dense
       output, residual add, the next layer's input RMSNorm) computed inside the next layer's
-      q|k|v kernel (`norm_qkv`): one launch less per layer. Off by default: on the H200 it is
-      0.1 ms faster (BF16) or 0.07 ms slower (NVFP4) at batch 1 and much slower at batch 8,
-      where every program repeats a larger prologue (perf log 9, run 13).
+      q|k|v kernel (`norm_qkv`): one launch less per layer. None (default) = the measured
+      choice: on for BF16 weights at batch 1 only. On the H200 it is 0.05-0.1 ms faster there
+      (runs 13, 20, 22; kernel 10.2 against 12.2 us for the pair it replaces), 0.05-0.15 ms
+      slower for NVFP4 at batch 1, and much slower at batch 8, where every program repeats a
+      larger prologue (perf log 9, 22). True / False force it.
     attention: "fused" (default) = `qk_norm_rope_attention`: the Q/K norm, RoPE and cache
       write inside the split-KV kernel, then the merge kernel (2 launches; H200: ring layer
       6.3 us against 4.1 + 3.5 for the two kernels it replaces); "split" = `qk_norm_rope` then
@@ -73,7 +75,7 @@ class DecodeOptions:
     fused_qkv: bool = True
     moe: str = "routed"
     router_in_norm: bool = False
-    norm_in_qkv: bool = False
+    norm_in_qkv: bool | None = None
     attention: str = "fused"
     ring_splits: int | None = None
     qkv_wait: bool = False
@@ -85,9 +87,17 @@ class DecodeOptions:
         """Whether the step at this batch size runs ``layer_end_qkv``."""
         return self.qkv_wait and batch <= self.qkv_wait_max_batch
 
-    def fold_layer_end(self, batch: int) -> bool:
+    def norm_in_qkv_at(self, batch: int, quant: bool) -> bool:
+        """Whether the step at this batch size (NVFP4 weights or not) runs ``norm_qkv``."""
+        if self.qkv_wait_at(batch):
+            return False
+        if self.norm_in_qkv is None:
+            return self.moe == "routed" and self.fused_qkv and batch == 1 and not quant
+        return self.norm_in_qkv
+
+    def fold_layer_end(self, batch: int, quant: bool) -> bool:
         """Whether each layer's end is computed inside the next layer's q|k|v kernel."""
-        return self.norm_in_qkv or self.qkv_wait_at(batch)
+        return self.norm_in_qkv_at(batch, quant) or self.qkv_wait_at(batch)
 
     def __post_init__(self):
         if self.attention not in ("split", "fused", "fused_atomic"):
@@ -225,7 +235,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         counter = (jnp.zeros((len(layers), b, kvh), jnp.int32)
                    if opts.attention == "fused_atomic" else None)
         # qkv_wait: one zeroed (ticket, ready) counter pair per layer for every step.
-        wait, fold = opts.qkv_wait_at(b), opts.fold_layer_end(b)
+        quant = layers[0].self_attn.q_proj.quant
+        wait, fold = opts.qkv_wait_at(b), opts.fold_layer_end(b, quant)
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         if not fold:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
@@ -241,7 +252,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         y=pending[0], top_logits=pending[1], counter_index=i, eps=eps,
                         block_n=opts.qkv_wait_block_n, preload=opts.qkv_wait_preload,
                         interpret=interpret)
-                elif opts.norm_in_qkv:
+                elif fold:
                     h, (q, k, v) = norm_qkv(h, _qkv_weights(attn), layer.input_layernorm.weight[...],
                                             y=pending[0], top_logits=pending[1], eps=eps,
                                             interpret=interpret)

@@ -49,6 +49,28 @@ def test_pallas_generate_equals_xla(fmt, options):
         np.testing.assert_array_equal(x, y)
 
 
+def test_norm_in_qkv_default_is_bf16_batch_one():
+    """The measured choice (perf log 22): norm_qkv for BF16 weights at batch 1 only."""
+    opts = DecodeOptions()
+    assert opts.norm_in_qkv_at(1, quant=False)
+    assert not opts.norm_in_qkv_at(1, quant=True) and not opts.norm_in_qkv_at(2, quant=False)
+    assert not DecodeOptions(norm_in_qkv=False).norm_in_qkv_at(1, quant=False)
+    assert DecodeOptions(norm_in_qkv=True).norm_in_qkv_at(8, quant=True)
+    assert not DecodeOptions(moe="slots").norm_in_qkv_at(1, quant=False)
+    assert not DecodeOptions(qkv_wait=True).norm_in_qkv_at(1, quant=False)
+
+
+def test_default_step_batch_one_equals_xla():
+    """One BF16 row: the default step takes the norm_qkv route, and equals XLA."""
+    mod = FlintForCausalLM(small_cfg(), quant=False, rngs=nnx.Rngs(6))
+    xla = flint_jax.from_module(mod, kernels="xla")
+    pal = flint_jax.from_module(mod, kernels="pallas")
+    kw = dict(max_new_tokens=5, temperature=0, stop_token_ids=[])
+    rows = [list(range(20, 90))]
+    np.testing.assert_array_equal(flint_jax.generate(xla, rows, **kw)[0],
+                                  flint_jax.generate(pal, rows, **kw)[0])
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_qkv_wait_batch_one_equals_xla(fmt):
     """The default qkv_wait limit (batch 1): one row runs layer_end_qkv, and equals XLA."""

@@ -63,9 +63,9 @@ class DecodeOptions:
     qkv_wait: (with moe="routed" and fused_qkv; instead of norm_in_qkv) the end of each layer
       and the next layer's q|k|v in one `layer_end_qkv` kernel: one program per row computes
       the layer end once, the GEMV programs load their weights first and wait for it on a
-      device-side counter (one zeroed counter per step). Used at batches up to
-      ``qkv_wait_max_batch`` (default 1: at batch 8 the GEMV part is slower than ``multi_gemv``,
-      docs/kernels.md); larger batches keep the default pair of kernels.
+      device-side counter (one zeroed counter per step). Off: measured slower than the kernels
+      it replaces (batch 1: 2.87 vs 2.77 ms BF16; about 2x per kernel at batch 8; perf log 21).
+      Used at batches up to ``qkv_wait_max_batch``; larger batches keep the default kernels.
     qkv_wait_block_n, qkv_wait_preload: ``layer_end_qkv``'s ``block_n`` and ``preload`` (weight
       rows per GEMV program; K steps loaded before the wait).
     ring_splits: split count of the sliding layers' attention (their 576-slot ring holds 513

@@ -28,8 +28,12 @@ producer has finished before the first consumer polls.
 
 Register budget (why ``block_n`` is small): a consumer holds ``block_n x K`` bf16 weights:
 16 x 2048 = 64 KB per program, 64 registers per thread at 8 warps. Tile method: ``reduce`` at
-M = 1 (CUDA cores, fp32), ``dot`` for M > 1. NOT YET MEASURED on the GPU (session 4 ran out of
-device time); off by default (``DecodeOptions.qkv_wait``).
+M = 1 (CUDA cores, fp32), ``dot`` for M > 1.
+
+Measured on the H200 (docs/kernels.md, session 5): correct, but slower than the pair of kernels
+it replaces (M = 1: BF16 14.1 vs 12.2 us, NVFP4 12.7 vs 10.2; M = 8 about 2x): after the counter
+flips the consumers still need a whole GEMV's time, and the producer -> release -> poll ->
+acquire chain is longer than the ramp it hides. Off by default (``DecodeOptions.qkv_wait``).
 
 Numerics: s is bit-identical to the unfused kernels; x is ``add_rms_norm``'s (one-block
 statistic); the GEMV sums each row in K steps of ``block_k`` like ``multi_gemv`` with the same

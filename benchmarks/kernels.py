@@ -749,9 +749,47 @@ def wait_cases(variants):
                    preload=pre)[:2], sets, bytes_)
 
 
+def nqtune_cases(variants):
+  """``norm_qkv`` tiles at M = 1 (the BF16 batch-1 default since session 5) against the default
+  pair of kernels; the reference first, so every variant's rel_l2 is checked."""
+  if variants:
+    return
+  top_k, m = 6, 1
+  for fmt in ("bf16", "nvfp4"):
+    if fmt == "bf16":
+      make_w = lambda: tuple(randn((n, D), scale=D ** -0.5) for n in (H * DH, KVH * DH, KVH * DH))  # noqa: E731
+    else:
+      make_w = lambda: tuple(rand_nvfp4((n, D)) for n in (H * DH, KVH * DH, KVH * DH))  # noqa: E731
+    wb = nbytes(make_w())
+    sets = [(randn((m, D)), randn((m * top_k + 1, m, D)), randn((m, top_k), jnp.float32),
+             randn((D,)) + 1, make_w()) for _ in range(n_sets(wb))]
+    bytes_ = wb + (m * top_k + 2) * m * D * 2
+    lbl = f"{fmt} M={m}"
+    yield (f"nqtune/{fmt}/xla", "nqtune", lbl, "xla",
+           jax.jit(lambda h, y, tl, w, ws: LEQ.layer_end_qkv_reference(
+               h, ws, w, y=y, top_logits=tl)), sets, bytes_)
+
+    def split(h, y, tl, w, ws):
+      s, x = MOE.moe_combine_add_rms_norm(h, y, tl, w)
+      return s, MULTI.multi_gemv(x, ws)
+
+    yield (f"nqtune/{fmt}/split", "nqtune", lbl, "combine + multi_gemv", split, sets, bytes_)
+    rows = ([dict(), dict(num_stages=3), dict(num_stages=5), dict(block_n=32, num_stages=4),
+             dict(block_k=512, num_stages=4), dict(num_warps=8, num_stages=4)]
+            if fmt == "bf16" else
+            [dict(), dict(block_n=32), dict(block_n=32, num_warps=16),
+             dict(block_n=64, num_warps=16), dict(block_k=1024), dict(num_stages=2)])
+    for kw in rows:
+      name = " ".join(f"{k}={v}" for k, v in kw.items()) or "default"
+      yield (f"nqtune/{fmt}/{name.replace(' ', '_')}", "nqtune", lbl, f"norm_qkv {name}",
+             lambda h, y, tl, w, ws, kw=kw: NQ.norm_qkv(h, ws, w, y=y, top_logits=tl, **kw),
+             sets, bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
-          "tune2": tune2_cases, "route": route_cases, "wait": wait_cases}
+          "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
+          "nqtune": nqtune_cases}
 
 
 # ------------------------------------------------------------------------------------------

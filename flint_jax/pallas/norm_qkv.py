@@ -311,7 +311,7 @@ def layer_end_inputs(h, y, top_logits, w_norm, weights, mode, top_k, fmt):
 def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
              out_dtype=jnp.bfloat16, block_n: int | None = None, block_k: int | None = None,
              block_d: int | None = None, method: str | None = None, decode: str = "asm",
-             layout: str = "tile", num_warps: int | None = None, num_stages: int = 3,
+             layout: str = "tile", num_warps: int | None = None, num_stages: int | None = None,
              return_x: bool = False, interpret: bool = False):
   """(s, outs): residual update + RMSNorm + ``multi_gemv`` in one pallas_call (module docstring).
 
@@ -330,6 +330,7 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   block_n, block_k = block_n or dbn, block_k or dbk
   block_d = block_d or default_block_d(d, m, block_k)
   num_warps = num_warps or dwarps
+  num_stages = num_stages or MG.default_multi_gemv_stages(fmt, m)
   MG._validate(jax.ShapeDtypeStruct((m, d), h.dtype), weights, fmt, block_n, block_k)  # pylint: disable=protected-access
   C.check(C.is_pow2(block_d) and block_d >= 16 and d % block_d == 0,
           f"block_d must be a power of two >= 16 dividing D: {block_d=} {d=}")

@@ -708,6 +708,32 @@ LEQ = importlib.import_module("flint_jax.pallas.layer_end_qkv")
 NQ = importlib.import_module("flint_jax.pallas.norm_qkv")
 
 
+def _layer_end_cases(group, fmt, m, top_k=6):
+  """(sets, bytes, label, [the reference case, the default pair's case]) for the end of a MoE
+  layer + the next q|k|v at Flint sizes: inputs (h, y, top_logits, w_norm, (Wq, Wk, Wv))."""
+  def make_w():
+    if fmt == "bf16":
+      return tuple(randn((n, D), scale=D ** -0.5) for n in (H * DH, KVH * DH, KVH * DH))
+    return tuple(rand_nvfp4((n, D)) for n in (H * DH, KVH * DH, KVH * DH))
+
+  wb = nbytes(make_w())
+  sets = [(randn((m, D)), randn((m * top_k + 1, m, D)), randn((m, top_k), jnp.float32),
+           randn((D,)) + 1, make_w()) for _ in range(n_sets(wb))]
+  bytes_ = wb + (m * top_k + 2) * m * D * 2
+  lbl = f"{fmt} M={m}"
+
+  def split(h, y, tl, w, ws):
+    s, x = MOE.moe_combine_add_rms_norm(h, y, tl, w)
+    return s, MULTI.multi_gemv(x, ws)
+
+  base = [(f"{group}/{fmt}/M{m}/xla", group, lbl, "xla",
+           jax.jit(lambda h, y, tl, w, ws: LEQ.layer_end_qkv_reference(
+               h, ws, w, y=y, top_logits=tl)), sets, bytes_),
+          (f"{group}/{fmt}/M{m}/split", group, lbl, "combine + multi_gemv (default)", split,
+           sets, bytes_)]
+  return sets, bytes_, lbl, base
+
+
 def wait_cases(variants):
   """The end of a MoE layer + the next q|k|v, three ways: the default step's two kernels
   (``moe_combine_add_rms_norm`` then ``multi_gemv``), ``norm_qkv`` (the layer end repeated in
@@ -715,29 +741,10 @@ def wait_cases(variants):
   weights first and wait on a device counter; its zeroed counter is one more tiny kernel)."""
   if variants:
     return
-  top_k = 6
   for fmt in ("bf16", "nvfp4"):
     for m in (1, 8):
-      def make_w():
-        if fmt == "bf16":
-          return tuple(randn((n, D), scale=D ** -0.5) for n in (H * DH, KVH * DH, KVH * DH))
-        return tuple(rand_nvfp4((n, D)) for n in (H * DH, KVH * DH, KVH * DH))
-      wb = nbytes(make_w())
-      sets = [(randn((m, D)), randn((m * top_k + 1, m, D)),
-               randn((m, top_k), jnp.float32), randn((D,)) + 1, make_w())
-              for _ in range(n_sets(wb))]
-      bytes_ = wb + (m * top_k + 2) * m * D * 2
-      lbl = f"{fmt} M={m}"
-
-      def split(h, y, tl, w, ws):
-        s, x = MOE.moe_combine_add_rms_norm(h, y, tl, w)
-        return s, MULTI.multi_gemv(x, ws)
-
-      yield (f"wait/{fmt}/M{m}/xla", "wait", lbl, "xla",
-             jax.jit(lambda h, y, tl, w, ws: LEQ.layer_end_qkv_reference(
-                 h, ws, w, y=y, top_logits=tl)), sets, bytes_)
-      yield (f"wait/{fmt}/M{m}/split", "wait", lbl, "combine + multi_gemv (default)", split,
-             sets, bytes_)
+      sets, bytes_, lbl, base = _layer_end_cases("wait", fmt, m)
+      yield from base
       yield (f"wait/{fmt}/M{m}/norm_qkv", "wait", lbl, "norm_qkv (prologue in every program)",
              lambda h, y, tl, w, ws: NQ.norm_qkv(h, ws, w, y=y, top_logits=tl), sets, bytes_)
       tiles = ((16, 0), (16, 1), (16, 2), (16, None), (32, 1)) if m == 1 else ((32, 0), (16, 0))
@@ -751,30 +758,14 @@ def wait_cases(variants):
 
 def nqtune_cases(variants):
   """``norm_qkv`` tiles at M = 1 (the BF16 batch-1 default since session 5) against the default
-  pair of kernels; the reference first, so every variant's rel_l2 is checked."""
+  pair of kernels; the reference first, so every variant's rel_l2 is checked. BF16: does
+  ``multi_gemv``'s 4-stage pipeline help ``norm_qkv`` too? NVFP4: can a tile beat the pair?"""
   if variants:
     return
-  top_k, m = 6, 1
   for fmt in ("bf16", "nvfp4"):
-    if fmt == "bf16":
-      make_w = lambda: tuple(randn((n, D), scale=D ** -0.5) for n in (H * DH, KVH * DH, KVH * DH))  # noqa: E731
-    else:
-      make_w = lambda: tuple(rand_nvfp4((n, D)) for n in (H * DH, KVH * DH, KVH * DH))  # noqa: E731
-    wb = nbytes(make_w())
-    sets = [(randn((m, D)), randn((m * top_k + 1, m, D)), randn((m, top_k), jnp.float32),
-             randn((D,)) + 1, make_w()) for _ in range(n_sets(wb))]
-    bytes_ = wb + (m * top_k + 2) * m * D * 2
-    lbl = f"{fmt} M={m}"
-    yield (f"nqtune/{fmt}/xla", "nqtune", lbl, "xla",
-           jax.jit(lambda h, y, tl, w, ws: LEQ.layer_end_qkv_reference(
-               h, ws, w, y=y, top_logits=tl)), sets, bytes_)
-
-    def split(h, y, tl, w, ws):
-      s, x = MOE.moe_combine_add_rms_norm(h, y, tl, w)
-      return s, MULTI.multi_gemv(x, ws)
-
-    yield (f"nqtune/{fmt}/split", "nqtune", lbl, "combine + multi_gemv", split, sets, bytes_)
-    rows = ([dict(), dict(num_stages=3), dict(num_stages=5), dict(block_n=32, num_stages=4),
+    sets, bytes_, lbl, base = _layer_end_cases("nqtune", fmt, 1)
+    yield from base
+    rows = ([dict(), dict(num_stages=4), dict(num_stages=5), dict(block_n=32, num_stages=4),
              dict(block_k=512, num_stages=4), dict(num_warps=8, num_stages=4)]
             if fmt == "bf16" else
             [dict(), dict(block_n=32), dict(block_n=32, num_warps=16),

@@ -1,7 +1,8 @@
 """The full-size GPU suite for one weight format, in one process (weights built once):
 
 1. parity: Pallas path vs XLA path from the same prefilled cache, greedy for `--parity-steps`
-   steps (logits' relative L2 error per step while the inputs agree; identical tokens?), then
+   steps (logits' relative L2 error per step while the inputs agree; identical tokens?), the
+   XLA path against itself (row 0 alone: other GEMM shapes, so another summation order), then
    teacher-forced (both paths fed the XLA path's greedy tokens: relative L2 and argmax agreement
    at every step, which a single early near-tie cannot end);
 2. bench: decode ms/step of both paths (median of windows of back-to-back steps), tokens/s,
@@ -55,11 +56,13 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
     fx, fp = xla.decode_logits_fn(), pal.decode_logits_fn()
     tx = tp = first
     toks_x, toks_p, errs = [np.asarray(first)], [np.asarray(first)], []
+    ref_logits_x = []   # the XLA path's greedy logits, for the self-check below
     near_tie = None   # at the first divergence: how close the two paths' choices were
     for _ in range(steps):
         lx, cache_x = fx(xla.leaves, cache_x, tx)
         lp, cache_p = fp(pal.leaves, cache_p, tp)
         a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
+        ref_logits_x.append(a)
         if np.array_equal(np.asarray(tx), np.asarray(tp)):
             errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(a)))
             near_tie = near_tie or choice_gap(a, b)
@@ -67,6 +70,28 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
         toks_x.append(np.asarray(tx))
         toks_p.append(np.asarray(tp))
     same = [bool(np.array_equal(x, p)) for x, p in zip(toks_x, toks_p)]
+    # The reference against itself: row 0 decoded alone (batch 1) by the XLA path. Its GEMMs
+    # have another shape, so only the summation order differs: how soon two correct
+    # implementations part on these random weights, the yardstick for the Pallas path's result.
+    self_check = None
+    if batch > 1:
+        _, cache_1 = prefill(xla, rows[:1], cache_length=1024)
+        t1, toks_1, errs_1, tie_1 = first[:1], [np.asarray(first[:1])], [], None
+        tx0 = [t[:1] for t in toks_x]
+        for i in range(steps):
+            l1, cache_1 = fx(xla.leaves, cache_1, t1)
+            a1 = np.asarray(l1, np.float32)
+            if np.array_equal(np.asarray(t1), tx0[i]):
+                ref_row = ref_logits_x[i][:1]
+                errs_1.append(float(np.linalg.norm(a1 - ref_row) / np.linalg.norm(ref_row)))
+                tie_1 = tie_1 or choice_gap(ref_row, a1)
+            t1 = jnp.argmax(l1, -1).astype(jnp.int32)
+            toks_1.append(np.asarray(t1))
+        same_1 = [bool(np.array_equal(x, y)) for x, y in zip(tx0, toks_1)]
+        self_check = {"tokens_identical": all(same_1),
+                      "first_divergence": None if all(same_1) else same_1.index(False),
+                      "first_divergence_near_tie": tie_1,
+                      "rel_l2_median": float(np.median(errs_1)) if errs_1 else None}
     # Teacher forcing: both paths get the XLA path's tokens.
     _, cache_x = prefill(xla, rows, cache_length=1024)
     _, cache_p = prefill(xla, rows, cache_length=1024)
@@ -89,6 +114,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
             # The two tokens' logit gap in each path where they first chose differently,
             # against the largest logit difference between the paths on that row.
             "first_divergence_near_tie": near_tie,
+            "xla_batch1_vs_batch": self_check,
             "rel_l2_max": max(errs), "rel_l2_median": float(np.median(errs)),
             "rel_l2_per_step": errs}
 
@@ -155,7 +181,8 @@ def main():
               f"max {p['rel_l2_max']:.2e} median {p['rel_l2_median']:.2e}; teacher-forced: "
               f"argmax agreement {p['teacher_forced_argmax_agreement']:.3f}, rel-L2 median "
               f"{p['teacher_forced_rel_l2_median']:.2e} max {p['teacher_forced_rel_l2_max']:.2e} "
-              f"({res['timeline']['parity_s']:.0f} s)", flush=True)
+              f"({res['timeline']['parity_s']:.0f} s); the XLA path against itself at batch 1: "
+              f"{p['xla_batch1_vs_batch']}", flush=True)
         save()
     for case in a.cases.split(","):
         if time.perf_counter() - t_start > a.budget_s:

@@ -64,6 +64,8 @@ def test_parity_tiny_on_cpu():
     assert p["steps"] == 2 and p["prompt_lens"] == [45, 8]
     assert 0.0 <= p["teacher_forced_argmax_agreement"] <= 1.0
     assert p["teacher_forced_rel_l2_max"] < 5e-2
+    own = p["xla_batch1_vs_batch"]   # the XLA path against itself (row 0 alone)
+    assert own is not None and own["rel_l2_median"] is not None and own["rel_l2_median"] < 5e-2
     if p["tokens_identical"]:
         assert p["first_divergence"] is None and p["first_divergence_near_tie"] is None
     else:

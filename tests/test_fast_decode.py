@@ -34,19 +34,22 @@ CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v
          ("nvfp4", "qkv_wait_pre0")]
 
 
-@pytest.mark.parametrize("fmt,options", CASES)
-def test_pallas_generate_equals_xla(fmt, options):
-    quant = fmt == "nvfp4"
-    mod = FlintForCausalLM(small_cfg(), quant=quant, rngs=nnx.Rngs(3))
+def assert_generate_equal(fmt, seed, options, rows, max_new_tokens):
+    """Greedy generate() of one random small model on the XLA and the Pallas path: same tokens."""
+    mod = FlintForCausalLM(small_cfg(), quant=fmt == "nvfp4", rngs=nnx.Rngs(seed))
     xla = flint_jax.from_module(mod, kernels="xla")
     pal = flint_jax.from_module(mod, kernels="pallas")
-    pal.decode_options = OPTIONS[options]
-    rows = [list(range(7, 77)), list(range(3, 14))]  # past the window on row 0
-    kw = dict(max_new_tokens=6, temperature=0, stop_token_ids=[])
-    a = flint_jax.generate(xla, rows, **kw)
-    b = flint_jax.generate(pal, rows, **kw)
-    for x, y in zip(a, b):
+    if options is not None:
+        pal.decode_options = options
+    kw = dict(max_new_tokens=max_new_tokens, temperature=0, stop_token_ids=[])
+    for x, y in zip(flint_jax.generate(xla, rows, **kw), flint_jax.generate(pal, rows, **kw)):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("fmt,options", CASES)
+def test_pallas_generate_equals_xla(fmt, options):
+    rows = [list(range(7, 77)), list(range(3, 14))]  # past the window on row 0
+    assert_generate_equal(fmt, 3, OPTIONS[options], rows, 6)
 
 
 def test_norm_in_qkv_default_is_bf16_batch_one():
@@ -62,13 +65,7 @@ def test_norm_in_qkv_default_is_bf16_batch_one():
 
 def test_default_step_batch_one_equals_xla():
     """One BF16 row: the default step takes the norm_qkv route, and equals XLA."""
-    mod = FlintForCausalLM(small_cfg(), quant=False, rngs=nnx.Rngs(6))
-    xla = flint_jax.from_module(mod, kernels="xla")
-    pal = flint_jax.from_module(mod, kernels="pallas")
-    kw = dict(max_new_tokens=5, temperature=0, stop_token_ids=[])
-    rows = [list(range(20, 90))]
-    np.testing.assert_array_equal(flint_jax.generate(xla, rows, **kw)[0],
-                                  flint_jax.generate(pal, rows, **kw)[0])
+    assert_generate_equal("bf16", 6, None, [list(range(20, 90))], 5)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
@@ -76,14 +73,7 @@ def test_qkv_wait_batch_one_equals_xla(fmt):
     """The default qkv_wait limit (batch 1): one row runs layer_end_qkv, and equals XLA."""
     opts = DecodeOptions(qkv_wait=True)
     assert opts.qkv_wait_at(1) and not opts.qkv_wait_at(2)
-    mod = FlintForCausalLM(small_cfg(), quant=fmt == "nvfp4", rngs=nnx.Rngs(5))
-    xla = flint_jax.from_module(mod, kernels="xla")
-    pal = flint_jax.from_module(mod, kernels="pallas")
-    pal.decode_options = opts
-    kw = dict(max_new_tokens=5, temperature=0, stop_token_ids=[])
-    rows = [list(range(11, 80))]
-    np.testing.assert_array_equal(flint_jax.generate(xla, rows, **kw)[0],
-                                  flint_jax.generate(pal, rows, **kw)[0])
+    assert_generate_equal(fmt, 5, opts, [list(range(11, 80))], 5)
 
 
 @pytest.mark.parametrize("kw,match", [

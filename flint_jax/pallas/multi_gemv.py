@@ -99,12 +99,6 @@ def default_multi_gemv_blocks(ns, k: int, *, m: int = 1, fmt: str = "bf16"):
   return bn, bk, warps
 
 
-def default_multi_gemv_stages(fmt: str, m: int) -> int:
-  """Pipeline stages: 4 for BF16 at M = 1 (Flint q|k|v 8.8 us against 9.8 at 3 stages, H200
-  sweep of session 3), else 3."""
-  return 4 if fmt == "bf16" and m == 1 else 3
-
-
 def resolve_method(fmt: str, m: int, method, layout: str, decode: str, interpret: bool):
   """(tile method, NVFP4 decode) after defaults and checks, shared with ``norm_qkv``."""
   if fmt == "bf16":
@@ -239,7 +233,7 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps
   # BF16 at M = 1: 4 stages (Flint q|k|v 8.8 us against 9.8 with 3, session-3 sweep round 2).
-  num_stages = num_stages or default_multi_gemv_stages(fmt, m)
+  num_stages = num_stages or (4 if fmt == "bf16" and m == 1 else 3)
   m, k, ns = _validate(x, weights, fmt, block_n, block_k)
   method, decode = resolve_method(fmt, m, method, layout, decode, interpret)
   mp = C.pad_rows(m)

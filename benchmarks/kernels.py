@@ -777,10 +777,48 @@ def nqtune_cases(variants):
              sets, bytes_)
 
 
+def _used_rows(fn, top_k=6):
+  """fn's (y, route) with y cut to the rows every ``slot_rows`` mode defines (y[t*k+j, t] and the
+  shared expert's), so the rel_l2 check compares like with like."""
+  def wrapped(*args):
+    y, route = fn(*args)
+    m = y.shape[1]
+    u = jnp.arange(m * top_k)
+    return jnp.concatenate([y[u, u // top_k], y[m * top_k]], axis=0), route
+  return wrapped
+
+
+def slotrows_cases(variants):
+  """The routed MoE at M > 1 with every slot's expert multiplied by all M tokens (``slot_rows=
+  "all"``: tensor-core tiles) or only by its own token (``"token"``: M * top_k GEMVs at M = 1,
+  the NVFP4 CUDA-core decode), with tiles around the M = 1 defaults. Same weight bytes."""
+  if variants:
+    return
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  for fmt in ("nvfp4", "bf16"):
+    experts, shared = moe_weights(fmt)
+    for m in ((8, 2) if fmt == "nvfp4" else (8,)):
+      xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
+      sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
+      lbl = f"routed {fmt} M={m}"
+      yield (f"slotrows/{fmt}/M{m}/xla", "slotrows", lbl, "xla",
+             jax.jit(_used_rows(MOE.moe_decode_routed_reference)), sets, bytes_)
+      rows = [dict(slot_rows="all"), dict(slot_rows="token")]
+      if fmt == "nvfp4" and m == 8:
+        rows += [_moe_kw(16, 512, 8, 3, 16, 512, 4, 2, slot_rows="token"),
+                 _moe_kw(16, 1024, 8, 2, 16, 512, 4, 2, slot_rows="token"),
+                 _moe_kw(32, 512, 8, 2, 16, 512, 4, 2, slot_rows="token"),
+                 _moe_kw(16, 1024, 16, 2, 32, 512, 8, 2, slot_rows="token"),
+                 _moe_kw(16, 1024, 16, 2, 16, 256, 4, 3, slot_rows="token")]
+      for kw in rows:
+        yield (f"slotrows/{fmt}/M{m}/{_tag(kw)}", "slotrows", lbl, _tag(kw),
+               _used_rows(functools.partial(MOE.moe_decode_routed, **kw)), sets, bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
-          "nqtune": nqtune_cases}
+          "nqtune": nqtune_cases, "slotrows": slotrows_cases}
 
 
 # ------------------------------------------------------------------------------------------

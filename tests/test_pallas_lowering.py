@@ -148,6 +148,10 @@ def test_moe_routed_lowers(fmt, m):
   assert text.count("__gpu$xla.gpu.triton") == 2
   lower(functools.partial(moe_decode_routed, top_k=4), S((m, D), BF), S((m, 200), F32),
         *moe_weights(fmt, 200))   # E not a power of two: masked logits load
+  if m > 1:   # the non-default slot_rows mode of the format (NVFP4: "token", BF16: "all")
+    other = "all" if fmt == "nvfp4" else "token"
+    lower(functools.partial(moe_decode_routed, slot_rows=other), S((m, D), BF), S((m, E), F32),
+          experts, shared)
   lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 6 + 1, m, D), BF), S((m, 6), F32),
         S((D,), BF))
   lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 4 + 1, m, D), BF), S((m, 4), F32),

@@ -139,26 +139,65 @@ def _routed_case(fmt, m, e, top_k, d, inter, inter_s, ties, *params):
   return gen, experts, shared, x, router, logits
 
 
-@pytest.mark.parametrize("fmt,m,e,top_k,d,inter,inter_s,ties", [
-    ("bf16", 1, 16, 6, 128, 64, 128, False),
-    ("bf16", 3, 20, 4, 256, 64, 128, True),     # E not a power of two, tied logits
-    ("nvfp4", 1, 16, 6, 128, 64, 128, False),   # reduce tiles
-    ("nvfp4", 2, 32, 3, 256, 128, 64, True),
-    ("mixed", 8, 16, 2, 128, 64, 128, False),   # tokens share experts: no de-duplication
-    ("bf16", 16, 16, 2, 128, 64, 64, False),
+def used_rows(y, top_k):
+  """The rows of moe_decode_routed's y [M * top_k + 1, M, D] that every slot_rows mode defines
+  (and the combine reads): y[t * top_k + j, t] for all (t, j), then the shared expert's M rows."""
+  m = y.shape[1]
+  u = jnp.arange(m * top_k)
+  return jnp.concatenate([y[u, u // top_k], y[m * top_k]], axis=0)
+
+
+def assert_routed_close(y, ref, top_k, slot_rows, what):
+  """y vs the reference: every row with slot_rows "all", the defined rows with "token"."""
+  assert y.shape == ref.shape
+  if slot_rows == "all":
+    assert_close(y, ref, what=what)
+  else:
+    assert_close(used_rows(y, top_k), used_rows(ref, top_k), what=what)
+
+
+@pytest.mark.parametrize("fmt,m,e,top_k,d,inter,inter_s,ties,slot_rows", [
+    ("bf16", 1, 16, 6, 128, 64, 128, False, None),
+    ("bf16", 3, 20, 4, 256, 64, 128, True, "all"),    # E not a power of two, tied logits
+    ("bf16", 3, 20, 4, 256, 64, 128, True, "token"),
+    ("nvfp4", 1, 16, 6, 128, 64, 128, False, None),   # reduce tiles
+    ("nvfp4", 2, 32, 3, 256, 128, 64, True, "token"),  # per-token reduce slots (the default)
+    ("nvfp4", 2, 32, 3, 256, 128, 64, True, "all"),
+    ("mixed", 8, 16, 2, 128, 64, 128, False, None),  # tokens share experts: no de-duplication
+    ("mixed", 5, 16, 3, 128, 64, 128, False, "token"),
+    ("bf16", 16, 16, 2, 128, 64, 64, False, None),
 ])
-def test_moe_decode_routed(fmt, m, e, top_k, d, inter, inter_s, ties):
-  """Every slot's output (all M token rows) vs the reference routed by lax.top_k of the logits:
-  a wrong expert id in either kernel changes whole rows of y. The routing the gate_up kernel
-  stores is lax.top_k's, bit for bit."""
+def test_moe_decode_routed(fmt, m, e, top_k, d, inter, inter_s, ties, slot_rows):
+  """Every slot's output (all M token rows, or each slot's own token's with slot_rows "token")
+  vs the reference routed by lax.top_k of the logits: a wrong expert id in either kernel changes
+  whole rows of y. The routing the gate_up kernel stores is lax.top_k's, bit for bit."""
   _, experts, shared, x, _, logits = _routed_case(fmt, m, e, top_k, d, inter, inter_s, ties)
   y, route = moe_decode_routed(x, logits, experts, shared, top_k=top_k, decode=DECODE,
-                               interpret=INTERPRET)
+                               slot_rows=slot_rows, interpret=INTERPRET)
   ref, ref_route = moe_decode_routed_reference(x, logits, experts, shared, top_k=top_k)
   assert y.shape == (m * top_k + 1, m, d)
   assert_route_is_top_k(route, logits, top_k)
   np.testing.assert_array_equal(np.asarray(ref_route.ids), np.asarray(route.ids))
-  assert_close(y, ref, what=f"moe routed {fmt}")
+  mode = slot_rows or ("token" if fmt == "nvfp4" else "all")   # "mixed": bf16 experts
+  assert_routed_close(y, ref, top_k, mode, f"moe routed {fmt} {slot_rows}")
+
+
+def test_moe_decode_routed_token_rows_equal_all_rows():
+  """slot_rows "token" and "all" agree on the rows both define (NVFP4, M = 4): the per-token
+  reduce tiles and the all-rows tensor-core tiles compute the same expert outputs."""
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", 4, 16, 3, 128, 64, 128, False, "eq")
+  kw = dict(top_k=3, decode=DECODE, interpret=INTERPRET)
+  y_tok, r_tok = moe_decode_routed(x, logits, experts, shared, slot_rows="token", **kw)
+  y_all, r_all = moe_decode_routed(x, logits, experts, shared, slot_rows="all", **kw)
+  np.testing.assert_array_equal(np.asarray(r_tok.ids), np.asarray(r_all.ids))
+  assert_close(used_rows(y_tok, 3), used_rows(y_all, 3), what="token vs all rows")
+
+
+def test_moe_decode_routed_rejects_bad_slot_rows():
+  _, experts, shared, x, _, logits = _routed_case("bf16", 2, 16, 2, 128, 64, 64, False, "bad")
+  with pytest.raises(ValueError, match="slot_rows"):
+    moe_decode_routed(x, logits, experts, shared, top_k=2, slot_rows="tokens",
+                      interpret=INTERPRET)
 
 
 def assert_route_is_top_k(route, logits, top_k):
@@ -192,7 +231,7 @@ def test_moe_decode_routed_route_ties(fmt, m, e, top_k):
   np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(ids))
   np.testing.assert_array_equal(np.asarray(moe_route_weights(route.logits)), np.asarray(w))
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=top_k)
-  assert_close(y, ref, what=f"moe routed ties {fmt}")
+  assert_routed_close(y, ref, top_k, "token" if fmt == "nvfp4" else "all", f"ties {fmt}")
 
 
 @pytest.mark.parametrize("fmt,m", [("bf16", 1), ("nvfp4", 1), ("nvfp4", 3)])
@@ -205,7 +244,7 @@ def test_moe_decode_routed_down_tiling(fmt, m):
                                num_stages_down=2, interpret=INTERPRET)
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=4)
   assert_route_is_top_k(route, logits, 4)
-  assert_close(y, ref, what=f"moe routed down tiling {fmt}")
+  assert_routed_close(y, ref, 4, "token" if fmt == "nvfp4" else "all", f"down tiling {fmt}")
 
 
 @pytest.mark.parametrize("m,e,top_k,d,ties", [(1, 16, 6, 256, False), (3, 20, 4, 300, True),

@@ -104,9 +104,10 @@ def acc_shape(mp: int, bn: int, method: str):
   return {"dot": (mp, bn), "swap": (bn, mp), "reduce": (bn,)}[method]
 
 
-def store_tile(o_ref, lead, acc, n0, bn, m, mp, method):
-  """Stores the real rows of an accumulator in ``acc_shape`` layout at o_ref[*lead, :m, n0:n0+bn]."""
-  r, rmask = row_store_index(m, mp)
+def store_tile(o_ref, lead, acc, n0, bn, m, mp, method, row0=0):
+  """Stores the real rows of an accumulator in ``acc_shape`` layout at
+  o_ref[*lead, row0:row0+m, n0:n0+bn] (row0 may be traced)."""
+  r, rmask = row_store_index(m, mp, row0)
   cols = n0 + jnp.arange(bn, dtype=jnp.int32)
   acc = acc.astype(o_ref.dtype)
   if method == "dot":
@@ -114,7 +115,7 @@ def store_tile(o_ref, lead, acc, n0, bn, m, mp, method):
   elif method == "swap":
     plgpu.store(o_ref.at[(*lead, r[None, :], cols[:, None])], acc, mask=rmask[None, :])
   else:
-    plgpu.store(o_ref.at[(*lead, 0, cols)], acc)
+    plgpu.store(o_ref.at[(*lead, row0, cols)], acc)
 
 
 def silu_mul_f32(g, u, act_dtype=jnp.bfloat16):

@@ -261,23 +261,25 @@ def _slot_route(l_ref, u, route):
 
 
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
-                    decode, layout, method, route=None):
+                    decode, layout, method, route=None, token_method=None):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
-  ``route_ids`` / ``route_logits`` [u // top_k, u % top_k]."""
+  ``route_ids`` / ``route_logits`` [u // top_k, u % top_k].
+  token_method (routed only): slot u multiplies only its own token t = u // top_k (x row t, the
+  tile method ``token_method`` at M = 1) and writes h [U, 1, I]; otherwise all M rows."""
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
   n_i = inter // bn
   n_routed = n_slots_max * n_i
   xs = (r["x"], r["x5"])
 
-  def gemv2(wg, wu, w_idx, ng, nu, fmt, step):
+  def gemv2(wg, wu, w_idx, ng, nu, fmt, step, xs=xs, x_idx=(), m=m, mp=mp, method=method):
     def body(i, carry):
       ag, au = carry
       kw = dict(decode=decode, layout=layout, method=method)
-      ag = ag + _tile_dot(fmt, xs, (), m, mp, wg, w_idx, ng, bn, i, step, **kw)
-      au = au + _tile_dot(fmt, xs, (), m, mp, wu, w_idx, nu, bn, i, step, **kw)
+      ag = ag + _tile_dot(fmt, xs, x_idx, m, mp, wg, w_idx, ng, bn, i, step, **kw)
+      au = au + _tile_dot(fmt, xs, x_idx, m, mp, wu, w_idx, nu, bn, i, step, **kw)
       return ag, au
     z = jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32)
     return lax.fori_loop(0, d // step, body, (z, z))
@@ -285,6 +287,11 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   def routed():
     u = pid // n_i
     j = pid % n_i
+    if token_method is None:
+      rows = dict(xs=xs, x_idx=(), m=m, mp=mp, method=method)
+    else:      # x viewed as [M, 1, D]: token t's row is a one-row operand
+      rows = dict(xs=(r["xt"], r["xt5"]), x_idx=(u // route[0],), m=1, mp=C.pad_rows(1),
+                  method=token_method)
 
     def slot():
       if route is None:
@@ -299,12 +306,13 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
           r["route_logits"][u // top_k, u % top_k] = lg
 
       wgu = [r["gu_w"]] if fe == "bf16" else [r["gu_q"], r["gu_s"]]
-      ag, au = gemv2(wgu, wgu, (e,), j * bn, inter + j * bn, fe, bk)
+      ag, au = gemv2(wgu, wgu, (e,), j * bn, inter + j * bn, fe, bk, **rows)
       if fe == "nvfp4":
         f = NV.decode_factor(decode)
         ag = ag * (r["gu_s2"][e, 0] * f)
         au = au * (r["gu_s2"][e, 1] * f)
-      C.store_tile(r["h"], (u,), C.silu_mul_f32(ag, au), j * bn, bn, m, mp, method)
+      C.store_tile(r["h"], (u,), C.silu_mul_f32(ag, au), j * bn, bn, rows["m"], rows["mp"],
+                   rows["method"])
 
     if route is None:
       pl.when(u < r["n_slots"][0])(slot)
@@ -328,18 +336,23 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
 
 
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
-                 decode, layout, unroll, method, split, route_top_k=None):
+                 decode, layout, unroll, method, split, route_top_k=None, token_method=None):
   """split=False: grid (D/BN,), every slot + shared + combine in one program, out [M, D].
-  split=True: grid (D/BN, slots + 1), one (slot | shared) per program, y [slots + 1, M, D] bf16
-  (the combine is one XLA fusion, or ``moe_combine_add_rms_norm``). Slot u's expert:
-  ``slot_expert[u]`` (route_top_k None; slots u >= ``n_slots`` write zeros), or
-  ``route_ids[u // route_top_k, u % route_top_k]`` (the gate_up kernel's routing; split only,
-  every slot live)."""
+  split=True: grid (D/BN, slots + 1), one (slot | shared) per program, y [(slots + 1) * M, D]
+  bf16 (the caller's [slots + 1, M, D]; the combine is one XLA fusion, or
+  ``moe_combine_add_rms_norm``). Slot u's expert: ``slot_expert[u]`` (route_top_k None; slots
+  u >= ``n_slots`` write zeros), or ``route_ids[u // route_top_k, u % route_top_k]`` (the gate_up
+  kernel's routing; split only, every slot live). token_method (routed only): h is [U, 1, I]
+  and slot u writes only its token's row y[u, u // route_top_k] (``token_method`` tiles)."""
   r = dict(zip(names, refs))
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   dt = r["out"].dtype
   kw = dict(decode=decode, layout=layout, method=method)
   zeros = jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32)
+  if token_method is None:
+    m_u, mp_u, method_u = m, mp, method
+  else:
+    m_u, mp_u, method_u = 1, C.pad_rows(1), token_method
 
   def shared_y():   # y_s = bf16(hs . Wd^T * scale_2)
     wsd = [r["sd_w"]] if fs == "bf16" else [r["sd_q"], r["sd_s"]]
@@ -358,9 +371,11 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
       e = r["route_ids"][u // route_top_k, u % route_top_k]
     wd = [r["dn_w"]] if fe == "bf16" else [r["dn_q"], r["dn_s"]]
     h = (r["h"], r["h5"])
+    kw_u = dict(kw, method=method_u)
     acc = lax.fori_loop(
         0, inter // bk,
-        lambda i, a: a + _tile_dot(fe, h, (u,), m, mp, wd, (e,), n0, bn, i, bk, **kw), zeros)
+        lambda i, a: a + _tile_dot(fe, h, (u,), m_u, mp_u, wd, (e,), n0, bn, i, bk, **kw_u),
+        jnp.zeros(C.acc_shape(mp_u, bn, method_u), jnp.float32))
     if fe == "nvfp4":
       acc = acc * (r["dn_s2"][e] * NV.decode_factor(decode))
     return acc.astype(dt)
@@ -373,10 +388,11 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
         y = lax.cond(s_id < r["n_slots"][0], lambda: slot_y(s_id), lambda: zeros.astype(dt))
       else:
         y = slot_y(s_id)
-      C.store_tile(r["out"], (s_id,), y, n0, bn, m, mp, method)
+      row0 = s_id * m + (0 if token_method is None else s_id // route_top_k)
+      C.store_tile(r["out"], (), y, n0, bn, m_u, mp_u, method_u, row0=row0)
 
     def shared():
-      C.store_tile(r["out"], (n_slots_max,), shared_y(), n0, bn, m, mp, method)
+      C.store_tile(r["out"], (), shared_y(), n0, bn, m, mp, method, row0=n_slots_max * m)
 
     lax.cond(s_id < n_slots_max, routed, shared)
     return
@@ -460,15 +476,22 @@ _TUNING = ("block_n", "block_k", "block_n_down", "block_k_down", "decode", "layo
 def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, route_args, *,
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
-            block_k_down=None, num_warps_down=None, num_stages_down=None):
+            block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
-  reads the ids. coef [U, M] only for down_split=False.
+  reads the ids. coef [U, M] only for down_split=False. slot_rows: see ``moe_decode_routed``.
   Returns (y [U + 1, M, D] (down_split) or out [M, D], MoERoute or None)."""
+  C.check(slot_rows in (None, "all", "token"), f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
+  C.check(slot_rows != "token" or route is not None, "slot_rows='token' needs the routed path")
+  if slot_rows is None:
+    slot_rows = "token" if fe == "nvfp4" else "all"
+  token = route is not None and m > 1 and slot_rows == "token"
+  # routed slots of one token each: an M = 1 GEMV per slot (NVFP4: the CUDA-core decode)
+  token_method = ("reduce" if fe == "nvfp4" else "dot") if token else None
   nv_m1 = fe == "nvfp4" and m == 1
   method = method or ("reduce" if nv_m1 else "dot")
-  tiling = default_moe_tiling(fe, m)
+  tiling = default_moe_tiling(fe, 1 if token else m)
   block_n, block_k = block_n or tiling["block_n"], block_k or tiling["block_k"]
   num_warps, num_stages = num_warps or tiling["num_warps"], num_stages or tiling["num_stages"]
   block_n_down = block_n_down or tiling["block_n_down"]
@@ -497,6 +520,10 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   # ---- kernel 1: gate_up (+ shared gate/up)
   names = ["x", "x5"] + route_names
   args = [x, NV.x_view(x) if d % 64 == 0 else x] + route_args
+  if token:
+    xt = x.reshape(m, 1, d)
+    names += ["xt", "xt5"]
+    args += [xt, NV.x_view(xt) if d % 64 == 0 else xt]
   if fe == "bf16":
     names += ["gu_w"]
     args += [experts["gate_up_proj"]]
@@ -512,7 +539,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     args += _weight_args(fs, shared["gate_proj"], "") + _weight_args(fs, shared["up_proj"], "")
     args += [_scalar_f32(shared["gate_proj"][2]), _scalar_f32(shared["up_proj"][2])]
   names += ["h", "hs"]
-  out_shape = [jax.ShapeDtypeStruct((u, m, inter), x.dtype),
+  out_shape = [jax.ShapeDtypeStruct((u, 1 if token else m, inter), x.dtype),
                jax.ShapeDtypeStruct((m, inter_s), x.dtype)]
   if route is not None:
     top_k = route[0]
@@ -523,7 +550,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   kernel = functools.partial(
       _gate_up_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn, bk=bk,
       bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout, method=method,
-      route=route)
+      route=route, token_method=token_method)
+  tag += "_token" if token else ""
   res = pl.pallas_call(
       kernel, grid=(u * (inter // bn) + inter_s // bn,), out_shape=tuple(out_shape),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
@@ -559,13 +587,16 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       _down_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn_dn,
       bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs, decode=decode, layout=layout,
       unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
-      method=method_down, split=down_split, route_top_k=None if route is None else route[0])
+      method=method_down, split=down_split, route_top_k=None if route is None else route[0],
+      token_method=token_method)
   if down_split:
-    return pl.pallas_call(
-        kernel, grid=(d // bn_dn, u + 1), out_shape=jax.ShapeDtypeStruct((u + 1, m, d), x.dtype),
+    y = pl.pallas_call(
+        kernel, grid=(d // bn_dn, u + 1),
+        out_shape=jax.ShapeDtypeStruct(((u + 1) * m, d), x.dtype),
         compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
         name=f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}",
-    )(*args), route_out
+    )(*args)
+    return y.reshape(u + 1, m, d), route_out
   return pl.pallas_call(
       kernel, grid=(d // bn_dn,), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
       compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
@@ -629,8 +660,8 @@ def _check_top_logits(top_logits, m) -> int:
   return top_logits.shape[1]
 
 
-@functools.partial(jax.jit, static_argnames=("top_k",) + _TUNING)
-def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
+@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows") + _TUNING)
+def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: str | None = None,
                       block_n: int | None = None, block_k: int | None = None,
                       block_n_down: int | None = None,
                       decode: str = "asm", layout: str = "tile",
@@ -645,12 +676,18 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
   j-th expert in ``lax.top_k`` order (no de-duplication). The gate_up kernel computes each
   slot's expert id from logits row t (``_topk_logits``) and stores the routing; the down kernel
   reads the stored ids. Returns
-    y [M * top_k + 1, M, D] bf16: y[u, t'] = bf16(expert_{e_u}(x[t'])) for every token t' (the
-      kernels multiply all M rows); only y[t * top_k + j, t] is used by the combine;
-      y[M * top_k] = the shared expert's output.
+    y [M * top_k + 1, M, D] bf16: y[t * top_k + j, t] = bf16(expert_{ids[t, j]}(x[t])) (what
+      the combine uses); y[M * top_k] = the shared expert's output (all M rows). The other rows
+      y[u, t'], t' != u // top_k, are token t''s output through slot u's expert with
+      ``slot_rows="all"`` and undefined (never written) with ``"token"``.
     route: ``MoERoute(ids [M, top_k] int32, logits [M, top_k] f32)``, equal to
       ``moe_topk_route(logits, top_k=top_k)`` (ties by lowest index); pass ``route.logits`` to
       ``moe_combine_add_rms_norm`` / ``norm_qkv``.
+  ``slot_rows`` (M > 1): ``"all"`` multiplies every slot's expert with all M tokens (tensor-core
+  tiles; the BF16 default: its weight stream is the limit, and the tiles are free); ``"token"``
+  only with the slot's own token, as M * top_k GEMVs at M = 1 with the M = 1 tiling (the NVFP4
+  default: its M = 1 CUDA-core decode beats the tensor-core tile, whose decoded operand
+  round-trips through shared memory; docs/kernels.md). Weight bytes are the same either way.
   Tuning knobs as ``moe_decode`` (split down kernel only).
   """
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
@@ -662,7 +699,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6,
                  unroll_slots=unroll_slots, method=method, method_down=method_down,
                  num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                  block_k_down=block_k_down, num_warps_down=num_warps_down,
-                 num_stages_down=num_stages_down)
+                 num_stages_down=num_stages_down, slot_rows=slot_rows)
 
 
 def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, top_k, u, d, dp,

@@ -217,7 +217,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "fused_atomic"), "pallas_nqfa" / "pallas_nqfaa" (both), "pallas_sp" (attention "split": the
     session-2 default step), "pallas_rsN" (the sliding layers' attention in N splits,
     `DecodeOptions.ring_splits`), "pallas_qw" (`qkv_wait`: each layer's end and the next q|k|v
-    as one producer / consumer kernel)."""
+    as one producer / consumer kernel), "pallas_allrows" / "pallas_tokrows" (the routed MoE's
+    `moe_slot_rows` forced to "all" / "token"), "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
+    the NVFP4 GEMVs at batch > 1)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -231,7 +233,10 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "faa": DecodeOptions(attention="fused_atomic"),
                "nqfaa": DecodeOptions(norm_in_qkv=True, attention="fused_atomic"),
                "nqfa": DecodeOptions(norm_in_qkv=True, attention="fused"),
-               "qw": DecodeOptions(qkv_wait=True)}[variant]
+               "qw": DecodeOptions(qkv_wait=True),
+               "allrows": DecodeOptions(moe_slot_rows="all"),
+               "tokrows": DecodeOptions(moe_slot_rows="token"),
+               "rows": DecodeOptions(nvfp4_rows=True)}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

@@ -815,10 +815,52 @@ def slotrows_cases(variants):
                _used_rows(functools.partial(MOE.moe_decode_routed, **kw)), sets, bytes_)
 
 
+def rows_cases(variants):
+  """NVFP4 GEMVs at M > 1 with the CUDA-core ``rows`` tiles (one decode, M row sums) against the
+  default tensor-core ``dot`` tiles: the step's q|k|v, o_proj and LM head at M = 8 (and q|k|v at
+  M = 2, 4). The reference first, so every variant's rel_l2 is checked."""
+  if variants:
+    return
+  def qkv_w():
+    return tuple(rand_nvfp4((n, D)) for n in (H * DH, KVH * DH, KVH * DH))
+  ws = [qkv_w() for _ in range(n_sets(nbytes(qkv_w()) * 1.25, cap=12))]
+  for m in (8, 4, 2):
+    sets = [(randn((m, D)), w) for w in ws]
+    lbl = f"qkv nvfp4 M={m}"
+    bytes_ = nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
+    yield (f"rows/qkv/M{m}/xla", "rows", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
+           bytes_)
+    rows = [dict(), dict(method="rows", block_n=16, block_k=512, num_warps=8),
+            dict(method="rows", block_n=16, block_k=256, num_warps=8),
+            dict(method="rows", block_n=32, block_k=256, num_warps=8),
+            dict(method="rows", block_n=16, block_k=512, num_warps=16)]
+    for kw in (rows if m == 8 else rows[:2]):
+      yield (f"rows/qkv/M{m}/{_tag(kw)}", "rows", lbl, _tag(kw),
+             functools.partial(MULTI.multi_gemv, **kw), sets, bytes_)
+  for name, n, k in [("o_proj", D, 4096), ("lm_head", V, D)]:
+    wb = n * k // 2 + n * k // 16
+    sets = [(randn((8, k)), *rand_nvfp4((n, k))) for _ in range(n_sets(wb, cap=8))]
+    lbl = f"nvfp4 {name} M=8"
+    out = jnp.float32 if name == "lm_head" else jnp.bfloat16
+    yield (f"rows/{name}/xla", "rows", lbl, "xla",
+           jax.jit(functools.partial(NV.nvfp4_gemv_reference, out_dtype=out)), sets,
+           wb + 8 * k * 2 + 8 * n * 2)
+    rows = [dict(), dict(method="rows", block_n=16, block_k=512, num_warps=8),
+            dict(method="rows", block_n=16, block_k=256, num_warps=8),
+            dict(method="rows", block_n=32, block_k=256, num_warps=8)]
+    if name == "o_proj":
+      rows += [dict(method="rows", block_n=16, block_k=512, split_k=4, num_warps=8),
+               dict(method="rows", block_n=16, block_k=256, split_k=2, num_warps=8)]
+    for kw in rows:
+      yield (f"rows/{name}/{_tag(kw)}", "rows", lbl, _tag(kw),
+             functools.partial(NV.nvfp4_gemv, out_dtype=out, **kw), sets,
+             wb + 8 * k * 2 + 8 * n * 2)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
-          "nqtune": nqtune_cases, "slotrows": slotrows_cases}
+          "nqtune": nqtune_cases, "slotrows": slotrows_cases, "rows": rows_cases}
 
 
 # ------------------------------------------------------------------------------------------

@@ -71,6 +71,11 @@ class DecodeOptions:
     ring_splits: split count of the sliding layers' attention (their 576-slot ring holds 513
       live keys); None = `decode_attention.default_attention_blocks` (16 at batch 1). 1 = one
       program per (row, KV head) that normalises itself: no merge kernel.
+    moe_slot_rows: `moe_decode_routed`'s ``slot_rows`` at batch > 1: "all" (every routed slot's
+      expert times all rows, tensor-core tiles), "token" (each slot times its own token only, the
+      M = 1 kernels) or None (the kernel's default: "token" for NVFP4 experts, "all" for BF16).
+    nvfp4_rows: at batch > 1, the NVFP4 q|k|v, o_proj, dense MLP and LM head GEMVs use the
+      CUDA-core ``rows`` tiles (one decode, one row sum per token) instead of tensor-core tiles.
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -82,6 +87,8 @@ class DecodeOptions:
     qkv_wait_max_batch: int = 1
     qkv_wait_block_n: int = 16
     qkv_wait_preload: int | None = 1
+    moe_slot_rows: str | None = None
+    nvfp4_rows: bool = False
 
     def qkv_wait_at(self, batch: int) -> bool:
         """Whether the step at this batch size runs ``layer_end_qkv``."""
@@ -107,6 +114,9 @@ class DecodeOptions:
                                              self.ring_splits & (self.ring_splits - 1)):
             raise ValueError("DecodeOptions.ring_splits must be a power of two >= 1, got "
                              f"{self.ring_splits!r}")
+        if self.moe_slot_rows not in (None, "all", "token"):
+            raise ValueError("DecodeOptions.moe_slot_rows must be None|'all'|'token', got "
+                             f"{self.moe_slot_rows!r}")
         if self.moe not in ("routed", "slots", "xla", "v1"):
             raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
         if self.router_in_norm and self.moe != "routed":
@@ -133,21 +143,22 @@ FUSED_OPTIONS = DecodeOptions(router_in_norm=True, norm_in_qkv=True, attention="
 # - Attention, Q/K-norm + RoPE + cache write, residual add + RMSNorm: Pallas (1.1-30x).
 
 
-def _linear(lin, x, interpret, out_dtype=jnp.bfloat16):
-    """x [M, K] -> [M, N]."""
+def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None):
+    """x [M, K] -> [M, N]; ``method``: the NVFP4 kernel's tile method (None: its default)."""
     if lin.quant:
         return nvfp4_gemv(x, lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...],
-                          out_dtype=out_dtype, interpret=interpret)
+                          out_dtype=out_dtype, method=method, interpret=interpret)
     return layers.matmul_t(x, lin.weight[...]).astype(out_dtype)
 
 
-def _silu_mul(mlp, x, interpret):
+def _silu_mul(mlp, x, interpret, method=None):
     """bf16(silu(g) * u) in fp32 from g = bf16(x Wg^T), u = bf16(x Wu^T) (the model's rule)."""
     g, u = mlp.gate_proj, mlp.up_proj
     if g.quant:
         return nvfp4_gemv_silu_mul(
             x, (g.qweight[...], g.weight_scale[...], g.weight_scale_2[...]),
-            (u.qweight[...], u.weight_scale[...], u.weight_scale_2[...]), interpret=interpret)
+            (u.qweight[...], u.weight_scale[...], u.weight_scale_2[...]), method=method,
+            interpret=interpret)
     return layers.silu_mul(layers.matmul_t(x, g.weight[...]).astype(x.dtype),
                            layers.matmul_t(x, u.weight[...]).astype(x.dtype))
 
@@ -158,20 +169,22 @@ def _qkv_weights(attn):
                  for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
 
 
-def _qkv(attn, x, fused, interpret):
+def _qkv(attn, x, fused, interpret, method=None):
     """x [M, D] -> q [M, H*Dh], k, v [M, KVH*Dh] (bf16)."""
+    lins = (attn.q_proj, attn.k_proj, attn.v_proj)
     if not fused:
-        return tuple(_linear(lin, x, interpret) for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
-    return multi_gemv(x, _qkv_weights(attn), interpret=interpret)
+        return tuple(_linear(lin, x, interpret, method=method) for lin in lins)
+    return multi_gemv(x, _qkv_weights(attn), method=method if lins[0].quant else None,
+                      interpret=interpret)
 
 
 def _shared_arg(mlp):
     return {n: _lin_arg(getattr(mlp.shared_expert, n)) for n in ("gate_proj", "up_proj", "down_proj")}
 
 
-def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None):
+def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, slot_rows=None):
     """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). `logits`: the router's,
-    when already computed (routed mode)."""
+    when already computed (routed mode); `slot_rows`: `moe_decode_routed`'s."""
     eps = cfg.rms_norm_eps
     k = cfg.num_experts_per_tok
     if mode == "v1":
@@ -180,7 +193,7 @@ def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None):
         if logits is None:
             logits = moe_router_logits(x, mlp.gate.weight[...])
         y, route = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp),
-                                     top_k=k, interpret=interpret)
+                                     top_k=k, slot_rows=slot_rows, interpret=interpret)
         return moe_combine_add_rms_norm(h, y, route.logits, w_next, eps=eps,
                                         interpret=interpret)
     if mode == "slots":
@@ -237,6 +250,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # qkv_wait: one zeroed (ticket, ready) counter pair per layer for every step.
         quant = layers[0].self_attn.q_proj.quant
         wait, fold = opts.qkv_wait_at(b), opts.fold_layer_end(b, quant)
+        nv_method = "rows" if (opts.nvfp4_rows and b > 1) else None   # NVFP4 GEMVs only
+        slot_rows = opts.moe_slot_rows if b > 1 else None
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         if not fold:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
@@ -257,7 +272,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                             y=pending[0], top_logits=pending[1], eps=eps,
                                             interpret=interpret)
                 else:
-                    q, k, v = _qkv(attn, x, opts.fused_qkv, interpret)
+                    q, k, v = _qkv(attn, x, opts.fused_qkv, interpret, nv_method)
                 q, k, v = q.reshape(b, h_, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)
                 window = cfg.sliding_window if sliding else None
@@ -284,7 +299,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     ring_k, ring_v = kc, vc
                 else:
                     full_k, full_v = kc, vc
-                a = _linear(attn.o_proj, o.reshape(b, h_ * hd), interpret)
+                a = _linear(attn.o_proj, o.reshape(b, h_ * hd), interpret, method=nv_method)
                 mlp = layer.mlp
                 post_ln = layer.post_attention_layernorm.weight[...]
                 router_logits = None
@@ -299,18 +314,19 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         router_logits = moe_router_logits(x, mlp.gate.weight[...])
                     y, route = moe_decode_routed(x, router_logits, _experts_arg(mlp.experts),
                                                  _shared_arg(mlp), top_k=top_k,
-                                                 interpret=interpret)
+                                                 slot_rows=slot_rows, interpret=interpret)
                     pending = (y, route.logits)
                 elif cfg.is_moe(i):
                     h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
-                                             router_logits)
+                                             router_logits, slot_rows)
                 else:
-                    y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret), interpret)
+                    y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret, nv_method), interpret,
+                                method=nv_method)
                     if fold and not last:
                         pending = (y, None)
                     else:
                         h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)
-        logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32)
+        logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32, method=nv_method)
         new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
                             lengths=pos + 1)
         return logits, new_cache

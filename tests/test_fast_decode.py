@@ -27,11 +27,16 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            # qkv_wait runs at batch 1 by default; these 2-row tests raise the limit to reach it.
            "qkv_wait": DecodeOptions(qkv_wait=True, qkv_wait_max_batch=8),
            "qkv_wait_pre0": DecodeOptions(qkv_wait=True, qkv_wait_max_batch=8,
-                                          qkv_wait_preload=0, qkv_wait_block_n=32)}
+                                          qkv_wait_preload=0, qkv_wait_block_n=32),
+           # the routed MoE's other slot_rows mode (default: "token" NVFP4, "all" BF16), and
+           # the NVFP4 GEMVs (q|k|v, o_proj, dense MLP, LM head) on CUDA-core rows tiles
+           "allrows": DecodeOptions(moe_slot_rows="all"),
+           "tokrows": DecodeOptions(moe_slot_rows="token"),
+           "rows": DecodeOptions(nvfp4_rows=True)}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
          ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
          ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait"),
-         ("nvfp4", "qkv_wait_pre0")]
+         ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "tokrows"), ("nvfp4", "rows")]
 
 
 def assert_generate_equal(fmt, seed, options, rows, max_new_tokens):
@@ -86,6 +91,7 @@ def test_qkv_wait_batch_one_equals_xla(fmt):
     (dict(qkv_wait=True, norm_in_qkv=True), "qkv_wait needs"),
     (dict(qkv_wait=True, moe="slots"), "qkv_wait needs"),
     (dict(ring_splits=0), "power of two"),
+    (dict(moe_slot_rows="tokens"), "moe_slot_rows"),
 ])
 def test_decode_options_reject_inconsistent_choices(kw, match):
     with pytest.raises(ValueError, match=match):

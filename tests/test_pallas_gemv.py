@@ -21,6 +21,7 @@ INTERPRET = jax.default_backend() == "cpu"
     (1, 96, 512, jnp.bfloat16, dict(method="reduce", block_n=32, split_k=2)),
     (3, 48, 128, jnp.bfloat16, dict(block_n=16, block_k=64)),       # odd M, N = 3 blocks
     (3, 64, 256, jnp.bfloat16, dict(method="swap")),
+    (3, 48, 256, jnp.bfloat16, dict(method="rows", block_n=16)),    # CUDA-core rows, Mp = 4
     (8, 512, 2048, jnp.bfloat16, {}),                               # default split-K (k_proj)
     (5, 256, 512, jnp.float32, dict(block_n=32, block_k=128, split_k=1)),  # fp32 out
     (1, 2048, 2048, jnp.bfloat16, {}),                              # Flint o_proj-ish size

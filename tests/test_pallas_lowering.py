@@ -64,7 +64,8 @@ def test_gemv_reduce_lowers():
 
 @pytest.mark.parametrize("decode", ["fp8", "asm"])
 @pytest.mark.parametrize("layout", ["tile", "chunk"])
-@pytest.mark.parametrize("m,method", [(8, "dot"), (8, "swap"), (1, "reduce"), (1, "swap")])
+@pytest.mark.parametrize("m,method", [(8, "dot"), (8, "swap"), (1, "reduce"), (1, "swap"),
+                                      (8, "rows")])
 @pytest.mark.parametrize("n,k", [(4096, D), (D, DENSE), (V, D)])
 def test_nvfp4_gemv_lowers(decode, layout, m, method, n, k):
   out = F32 if n == V else BF
@@ -92,7 +93,8 @@ def test_multi_gemv_lowers(fmt, decode, m, ns):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m,method", [(1, "dot"), (1, "swap"), (1, "reduce"), (8, "swap")])
+@pytest.mark.parametrize("m,method", [(1, "dot"), (1, "swap"), (1, "reduce"), (8, "swap"),
+                                      (8, "rows"), (3, "rows")])
 def test_multi_gemv_methods_lower(fmt, m, method):
   ws = tuple(S((n, D), BF) if fmt == "bf16" else nv(n, D) for n in QKV)
   lower(functools.partial(multi_gemv, method=method), S((m, D), BF), ws)

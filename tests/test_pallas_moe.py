@@ -53,6 +53,8 @@ def test_route_and_slots():
     ("nvfp4", 1, None, None, {}),                       # defaults: reduce tiles, split down
     ("nvfp4", 8, True, None, {}),                       # 48 slots, tokens share experts
     ("mixed", 2, False, None, dict(method="swap", method_down="dot")),
+    ("nvfp4", 3, True, None, dict(method="rows")),      # CUDA-core rows, Mp = 4, both kernels
+    ("nvfp4", 2, False, None, dict(method="rows", method_down="dot")),  # mixed row padding
 ])
 def test_moe_decode(fmt, m, dedupe, unroll, kw):
   e, d, inter, inter_s = 16, 256, 64, 128

@@ -61,6 +61,8 @@ def test_multi_gemv_bf16(m, ns, k, kw):
     (1, (128, 64), 256, dict(layout="chunk", block_k=64)),
     (3, (256, 64, 64), 128, {}),                                   # odd M
     (3, (128, 64), 256, dict(layout="chunk", block_n=32, block_k=128)),
+    (3, (128, 64), 256, dict(method="rows", block_n=16)),           # CUDA-core rows
+    (8, (256, 64, 64), 256, dict(method="rows", block_n=32, block_k=128)),
     (8, (256, 64, 64), 256, {}),
     (16, (128, 64), 128, dict(method="swap")),
     (16, (256, 64, 64), 256, {}),

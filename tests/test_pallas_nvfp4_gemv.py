@@ -51,6 +51,9 @@ def test_dequantize_matches_codec():
     (1, 32, 256, "tile", jnp.bfloat16, dict(method="dot", split_k=2, block_k=64)),
     (3, 48, 128, "chunk", jnp.bfloat16, dict(block_n=16, block_k=64)),
     (3, 64, 256, "tile", jnp.bfloat16, dict(method="swap")),
+    (3, 48, 256, "tile", jnp.bfloat16, dict(method="rows", block_n=16, block_k=128)),
+    (8, 64, 512, "tile", jnp.float32, dict(method="rows", split_k=2, block_k=128)),
+    (5, 32, 256, "chunk", jnp.bfloat16, dict(method="rows", block_k=64)),
     (8, 64, 512, "tile", jnp.float32, dict(block_k=128, split_k=2)),
     (8, 256, 2048, "tile", jnp.bfloat16, {}),
     (1, 2048, 2048, "tile", jnp.bfloat16, {}),                    # Flint size

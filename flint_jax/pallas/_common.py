@@ -30,9 +30,10 @@ def next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
 
-def pad_rows(m: int) -> int:
-  """Rows a small-batch operand is padded to inside a kernel (>= 16, power of two)."""
-  return max(16, next_pow2(m))
+def pad_rows(m: int, method: str = "dot") -> int:
+  """Rows a small-batch operand is padded to inside a kernel: >= 16 (a power of two) for the
+  tensor-core methods, the next power of two for the CUDA-core ``rows``."""
+  return next_pow2(m) if method == "rows" else max(16, next_pow2(m))
 
 
 def is_pow2(n: int) -> bool:
@@ -70,7 +71,7 @@ def dot_nn(a, b):
                          preferred_element_type=jnp.float32)
 
 
-METHODS = ("dot", "swap", "reduce")
+METHODS = ("dot", "swap", "reduce", "rows")
 
 
 def check_method(method: str, m: int):
@@ -85,11 +86,15 @@ def mm_tile(x, w, method: str):
   [Mp, BN] on the tensor cores (M = 16: mma.sync). ``swap``: w . x^T -> [BN, Mp] (swap-AB: the
   weight rows are the MMA's M dimension, wgmma-eligible when BN >= 64). ``reduce`` (M == 1):
   broadcast multiply and row sum on the CUDA cores -> [BN] (what XLA emits for a GEMV).
+  ``rows`` (any M, rows padded to a power of two only): ``reduce`` for every row at once,
+  x [Mp, BK] -> [Mp, BN] on the CUDA cores.
   """
   if method == "dot":
     return dot_nt(x, w)
   if method == "swap":
     return dot_nt(w, x)
+  if method == "rows":
+    return jnp.sum(w.astype(jnp.float32)[None] * x.astype(jnp.float32)[:, None], axis=2)
   return jnp.sum(w.astype(jnp.float32) * x.astype(jnp.float32)[None, :], axis=1)
 
 
@@ -101,7 +106,7 @@ def load_x(x_ref, lead, m, mp, cols, method):
 
 
 def acc_shape(mp: int, bn: int, method: str):
-  return {"dot": (mp, bn), "swap": (bn, mp), "reduce": (bn,)}[method]
+  return {"dot": (mp, bn), "rows": (mp, bn), "swap": (bn, mp), "reduce": (bn,)}[method]
 
 
 def store_tile(o_ref, lead, acc, n0, bn, m, mp, method, row0=0):
@@ -110,7 +115,7 @@ def store_tile(o_ref, lead, acc, n0, bn, m, mp, method, row0=0):
   r, rmask = row_store_index(m, mp, row0)
   cols = n0 + jnp.arange(bn, dtype=jnp.int32)
   acc = acc.astype(o_ref.dtype)
-  if method == "dot":
+  if method in ("dot", "rows"):
     plgpu.store(o_ref.at[(*lead, r[:, None], cols[None, :])], acc, mask=rmask[:, None])
   elif method == "swap":
     plgpu.store(o_ref.at[(*lead, r[None, :], cols[:, None])], acc, mask=rmask[None, :])

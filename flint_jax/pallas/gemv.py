@@ -131,7 +131,7 @@ def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
   m, n, k = _validate(x, [w], block_n, block_k, split_k)
   method = method or default_method(m)
   C.check_method(method, m)
-  mp = C.pad_rows(m)
+  mp = C.pad_rows(m, method)
   kernel = functools.partial(_gemv_kernel, m=m, mp=mp, bn=block_n, bk=block_k,
                              k_len=k // split_k, split_k=split_k, method=method)
   if split_k > 1:
@@ -195,7 +195,7 @@ def gemv_silu_mul(x, w_gate, w_up, *, block_n: int | None = None, block_k: int |
   m, n, k = _validate(x, [w_gate, w_up], block_n, block_k, 1)
   method = method or default_method(m)
   C.check_method(method, m)
-  mp = C.pad_rows(m)
+  mp = C.pad_rows(m, method)
   kernel = functools.partial(_gemv_silu_mul_kernel, m=m, mp=mp, bn=block_n, bk=block_k,
                              k_len=k, method=method)
   return pl.pallas_call(

@@ -199,7 +199,7 @@ def _coef(c_ref, u, m, mp, method):
   if method == "reduce":
     return c_ref[u, 0]
   c = c_ref[u, C.row_load_index(m, mp)]                                 # [Mp]
-  return c[:, None] if method == "dot" else c[None, :]
+  return c[None, :] if method == "swap" else c[:, None]
 
 
 def _factor(fmt, decode):
@@ -514,7 +514,6 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   if "nvfp4" in (fe, fs):
     C.check(min(bk, bk_dn, bk_s_dn) >= 64 and d % 64 == 0 and inter % 64 == 0,
             "NVFP4 needs D, I, I_s multiples of 64")
-  mp = C.pad_rows(m)
   tag = "_routed" if route is not None else ""
 
   # ---- kernel 1: gate_up (+ shared gate/up)
@@ -548,7 +547,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     out_shape += [jax.ShapeDtypeStruct((m, top_k), jnp.int32),
                   jax.ShapeDtypeStruct((m, top_k), jnp.float32)]
   kernel = functools.partial(
-      _gate_up_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn, bk=bk,
+      _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter, inter_s=inter_s, bn=bn, bk=bk,
       bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout, method=method,
       route=route, token_method=token_method)
   tag += "_token" if token else ""
@@ -584,7 +583,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     args += _weight_args(fs, shared["down_proj"], "") + [_scalar_f32(shared["down_proj"][2])]
   names += ["out"]
   kernel = functools.partial(
-      _down_kernel, names=names, m=m, mp=mp, inter=inter, inter_s=inter_s, bn=bn_dn,
+      _down_kernel, names=names, m=m, mp=C.pad_rows(m, method_down), inter=inter, inter_s=inter_s, bn=bn_dn,
       bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs, decode=decode, layout=layout,
       unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
       method=method_down, split=down_split, route_top_k=None if route is None else route[0],

@@ -229,14 +229,16 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
   m, k = x.shape
   ns = tuple(_n_rows(w, fmt) for w in weights)
-  dbn, dbk, dwarps = default_multi_gemv_blocks(ns, k, m=m, fmt=fmt)
+  # NVFP4 rows (CUDA-core row sums at any M) takes the M = 1 tiles
+  dbn, dbk, dwarps = default_multi_gemv_blocks(
+      ns, k, m=1 if (method == "rows" and fmt == "nvfp4") else m, fmt=fmt)
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps
   # BF16 at M = 1: 4 stages (Flint q|k|v 8.8 us against 9.8 with 3, session-3 sweep round 2).
   num_stages = num_stages or (4 if fmt == "bf16" and m == 1 else 3)
   m, k, ns = _validate(x, weights, fmt, block_n, block_k)
   method, decode = resolve_method(fmt, m, method, layout, decode, interpret)
-  mp = C.pad_rows(m)
+  mp = C.pad_rows(m, method)
   n_mats = len(weights)
   starts = tuple(sum(ns[:i]) // block_n for i in range(n_mats + 1))
 

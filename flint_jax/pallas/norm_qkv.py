@@ -337,7 +337,7 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   C.check(C.is_pow2(block_d) and block_d >= 16 and d % block_d == 0,
           f"block_d must be a power of two >= 16 dividing D: {block_d=} {d=}")
   method, decode = MG.resolve_method(fmt, m, method, layout, decode, interpret)
-  mp = C.pad_rows(m)
+  mp = C.pad_rows(m, method)
   n_mats = len(weights)
   starts = tuple(sum(ns[:i]) // block_n for i in range(n_mats + 1))
 

@@ -179,7 +179,8 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
 
   x_ref: view [..., M, K/64, 2, 2, 16] bf16 indexed by ``x_idx`` (leading indices), rows 0..m-1
   padded to mp; q_ref / s_ref: views from ``nvfp4_views``, indexed by ``w_idx``. Returns
-  ``_common.acc_shape(mp, bn, method)``: [Mp, BN] (dot), [BN, Mp] (swap) or [BN] (reduce, M=1).
+  ``_common.acc_shape(mp, bn, method)``: [Mp, BN] (dot, rows), [BN, Mp] (swap) or [BN] (reduce,
+  M=1).
   The result carries the decode's power of two (``decode_factor``).
   """
   ds = slice(None)
@@ -191,13 +192,25 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
     s_lo = s_ref[(*w_idx, nrow, blk, 0, ds)].astype(jnp.float32)[..., None]  # [BN, nb, 2, 1]
     s_hi = s_ref[(*w_idx, nrow, blk, 1, ds)].astype(jnp.float32)[..., None]
     w_lo, w_hi = _decode_pair(q, s_lo, s_hi, decode)
-    if method == "reduce":
-      acc = None
-      for half, w in ((0, w_lo), (1, w_hi)):
-        x = x_ref[(*x_idx, 0, blk, half, ds, ds)].astype(jnp.float32)   # [nb, 2, 16]
-        p = jnp.sum(w.astype(jnp.float32) * x[None], axis=3)            # [BN, nb, 2]
-        p = jnp.sum(jnp.sum(p, axis=2), axis=1)                          # [BN]
-        acc = p if acc is None else acc + p
+    if method in ("reduce", "rows"):
+      wf = (w_lo.astype(jnp.float32), w_hi.astype(jnp.float32))
+
+      def row_sum(row):   # the decoded tile times x row ``row``, summed over K: [BN]
+        acc = None
+        for half, w in enumerate(wf):
+          x = x_ref[(*x_idx, row, blk, half, ds, ds)].astype(jnp.float32)  # [nb, 2, 16]
+          p = jnp.sum(w * x[None], axis=3)                                 # [BN, nb, 2]
+          p = jnp.sum(jnp.sum(p, axis=2), axis=1)                          # [BN]
+          acc = p if acc is None else acc + p
+        return acc
+
+      if method == "reduce":
+        return row_sum(0)
+      # rows: one decode, m row sums (no reshapes), placed in row r of [Mp, BN]
+      ids = jnp.arange(mp, dtype=jnp.int32)[:, None]
+      acc = jnp.zeros((mp, bn), jnp.float32)
+      for row in range(m):
+        acc = acc + jnp.where(ids == row, row_sum(row)[None, :], 0.0)
       return acc
     x_lo = x_ref[(*x_idx, rows, blk, 0, ds, ds)].reshape(mp, nb * 32)     # [Mp, 32 nb]
     x_hi = x_ref[(*x_idx, rows, blk, 1, ds, ds)].reshape(mp, nb * 32)
@@ -317,7 +330,9 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
                interpret: bool = False):
   """y[M, N] = out_dtype((x @ dequant(qweight, weight_scale)^T) * weight_scale_2)."""
   n, kh = qweight.shape
-  dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0])
+  # the CUDA-core methods take the M = 1 tiles (rows: M row sums per decoded tile)
+  m_tiles = 1 if method == "rows" else x.shape[0]
+  dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=m_tiles)
   if split_k is None:
     split_k = dsplit if (block_n or dbn, block_k or dbk) == (dbn, dbk) else 1
   block_n, block_k = block_n or dbn, block_k or dbk
@@ -328,7 +343,7 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   decode = resolve_decode(decode, interpret)
   method = method or default_method(m)
   C.check_method(method, m)
-  mp = C.pad_rows(m)
+  mp = C.pad_rows(m, method)
   nb = block_k // 64
   q4, s4 = nvfp4_views(qweight, weight_scale)
   s2 = jnp.asarray(weight_scale_2, jnp.float32).reshape(1)
@@ -395,7 +410,8 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   """
   gate, up = NVFP4Weight(*gate), NVFP4Weight(*up)
   n, kh = gate.qweight.shape
-  dbn, dbk, _, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], n_mats=2)
+  m_tiles = 1 if method == "rows" else x.shape[0]
+  dbn, dbk, _, dwarps = default_nvfp4_blocks(n, kh * 2, m=m_tiles, n_mats=2)
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps
   m, n, k = _validate(x, [gate, up], block_n, block_k)
@@ -403,7 +419,7 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   decode = resolve_decode(decode, interpret)
   method = method or default_method(m)
   C.check_method(method, m)
-  mp = C.pad_rows(m)
+  mp = C.pad_rows(m, method)
   nb = block_k // 64
   qg, sg = nvfp4_views(gate.qweight, gate.weight_scale)
   qu, su = nvfp4_views(up.qweight, up.weight_scale)

@@ -79,19 +79,21 @@ def _n_rows(w, fmt) -> int:
   return (w[0] if fmt == "nvfp4" else w).shape[0]
 
 
-def default_multi_gemv_blocks(ns, k: int, *, m: int = 1, fmt: str = "bf16"):
+def default_multi_gemv_blocks(ns, k: int, *, m: int = 1, fmt: str = "bf16",
+                              method: str | None = None):
   """(block_n, block_k, num_warps) for the fused GEMV of matrices with row counts ``ns``.
 
   BF16, and NVFP4 at M > 1: the single-matrix H200 defaults of the largest matrix (no split-K),
   block_n lowered to the largest power of two <= that default dividing every N_i (the H200 sweep
   of session 3 found nothing faster for Flint's q|k|v: BF16 M=1 swap bn64 bk256 9.8 us).
   NVFP4 at M = 1: 16-row blocks, K steps of 512, 8 warps (Flint q|k|v 6.35 us against 10.4 us
-  at bn32 bk512 w4: the CUDA-core decode needs many warps per SM, docs/kernels.md).
+  at bn32 bk512 w4: the CUDA-core decode needs many warps per SM, docs/kernels.md). NVFP4
+  ``rows`` (M row sums per decoded tile) takes the same tiles.
   """
   nmax = max(ns)
   if fmt == "bf16":
     bn, bk, _, warps = G.default_gemv_blocks(nmax, k, m=m)
-  elif m == 1:
+  elif m == 1 or method == "rows":
     bn, bk, warps = 16, C.pow2_divisor(k, 512), 8
   else:
     bn, bk, _, warps = NV.default_nvfp4_blocks(nmax, k, m=m)
@@ -106,7 +108,9 @@ def resolve_method(fmt: str, m: int, method, layout: str, decode: str, interpret
   else:
     C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}, got {layout=}")
     decode = NV.resolve_decode(decode, interpret)
-    method = method or NV.default_method(m)
+    # rows at M = 2..4: Flint q|k|v 9.9 / 16.9 us against 24.7 / 23.1 for the tensor-core tile
+    # (M = 2 / 4; at M = 8 rows loses, 31.0 against 19.6; run 25)
+    method = method or ("rows" if 2 <= m <= 4 else NV.default_method(m))
   C.check_method(method, m)
   return method, decode
 
@@ -230,14 +234,13 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   m, k = x.shape
   ns = tuple(_n_rows(w, fmt) for w in weights)
   # NVFP4 rows (CUDA-core row sums at any M) takes the M = 1 tiles
-  dbn, dbk, dwarps = default_multi_gemv_blocks(
-      ns, k, m=1 if (method == "rows" and fmt == "nvfp4") else m, fmt=fmt)
+  method, decode = resolve_method(fmt, m, method, layout, decode, interpret)
+  dbn, dbk, dwarps = default_multi_gemv_blocks(ns, k, m=m, fmt=fmt, method=method)
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps
   # BF16 at M = 1: 4 stages (Flint q|k|v 8.8 us against 9.8 with 3, session-3 sweep round 2).
   num_stages = num_stages or (4 if fmt == "bf16" and m == 1 else 3)
   m, k, ns = _validate(x, weights, fmt, block_n, block_k)
-  method, decode = resolve_method(fmt, m, method, layout, decode, interpret)
   mp = C.pad_rows(m, method)
   n_mats = len(weights)
   starts = tuple(sum(ns[:i]) // block_n for i in range(n_mats + 1))

@@ -311,7 +311,7 @@ def layer_end_inputs(h, y, top_logits, w_norm, weights, mode, top_k, fmt):
 def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
              out_dtype=jnp.bfloat16, block_n: int | None = None, block_k: int | None = None,
              block_d: int | None = None, method: str | None = None, decode: str = "asm",
-             layout: str = "tile", num_warps: int | None = None, num_stages: int = 3,
+             layout: str = "tile", num_warps: int | None = None, num_stages: int | None = None,
              return_x: bool = False, interpret: bool = False):
   """(s, outs): residual update + RMSNorm + ``multi_gemv`` in one pallas_call (module docstring).
 
@@ -326,17 +326,17 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   fmt = MG._format(weights)  # pylint: disable=protected-access
   m, d = h.shape
   ns = tuple(MG._n_rows(w, fmt) for w in weights)  # pylint: disable=protected-access
-  dbn, dbk, dwarps = MG.default_multi_gemv_blocks(ns, d, m=m, fmt=fmt)
+  method, decode = MG.resolve_method(fmt, m, method, layout, decode, interpret)
+  dbn, dbk, dwarps = MG.default_multi_gemv_blocks(ns, d, m=m, fmt=fmt, method=method)
   block_n, block_k = block_n or dbn, block_k or dbk
   block_d = block_d or default_block_d(d, m, block_k)
   num_warps = num_warps or dwarps
-  # num_stages: 3, as measured in the step (runs 13-23). multi_gemv uses 4 for BF16 at M = 1;
-  # whether norm_qkv gains from it too is what `benchmarks/kernels.py --groups nqtune` measures
-  # (not yet run).
+  # BF16 at M = 1: 4 stages, as multi_gemv (nqtune, run 25: Flint 9.79 us against 10.40 with 3,
+  # 10.11 with 5; block_k 512 with 4 stages exceeds the shared memory)
+  num_stages = num_stages or (4 if fmt == "bf16" and m == 1 else 3)
   MG._validate(jax.ShapeDtypeStruct((m, d), h.dtype), weights, fmt, block_n, block_k)  # pylint: disable=protected-access
   C.check(C.is_pow2(block_d) and block_d >= 16 and d % block_d == 0,
           f"block_d must be a power of two >= 16 dividing D: {block_d=} {d=}")
-  method, decode = MG.resolve_method(fmt, m, method, layout, decode, interpret)
   mp = C.pad_rows(m, method)
   n_mats = len(weights)
   starts = tuple(sum(ns[:i]) // block_n for i in range(n_mats + 1))

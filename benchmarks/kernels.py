@@ -797,7 +797,7 @@ def slotrows_cases(variants):
   router = randn((E, D), jnp.float32, D ** -0.5)
   for fmt in ("nvfp4", "bf16"):
     experts, shared = moe_weights(fmt)
-    for m in ((8, 2) if fmt == "nvfp4" else (8,)):
+    for m in ((8, 4, 3, 2) if fmt == "nvfp4" else (8,)):
       xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
       sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
       lbl = f"routed {fmt} M={m}"

@@ -489,9 +489,10 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   # routed slots of one token each: an M = 1 GEMV per slot (NVFP4: the CUDA-core decode)
   token_method = ("reduce" if fe == "nvfp4" else "dot") if token else None
   nv_m1 = fe == "nvfp4" and m == 1
-  # token mode: the shared expert's M rows on CUDA-core rows tiles too (tensor-core tiles at the
-  # M = 1 tiling (bn16, bk1024, 16 warps) made the whole call 4x slower at M = 2, run 25)
-  method = method or ("reduce" if nv_m1 else "rows" if token else "dot")
+  # NVFP4 token mode: the shared expert's M rows on CUDA-core rows tiles too (tensor-core tiles
+  # at the NVFP4 M = 1 tiling (bn16, bk1024, 16 warps) made the call 4x slower at M = 2, run 25;
+  # BF16's M = 1 tiling is the tensor-core one, where rows spills: 4.4 ms at M = 8, run 28)
+  method = method or ("reduce" if nv_m1 else "rows" if token and fe == "nvfp4" else "dot")
   tiling = default_moe_tiling(fe, 1 if token else m)
   block_n, block_k = block_n or tiling["block_n"], block_k or tiling["block_k"]
   num_warps, num_stages = num_warps or tiling["num_warps"], num_stages or tiling["num_stages"]

@@ -150,9 +150,8 @@ def test_moe_routed_lowers(fmt, m):
   assert text.count("__gpu$xla.gpu.triton") == 2
   lower(functools.partial(moe_decode_routed, top_k=4), S((m, D), BF), S((m, 200), F32),
         *moe_weights(fmt, 200))   # E not a power of two: masked logits load
-  if m > 1:   # the non-default slot_rows mode of the format (NVFP4: "token", BF16: "all")
-    other = "all" if fmt == "nvfp4" else "token"
-    lower(functools.partial(moe_decode_routed, slot_rows=other), S((m, D), BF), S((m, E), F32),
+  if m > 1:   # the other slot_rows mode (the default at M = 8 is "all" for both formats)
+    lower(functools.partial(moe_decode_routed, slot_rows="token"), S((m, D), BF), S((m, E), F32),
           experts, shared)
   lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 6 + 1, m, D), BF), S((m, 6), F32),
         S((D,), BF))
@@ -164,6 +163,15 @@ def test_moe_routed_lowers(fmt, m):
   assert text.count("stablehlo.dot_general") == 1
   for op in ("concatenate", "gather", "sort", "top_k", "reduce", "select", "scatter"):
     assert f"stablehlo.{op}" not in text and f"chlo.{op}" not in text, op
+
+
+@pytest.mark.parametrize("fmt,m,token", [("nvfp4", 2, True), ("nvfp4", 4, True),
+                                         ("nvfp4", 8, False), ("nvfp4", 5, False),
+                                         ("bf16", 2, False), ("nvfp4", 1, False)])
+def test_moe_routed_default_slot_rows(fmt, m, token):
+  """The measured default (runs 28-29): per-token slots for NVFP4 experts at M = 2..4 only."""
+  text = lower(moe_decode_routed, S((m, D), BF), S((m, E), F32), *moe_weights(fmt))
+  assert ("flint_moe_gate_up_routed_token" in text) == token
 
 
 @pytest.mark.parametrize("b", [1, 8])

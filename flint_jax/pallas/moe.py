@@ -484,7 +484,11 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   Returns (y [U + 1, M, D] (down_split) or out [M, D], MoERoute or None)."""
   C.check(slot_rows in (None, "all", "token"), f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
   C.check(slot_rows != "token" or route is not None, "slot_rows='token' needs the routed path")
-  slot_rows = slot_rows or "all"   # "token" measured slower (run 25)
+  if slot_rows is None:
+    # NVFP4 gate_up + down, Flint sizes (runs 28-29): "token" 37.8 / 52.7 / 74.9 us at M = 2 / 3 /
+    # 4 against 59.5 / 78.9 / 87.7 for "all"; at M = 8 "all" wins, 133.5 against 192 (M = 5-7
+    # not measured: "all"). BF16: equal at M = 8 (86 / 88 us), "all".
+    slot_rows = "token" if fe == "nvfp4" and 2 <= m <= 4 else "all"
   token = route is not None and m > 1 and slot_rows == "token"
   # routed slots of one token each: an M = 1 GEMV per slot (NVFP4: the CUDA-core decode)
   token_method = ("reduce" if fe == "nvfp4" else "dot") if token else None
@@ -684,11 +688,12 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
     route: ``MoERoute(ids [M, top_k] int32, logits [M, top_k] f32)``, equal to
       ``moe_topk_route(logits, top_k=top_k)`` (ties by lowest index); pass ``route.logits`` to
       ``moe_combine_add_rms_norm`` / ``norm_qkv``.
-  ``slot_rows`` (M > 1): ``"all"`` (default) multiplies every slot's expert with all M tokens
+  ``slot_rows`` (M > 1): ``"all"`` multiplies every slot's expert with all M tokens
   (tensor-core tiles); ``"token"`` only with the slot's own token, as M * top_k GEMVs at M = 1
-  with the M = 1 tiling (the NVFP4 CUDA-core decode). Weight bytes are the same either way.
-  Measured on the H200 (run 25, Flint sizes, gate_up + down): "token" is slower, NVFP4 M = 8
-  215 us against 134 (its best tiles 138), M = 2 236 against 60; BF16 M = 8 89 against 87.
+  with the M = 1 tiling (NVFP4: the CUDA-core decode, the shared expert on ``rows`` tiles).
+  Weight bytes are the same either way. None: the measured choice, "token" for NVFP4 experts at
+  M = 2..4 (H200, Flint sizes, gate_up + down: 37.8 / 52.7 / 74.9 us against 59.5 / 78.9 / 87.7),
+  "all" otherwise (NVFP4 M = 8: 133.5 against 192; BF16 M = 8: 86 against 88).
   Tuning knobs as ``moe_decode`` (split down kernel only).
   """
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)

@@ -65,7 +65,7 @@ def test_gemv_reduce_lowers():
 @pytest.mark.parametrize("decode", ["fp8", "asm"])
 @pytest.mark.parametrize("layout", ["tile", "chunk"])
 @pytest.mark.parametrize("m,method", [(8, "dot"), (8, "swap"), (1, "reduce"), (1, "swap"),
-                                      (8, "rows")])
+                                      (8, "rows"), (2, None)])   # None: the default (rows / dot)
 @pytest.mark.parametrize("n,k", [(4096, D), (D, DENSE), (V, D)])
 def test_nvfp4_gemv_lowers(decode, layout, m, method, n, k):
   out = F32 if n == V else BF
@@ -74,7 +74,7 @@ def test_nvfp4_gemv_lowers(decode, layout, m, method, n, k):
 
 
 @pytest.mark.parametrize("decode", ["fp8", "asm"])
-@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("m", [1, 2, 8])
 def test_nvfp4_gemv_silu_mul_lowers(decode, m):
   fn = functools.partial(nvfp4_gemv_silu_mul, decode=decode)
   lower(fn, S((m, D), BF), nv(DENSE, D), nv(DENSE, D))

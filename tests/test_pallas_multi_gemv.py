@@ -124,6 +124,21 @@ def test_default_blocks():
   assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=1, fmt="nvfp4") == (16, 512, 8)
   assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=8, fmt="nvfp4") == (64, 256, 4)
   assert default_multi_gemv_blocks((4096, 48), 2048, m=1)[0] == 16
+  # NVFP4 rows (the M = 2..4 default) takes the M = 1 tiles
+  assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=4, fmt="nvfp4",
+                                   method="rows") == (16, 512, 8)
+
+
+def test_default_methods():
+  """The measured tile-method defaults (runs 25, 30): NVFP4 q|k|v on rows at M = 2..4, NVFP4
+  single GEMVs on rows at M = 2 below 16384 rows; reduce at M = 1; tensor cores otherwise."""
+  from flint_jax.pallas.multi_gemv import resolve_method
+  from flint_jax.pallas.nvfp4_gemv import default_method
+  assert [resolve_method("nvfp4", m, None, "tile", "asm", False)[0] for m in (1, 2, 4, 5, 8)] == [
+      "reduce", "rows", "rows", "dot", "dot"]
+  assert resolve_method("bf16", 2, None, "tile", "asm", False)[0] != "rows"
+  assert [default_method(m, 2048) for m in (1, 2, 3, 8)] == ["reduce", "rows", "dot", "dot"]
+  assert default_method(2, 150144) == "dot"
 
 
 def test_multi_gemv_rejects_bad_inputs():

@@ -36,8 +36,9 @@ issues one ``[BN, 16]`` load and two K=16 dots per 16-byte chunk (no reshapes). 
 ``x[64b : 64b+32]`` and the high nibbles ``x[64b+32 : 64b+64]`` with no interleave.
 
 Tile method (knob ``method``, see ``_common.mm_tile``): ``reduce`` (default at M = 1; decoded
-weights times x on the CUDA cores, row sums in fp32) or ``dot`` / ``swap`` on the tensor cores
-(default ``dot`` for M > 1). Measured on the H200 (docs/kernels.md): M = 1 is 1.7-2.2x faster
+weights times x on the CUDA cores, row sums in fp32), ``rows`` (the same for each of M rows, one
+decode; default at M = 2 below 16384 output rows) or ``dot`` / ``swap`` on the tensor cores
+(default ``dot`` otherwise; see ``default_method``). Measured on the H200 (docs/kernels.md): M = 1 is 1.7-2.2x faster
 than XLA's dequantize + GEMV (q_proj 9.9 vs 16.7 us, dense gate|up 19.4 vs 42.2 us); M = 8 is at
 parity on the 2048-row layers and 2.2x faster on large N, but far from the bandwidth floor: the
 decoded operand of a Triton ``dot`` round-trips through shared memory.
@@ -234,10 +235,15 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
   return acc
 
 
-def default_method(m: int) -> str:
+def default_method(m: int, n: int = 0) -> str:
   """``reduce`` at M = 1 (CUDA-core multiply + row sum: 1.5-2.2x faster than the tensor-core
-  tile, whose decoded operand round-trips through shared memory), ``dot`` for M > 1."""
-  return "reduce" if m == 1 else "dot"
+  tile, whose decoded operand round-trips through shared memory); ``rows`` (the same per row) at
+  M = 2 for N < 16384 rows (H200, run 30: o_proj 8.2 against 16.8 us, dense down 14.7 against
+  21.3, dense gate|up 25.6 against 39.8; at M = 4 it wins only for the o_proj, and the LM head
+  keeps ``dot``: 190 against 215 us at M = 2); ``dot`` otherwise."""
+  if m == 1:
+    return "reduce"
+  return "rows" if m == 2 and n < 16384 else "dot"
 
 
 def resolve_decode(decode: str, interpret: bool) -> str:
@@ -330,6 +336,7 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
                interpret: bool = False):
   """y[M, N] = out_dtype((x @ dequant(qweight, weight_scale)^T) * weight_scale_2)."""
   n, kh = qweight.shape
+  method = method or default_method(x.shape[0], n)
   # the CUDA-core methods take the M = 1 tiles (rows: M row sums per decoded tile)
   m_tiles = 1 if method == "rows" else x.shape[0]
   dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=m_tiles)
@@ -341,7 +348,6 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   m, n, k = _validate(x, [w], block_n, block_k, split_k)
   C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
   decode = resolve_decode(decode, interpret)
-  method = method or default_method(m)
   C.check_method(method, m)
   mp = C.pad_rows(m, method)
   nb = block_k // 64
@@ -410,6 +416,7 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   """
   gate, up = NVFP4Weight(*gate), NVFP4Weight(*up)
   n, kh = gate.qweight.shape
+  method = method or default_method(x.shape[0], n)
   m_tiles = 1 if method == "rows" else x.shape[0]
   dbn, dbk, _, dwarps = default_nvfp4_blocks(n, kh * 2, m=m_tiles, n_mats=2)
   block_n, block_k = block_n or dbn, block_k or dbk
@@ -417,7 +424,6 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   m, n, k = _validate(x, [gate, up], block_n, block_k)
   C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
   decode = resolve_decode(decode, interpret)
-  method = method or default_method(m)
   C.check_method(method, m)
   mp = C.pad_rows(m, method)
   nb = block_k // 64

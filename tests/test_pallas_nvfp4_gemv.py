@@ -56,7 +56,7 @@ def test_dequantize_matches_codec():
     (5, 32, 256, "chunk", jnp.bfloat16, dict(method="rows", block_k=64)),
     (8, 64, 512, "tile", jnp.float32, dict(block_k=128, split_k=2)),
     (8, 256, 2048, "tile", jnp.bfloat16, {}),
-    (2, 96, 4096, "tile", jnp.bfloat16, {}),                        # default at M = 2: rows, split-K
+    (2, 96, 4096, "tile", jnp.bfloat16, {}),                      # M = 2 default: rows, split-K
     (1, 2048, 2048, "tile", jnp.bfloat16, {}),                    # Flint size
 ])
 def test_nvfp4_gemv(decode, m, n, k, layout, out_dtype, kw):

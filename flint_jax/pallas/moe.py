@@ -482,7 +482,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
   reads the ids. coef [U, M] only for down_split=False. slot_rows: see ``moe_decode_routed``.
   Returns (y [U + 1, M, D] (down_split) or out [M, D], MoERoute or None)."""
-  C.check(slot_rows in (None, "all", "token"), f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
+  C.check(slot_rows in (None, "all", "token"),
+          f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
   C.check(slot_rows != "token" or route is not None, "slot_rows='token' needs the routed path")
   if slot_rows is None:
     # NVFP4 gate_up + down, Flint sizes (runs 28-29): "token" 37.8 / 52.7 / 74.9 us at M = 2 / 3 /
@@ -553,9 +554,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     out_shape += [jax.ShapeDtypeStruct((m, top_k), jnp.int32),
                   jax.ShapeDtypeStruct((m, top_k), jnp.float32)]
   kernel = functools.partial(
-      _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter, inter_s=inter_s, bn=bn, bk=bk,
-      bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout, method=method,
-      route=route, token_method=token_method)
+      _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter,
+      inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
+      layout=layout, method=method, route=route, token_method=token_method)
   tag += "_token" if token else ""
   res = pl.pallas_call(
       kernel, grid=(u * (inter // bn) + inter_s // bn,), out_shape=tuple(out_shape),
@@ -589,8 +590,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     args += _weight_args(fs, shared["down_proj"], "") + [_scalar_f32(shared["down_proj"][2])]
   names += ["out"]
   kernel = functools.partial(
-      _down_kernel, names=names, m=m, mp=C.pad_rows(m, method_down), inter=inter, inter_s=inter_s, bn=bn_dn,
-      bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs, decode=decode, layout=layout,
+      _down_kernel, names=names, m=m, mp=C.pad_rows(m, method_down), inter=inter,
+      inter_s=inter_s, bn=bn_dn, bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs,
+      decode=decode, layout=layout,
       unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
       method=method_down, split=down_split, route_top_k=None if route is None else route[0],
       token_method=token_method)

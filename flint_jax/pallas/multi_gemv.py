@@ -225,8 +225,9 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
 
   weights: tuple of 1..4 bf16 [N_i, K] arrays, or tuple of 1..4 ``NVFP4Weight``. ``method``:
   "dot" / "swap" / "reduce" (M == 1) / "rows", default ``gemv.default_method`` (bf16) or, for
-  NVFP4, "rows" at M = 2..4 and ``nvfp4_gemv.default_method`` otherwise (``resolve_method``). ``decode`` / ``layout``: NVFP4 only (see
-  ``nvfp4_gemv``; ``decode="asm"`` falls back to ``"fp8"`` in interpret mode). Block defaults:
+  NVFP4, "rows" at M = 2..4 and ``nvfp4_gemv.default_method`` otherwise (``resolve_method``).
+  ``decode`` / ``layout``: NVFP4 only (see ``nvfp4_gemv``; ``decode="asm"`` falls back to
+  ``"fp8"`` in interpret mode). Block defaults:
   ``default_multi_gemv_blocks`` (not yet measured for the fused kernel).
   """
   fmt = _format(weights)

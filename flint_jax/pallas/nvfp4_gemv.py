@@ -38,10 +38,11 @@ issues one ``[BN, 16]`` load and two K=16 dots per 16-byte chunk (no reshapes). 
 Tile method (knob ``method``, see ``_common.mm_tile``): ``reduce`` (default at M = 1; decoded
 weights times x on the CUDA cores, row sums in fp32), ``rows`` (the same for each of M rows, one
 decode; default at M = 2 below 16384 output rows) or ``dot`` / ``swap`` on the tensor cores
-(default ``dot`` otherwise; see ``default_method``). Measured on the H200 (docs/kernels.md): M = 1 is 1.7-2.2x faster
-than XLA's dequantize + GEMV (q_proj 9.9 vs 16.7 us, dense gate|up 19.4 vs 42.2 us); M = 8 is at
-parity on the 2048-row layers and 2.2x faster on large N, but far from the bandwidth floor: the
-decoded operand of a Triton ``dot`` round-trips through shared memory.
+(default ``dot`` otherwise; see ``default_method``). Measured on the H200 (docs/kernels.md):
+M = 1 is 1.7-2.2x faster than XLA's dequantize + GEMV (q_proj 9.9 vs 16.7 us, dense gate|up
+19.4 vs 42.2 us); M = 8 is at parity on the 2048-row layers and 2.2x faster on large N, but far
+from the bandwidth floor: the decoded operand of a Triton ``dot`` round-trips through shared
+memory.
 
 Shapes / dtypes: x [M, K] bf16, M <= 16, K % 64 == 0; returns [M, N] ``out_dtype`` (bf16 default,
 f32 for a logits head).

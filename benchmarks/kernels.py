@@ -815,6 +815,20 @@ def slotrows_cases(variants):
                _used_rows(functools.partial(MOE.moe_decode_routed, **kw)), sets, bytes_)
 
 
+def _nv_gemv_variants(group, case, lbl, sets, bytes_, kws, out=jnp.bfloat16, silu_mul=False):
+  """An NVFP4 GEMV's XLA reference on ``sets`` (``nvfp4_gemv``, or the gate|up pair with
+  ``silu_mul``), then one case per kwargs row in ``kws`` (ids ``{group}/{case}/...``)."""
+  if silu_mul:
+    ref, fn = NV.nvfp4_gemv_silu_mul_reference, NV.nvfp4_gemv_silu_mul
+  else:
+    ref = functools.partial(NV.nvfp4_gemv_reference, out_dtype=out)
+    fn = functools.partial(NV.nvfp4_gemv, out_dtype=out)
+  yield (f"{group}/{case}/xla", group, lbl, "xla", jax.jit(ref), sets, bytes_)
+  for kw in kws:
+    yield (f"{group}/{case}/{_tag(kw)}", group, lbl, _tag(kw), functools.partial(fn, **kw), sets,
+           bytes_)
+
+
 def rows_cases(variants):
   """NVFP4 GEMVs at M > 1 with the CUDA-core ``rows`` tiles (one decode, M row sums) against the
   default tensor-core ``dot`` tiles: the step's q|k|v, o_proj and LM head at M = 8 (and q|k|v at
@@ -840,21 +854,15 @@ def rows_cases(variants):
   for name, n, k in [("o_proj", D, 4096), ("lm_head", V, D)]:
     wb = n * k // 2 + n * k // 16
     sets = [(randn((8, k)), *rand_nvfp4((n, k))) for _ in range(n_sets(wb, cap=8))]
-    lbl = f"nvfp4 {name} M=8"
     out = jnp.float32 if name == "lm_head" else jnp.bfloat16
-    yield (f"rows/{name}/xla", "rows", lbl, "xla",
-           jax.jit(functools.partial(NV.nvfp4_gemv_reference, out_dtype=out)), sets,
-           wb + 8 * k * 2 + 8 * n * 2)
     rows = [dict(), dict(method="rows", block_n=16, block_k=512, num_warps=8),
             dict(method="rows", block_n=16, block_k=256, num_warps=8),
             dict(method="rows", block_n=32, block_k=256, num_warps=8)]
     if name == "o_proj":
       rows += [dict(method="rows", block_n=16, block_k=512, split_k=4, num_warps=8),
                dict(method="rows", block_n=16, block_k=256, split_k=2, num_warps=8)]
-    for kw in rows:
-      yield (f"rows/{name}/{_tag(kw)}", "rows", lbl, _tag(kw),
-             functools.partial(NV.nvfp4_gemv, out_dtype=out, **kw), sets,
-             wb + 8 * k * 2 + 8 * n * 2)
+    yield from _nv_gemv_variants("rows", name, f"nvfp4 {name} M=8", sets,
+                                 wb + 8 * k * 2 + 8 * n * 2, rows, out=out)
 
 
 def rows2_cases(variants):
@@ -869,25 +877,16 @@ def rows2_cases(variants):
     ws = [rand_nvfp4((n, k)) for _ in range(n_sets(wb, cap=8))]
     for m in (2, 4):
       sets = [(randn((m, k)), *w) for w in ws]
-      lbl = f"nvfp4 {name} M={m}"
-      yield (f"rows2/{name}/M{m}/xla", "rows2", lbl, "xla",
-             jax.jit(functools.partial(NV.nvfp4_gemv_reference, out_dtype=out)), sets,
-             wb + m * k * 2 + m * n * 2)
-      for kw in (dict(), dict(method="rows")):
-        yield (f"rows2/{name}/M{m}/{_tag(kw)}", "rows2", lbl, _tag(kw),
-               functools.partial(NV.nvfp4_gemv, out_dtype=out, **kw), sets,
-               wb + m * k * 2 + m * n * 2)
+      yield from _nv_gemv_variants("rows2", f"{name}/M{m}", f"nvfp4 {name} M={m}", sets,
+                                   wb + m * k * 2 + m * n * 2, (dict(), dict(method="rows")),
+                                   out=out)
   gate_up = [(rand_nvfp4((6144, D)), rand_nvfp4((6144, D))) for _ in range(6)]
   wb = 2 * (6144 * D // 2 + 6144 * D // 16)
   for m in (2, 4):
     sets = [(randn((m, D)), g, u) for g, u in gate_up]
-    lbl = f"nvfp4 dense gate|up M={m}"
-    yield (f"rows2/gate_up/M{m}/xla", "rows2", lbl, "xla",
-           jax.jit(NV.nvfp4_gemv_silu_mul_reference), sets, wb + m * D * 2 + m * 6144 * 2)
-    for kw in (dict(), dict(method="rows")):
-      yield (f"rows2/gate_up/M{m}/{_tag(kw)}", "rows2", lbl, _tag(kw),
-             functools.partial(NV.nvfp4_gemv_silu_mul, **kw), sets,
-             wb + m * D * 2 + m * 6144 * 2)
+    yield from _nv_gemv_variants("rows2", f"gate_up/M{m}", f"nvfp4 dense gate|up M={m}", sets,
+                                 wb + m * D * 2 + m * 6144 * 2, (dict(), dict(method="rows")),
+                                 silu_mul=True)
 
 
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,

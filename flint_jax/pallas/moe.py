@@ -288,10 +288,10 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     u = pid // n_i
     j = pid % n_i
     if token_method is None:
-      rows = dict(xs=xs, x_idx=(), m=m, mp=mp, method=method)
+      operand = dict(xs=xs, x_idx=(), m=m, mp=mp, method=method)
     else:      # x viewed as [M, 1, D]: token t's row is a one-row operand
-      rows = dict(xs=(r["xt"], r["xt5"]), x_idx=(u // route[0],), m=1, mp=C.pad_rows(1),
-                  method=token_method)
+      operand = dict(xs=(r["xt"], r["xt5"]), x_idx=(u // route[0],), m=1, mp=C.pad_rows(1),
+                     method=token_method)
 
     def slot():
       if route is None:
@@ -306,13 +306,13 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
           r["route_logits"][u // top_k, u % top_k] = lg
 
       wgu = [r["gu_w"]] if fe == "bf16" else [r["gu_q"], r["gu_s"]]
-      ag, au = gemv2(wgu, wgu, (e,), j * bn, inter + j * bn, fe, bk, **rows)
+      ag, au = gemv2(wgu, wgu, (e,), j * bn, inter + j * bn, fe, bk, **operand)
       if fe == "nvfp4":
         f = NV.decode_factor(decode)
         ag = ag * (r["gu_s2"][e, 0] * f)
         au = au * (r["gu_s2"][e, 1] * f)
-      C.store_tile(r["h"], (u,), C.silu_mul_f32(ag, au), j * bn, bn, rows["m"], rows["mp"],
-                   rows["method"])
+      C.store_tile(r["h"], (u,), C.silu_mul_f32(ag, au), j * bn, bn, operand["m"],
+                   operand["mp"], operand["method"])
 
     if route is None:
       pl.when(u < r["n_slots"][0])(slot)

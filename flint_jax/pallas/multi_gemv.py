@@ -234,7 +234,6 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
   m, k = x.shape
   ns = tuple(_n_rows(w, fmt) for w in weights)
-  # NVFP4 rows (CUDA-core row sums at any M) takes the M = 1 tiles
   method, decode = resolve_method(fmt, m, method, layout, decode, interpret)
   dbn, dbk, dwarps = default_multi_gemv_blocks(ns, k, m=m, fmt=fmt, method=method)
   block_n, block_k = block_n or dbn, block_k or dbk

@@ -252,8 +252,10 @@ def resolve_decode(decode: str, interpret: bool) -> str:
   return "fp8" if interpret else decode
 
 
-def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1):
-  """(block_n, block_k, split_k, num_warps) for an [n, k] NVFP4 weight on an H200.
+def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1,
+                         method: str | None = None):
+  """(block_n, block_k, split_k, num_warps) for an [n, k] NVFP4 weight on an H200. ``rows``
+  (M row sums per decoded tile) takes the M = 1 tiles at any M.
 
   From the H200 sweeps (docs/kernels.md, GPU run 2, device time per call):
   M = 1 (``reduce``): q_proj 4096x2048 bn32 bk512 w4 10.1 us (XLA 16.7); o_proj 2048x4096 bn64
@@ -264,6 +266,8 @@ def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1):
   Session-3 sweep, M = 1, N <= 2048 (o_proj 2048x4096): bn16 bk1024 split-K 4 w8 5.4 us (the
   previous bn64 bk512 split-K 4: 6.9 us): many small programs with 8 warps each.
   """
+  if method == "rows":
+    m = 1
   if m == 1 and n <= 2048 and n_mats == 1:
     bk = C.pow2_divisor(k, 1024 if k >= 4096 else 512)
     bn = C.pow2_divisor(n, 16)
@@ -338,9 +342,7 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   """y[M, N] = out_dtype((x @ dequant(qweight, weight_scale)^T) * weight_scale_2)."""
   n, kh = qweight.shape
   method = method or default_method(x.shape[0], n)
-  # the CUDA-core methods take the M = 1 tiles (rows: M row sums per decoded tile)
-  m_tiles = 1 if method == "rows" else x.shape[0]
-  dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=m_tiles)
+  dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], method=method)
   if split_k is None:
     split_k = dsplit if (block_n or dbn, block_k or dbk) == (dbn, dbk) else 1
   block_n, block_k = block_n or dbn, block_k or dbk
@@ -418,8 +420,7 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   gate, up = NVFP4Weight(*gate), NVFP4Weight(*up)
   n, kh = gate.qweight.shape
   method = method or default_method(x.shape[0], n)
-  m_tiles = 1 if method == "rows" else x.shape[0]
-  dbn, dbk, _, dwarps = default_nvfp4_blocks(n, kh * 2, m=m_tiles, n_mats=2)
+  dbn, dbk, _, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], n_mats=2, method=method)
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps
   m, n, k = _validate(x, [gate, up], block_n, block_k)

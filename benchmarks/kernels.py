@@ -889,11 +889,68 @@ def rows2_cases(variants):
                                  silu_mul=True)
 
 
+def lanes_cases(variants):
+  """The NVFP4 kernels of the batch-1 step with the ``lanes`` tile method (per-lane FFMAs, one
+  reduction after the K loop) against ``reduce`` (a cross-warp row sum on every K step), at the
+  default tiles and a few larger ones (fewer reductions make more values per thread cheaper):
+  q|k|v, o_proj, dense gate|up and down, LM head, the routed MoE (gate_up + down)."""
+  if variants:
+    return
+  def qkv_w():
+    return tuple(rand_nvfp4((n, D)) for n in (H * DH, KVH * DH, KVH * DH))
+  ws = [qkv_w() for _ in range(n_sets(nbytes(qkv_w()) * 1.25, cap=12))]
+  sets = [(randn((1, D)), w) for w in ws]
+  bytes_ = nbytes(ws[0]) + D * 2 + 5120 * 2
+  yield ("lanes/qkv/xla", "lanes", "qkv nvfp4 M=1", "xla", jax.jit(MULTI.multi_gemv_reference),
+         sets, bytes_)
+  for kw in [dict(method="reduce"), dict(method="lanes"),
+             dict(method="lanes", block_n=16, block_k=1024, num_warps=16),
+             dict(method="lanes", block_n=32, block_k=512, num_warps=8),
+             dict(method="lanes", block_n=16, block_k=512, num_warps=4)]:
+    yield (f"lanes/qkv/{_tag(kw)}", "lanes", "qkv nvfp4 M=1", _tag(kw),
+           functools.partial(MULTI.multi_gemv, **kw), sets, bytes_)
+  tables = {
+      "o_proj": (D, 4096, [dict(method="lanes", block_n=16, block_k=512, split_k=4, num_warps=8),
+                           dict(method="lanes", block_n=16, block_k=1024, split_k=2,
+                                num_warps=8)]),
+      "dense_down": (D, 6144, [dict(method="lanes", block_n=16, block_k=512, split_k=3,
+                                    num_warps=8)]),
+      "lm_head": (V, D, [dict(method="lanes", block_n=16, block_k=1024, num_warps=8),
+                         dict(method="lanes", block_n=64, block_k=512, num_warps=8)]),
+  }
+  for name, (n, k, extra) in tables.items():
+    wb = n * k // 2 + n * k // 16
+    out = jnp.float32 if name == "lm_head" else jnp.bfloat16
+    sets = [(randn((1, k)), *rand_nvfp4((n, k))) for _ in range(n_sets(wb, cap=8))]
+    yield from _nv_gemv_variants("lanes", name, f"nvfp4 {name} M=1", sets, wb + k * 2 + n * 2,
+                                 [dict(method="reduce"), dict(method="lanes")] + extra, out=out)
+  gate_up = [(rand_nvfp4((DENSE, D)), rand_nvfp4((DENSE, D))) for _ in range(6)]
+  wb = 2 * (DENSE * D // 2 + DENSE * D // 16)
+  sets = [(randn((1, D)), g, u) for g, u in gate_up]
+  yield from _nv_gemv_variants("lanes", "gate_up", "nvfp4 dense gate|up M=1", sets,
+                               wb + D * 2 + DENSE * 2,
+                               [dict(method="reduce"), dict(method="lanes"),
+                                dict(method="lanes", block_n=32, block_k=512, num_warps=8)],
+                               silu_mul=True)
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  experts, shared = moe_weights("nvfp4")
+  xs, logits, _, bytes_ = moe_inputs(1, router, experts, shared)
+  sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
+  yield ("lanes/moe/xla", "lanes", "routed nvfp4 M=1", "xla",
+         jax.jit(MOE.moe_decode_routed_reference), sets, bytes_)
+  for kw in [dict(method="reduce"), dict(method="lanes"),
+             _moe_kw(16, 512, 8, 2, 16, 512, 4, 2, method="lanes"),
+             _moe_kw(32, 1024, 16, 2, 16, 512, 8, 2, method="lanes"),
+             _moe_kw(16, 1024, 16, 2, 32, 512, 8, 2, method="lanes")]:
+    yield (f"lanes/moe/{_tag(kw)}", "lanes", "routed nvfp4 M=1", _tag(kw),
+           functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
           "nqtune": nqtune_cases, "slotrows": slotrows_cases, "rows": rows_cases,
-          "rows2": rows2_cases}
+          "rows2": rows2_cases, "lanes": lanes_cases}
 
 
 # ------------------------------------------------------------------------------------------

@@ -80,6 +80,9 @@ class DecodeOptions:
       CUDA-core ``rows`` tiles (one decode, one row sum per token) instead of the kernels'
       defaults. Off: at batch 8 the step is slower (16.1 against 9.5 ms, run 25); the q|k|v
       kernel already picks ``rows`` by itself at M = 2..4, where it measured faster.
+    nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
+      kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
+      after the K loop) or None (the kernels' defaults). For A/B measurements.
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -93,6 +96,7 @@ class DecodeOptions:
     qkv_wait_preload: int | None = 1
     moe_slot_rows: str | None = None
     nvfp4_rows: bool = False
+    nvfp4_m1_method: str | None = None
 
     def qkv_wait_at(self, batch: int) -> bool:
         """Whether the step at this batch size runs ``layer_end_qkv``."""
@@ -121,6 +125,9 @@ class DecodeOptions:
         if self.moe_slot_rows not in (None, "all", "token"):
             raise ValueError("DecodeOptions.moe_slot_rows must be None|'all'|'token', got "
                              f"{self.moe_slot_rows!r}")
+        if self.nvfp4_m1_method not in (None, "reduce", "lanes"):
+            raise ValueError("DecodeOptions.nvfp4_m1_method must be None|'reduce'|'lanes', got "
+                             f"{self.nvfp4_m1_method!r}")
         if self.moe not in ("routed", "slots", "xla", "v1"):
             raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
         if self.router_in_norm and self.moe != "routed":
@@ -186,9 +193,9 @@ def _shared_arg(mlp):
     return {n: _lin_arg(getattr(mlp.shared_expert, n)) for n in ("gate_proj", "up_proj", "down_proj")}
 
 
-def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, slot_rows=None):
+def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_kw=None):
     """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). `logits`: the router's,
-    when already computed (routed mode); `slot_rows`: `moe_decode_routed`'s."""
+    when already computed (routed mode); `moe_kw`: `moe_decode_routed`'s options."""
     eps = cfg.rms_norm_eps
     k = cfg.num_experts_per_tok
     if mode == "v1":
@@ -197,7 +204,7 @@ def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, slot
         if logits is None:
             logits = moe_router_logits(x, mlp.gate.weight[...])
         y, route = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp),
-                                     top_k=k, slot_rows=slot_rows, interpret=interpret)
+                                     top_k=k, interpret=interpret, **(moe_kw or {}))
         return moe_combine_add_rms_norm(h, y, route.logits, w_next, eps=eps,
                                         interpret=interpret)
     if mode == "slots":
@@ -254,8 +261,14 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # qkv_wait: one zeroed (ticket, ready) counter pair per layer for every step.
         quant = layers[0].self_attn.q_proj.quant
         wait, fold = opts.qkv_wait_at(b), opts.fold_layer_end(b, quant)
-        nv_method = "rows" if (opts.nvfp4_rows and b > 1) else None   # NVFP4 GEMVs only
-        slot_rows = opts.moe_slot_rows if b > 1 else None
+        # NVFP4 GEMVs only (the MoE's method applies to NVFP4 experts only, see _moe_method)
+        nv_method = "rows" if (opts.nvfp4_rows and b > 1) else None
+        if b == 1:
+            nv_method = opts.nvfp4_m1_method
+        moe_kw = dict(slot_rows=opts.moe_slot_rows if b > 1 else None)
+        moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
+        if b == 1 and moe_quant and opts.nvfp4_m1_method:
+            moe_kw["method"] = opts.nvfp4_m1_method
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         if not fold:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
@@ -318,11 +331,11 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         router_logits = moe_router_logits(x, mlp.gate.weight[...])
                     y, route = moe_decode_routed(x, router_logits, _experts_arg(mlp.experts),
                                                  _shared_arg(mlp), top_k=top_k,
-                                                 slot_rows=slot_rows, interpret=interpret)
+                                                 interpret=interpret, **moe_kw)
                     pending = (y, route.logits)
                 elif cfg.is_moe(i):
                     h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
-                                             router_logits, slot_rows)
+                                             router_logits, moe_kw)
                 else:
                     y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret, nv_method), interpret,
                                 method=nv_method)

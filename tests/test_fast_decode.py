@@ -81,6 +81,13 @@ def test_qkv_wait_batch_one_equals_xla(fmt):
     assert_generate_equal(fmt, 5, opts, [list(range(11, 80))], 5)
 
 
+@pytest.mark.parametrize("method", ["lanes", "reduce"])
+def test_nvfp4_m1_method_batch_one_equals_xla(method):
+    """One NVFP4 row with every NVFP4 GEMV and the MoE on the given M = 1 tile method."""
+    assert_generate_equal("nvfp4", 8, DecodeOptions(nvfp4_m1_method=method),
+                          [list(range(5, 75))], 5)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(moe="einsum"), "routed|slots|xla|v1"),
     (dict(moe="xla", router_in_norm=True), "router_in_norm needs moe='routed'"),
@@ -92,6 +99,7 @@ def test_qkv_wait_batch_one_equals_xla(fmt):
     (dict(qkv_wait=True, moe="slots"), "qkv_wait needs"),
     (dict(ring_splits=0), "power of two"),
     (dict(moe_slot_rows="tokens"), "moe_slot_rows"),
+    (dict(nvfp4_m1_method="rows"), "nvfp4_m1_method"),
 ])
 def test_decode_options_reject_inconsistent_choices(kw, match):
     with pytest.raises(ValueError, match=match):

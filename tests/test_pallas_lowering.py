@@ -65,11 +65,16 @@ def test_gemv_reduce_lowers():
 @pytest.mark.parametrize("decode", ["fp8", "asm"])
 @pytest.mark.parametrize("layout", ["tile", "chunk"])
 @pytest.mark.parametrize("m,method", [(8, "dot"), (8, "swap"), (1, "reduce"), (1, "swap"),
-                                      (8, "rows"), (2, None)])   # None: the default (rows / dot)
+                                      (8, "rows"), (2, None),    # None: the default (rows / dot)
+                                      (1, "lanes")])
 @pytest.mark.parametrize("n,k", [(4096, D), (D, DENSE), (V, D)])
 def test_nvfp4_gemv_lowers(decode, layout, m, method, n, k):
   out = F32 if n == V else BF
   fn = functools.partial(nvfp4_gemv, out_dtype=out, decode=decode, layout=layout, method=method)
+  if method == "lanes" and layout == "chunk":
+    with pytest.raises(ValueError, match="lanes.*needs layout='tile'"):
+      lower(fn, S((m, k), BF), *nv(n, k))
+    return
   lower(fn, S((m, k), BF), *nv(n, k))
 
 
@@ -94,11 +99,11 @@ def test_multi_gemv_lowers(fmt, decode, m, ns):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m,method", [(1, "dot"), (1, "swap"), (1, "reduce"), (8, "swap"),
-                                      (8, "rows"), (3, "rows")])
+                                      (8, "rows"), (3, "rows"), (1, "lanes")])
 def test_multi_gemv_methods_lower(fmt, m, method):
   ws = tuple(S((n, D), BF) if fmt == "bf16" else nv(n, D) for n in QKV)
   lower(functools.partial(multi_gemv, method=method), S((m, D), BF), ws)
-  if fmt == "nvfp4":
+  if fmt == "nvfp4" and method != "lanes":   # lanes is tile-layout only (a ValueError)
     lower(functools.partial(multi_gemv, method=method, layout="chunk"), S((m, D), BF), ws)
 
 
@@ -150,6 +155,9 @@ def test_moe_routed_lowers(fmt, m):
   assert text.count("__gpu$xla.gpu.triton") == 2
   lower(functools.partial(moe_decode_routed, top_k=4), S((m, D), BF), S((m, 200), F32),
         *moe_weights(fmt, 200))   # E not a power of two: masked logits load
+  if m == 1:  # the per-lane accumulation in both kernels
+    lower(functools.partial(moe_decode_routed, method="lanes"), S((m, D), BF), S((m, E), F32),
+          experts, shared)
   if m > 1:   # the other slot_rows mode (the default at M = 8 is "all" for both formats)
     lower(functools.partial(moe_decode_routed, slot_rows="token"), S((m, D), BF), S((m, E), F32),
           experts, shared)

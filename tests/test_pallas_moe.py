@@ -51,6 +51,8 @@ def test_route_and_slots():
     ("bf16", 1, None, True, dict(down_split=False)),    # fused combine, unrolled slot loop
     ("bf16", 3, True, False, dict(down_split=False, method="swap")),  # dedupe, fori_loop
     ("nvfp4", 1, None, None, {}),                       # defaults: reduce tiles, split down
+    ("nvfp4", 1, None, True, dict(method="lanes", down_split=False)),   # lanes, fused combine
+    ("mixed", 1, None, None, dict(method="lanes")),     # bf16 experts' lanes: [BN, BK] lanes
     ("nvfp4", 8, True, None, {}),                       # 48 slots, tokens share experts
     ("mixed", 2, False, None, dict(method="swap", method_down="dot")),
     ("nvfp4", 3, True, None, dict(method="rows")),      # CUDA-core rows, Mp = 4, both kernels

@@ -48,6 +48,9 @@ def test_dequantize_matches_codec():
 @pytest.mark.parametrize("m,n,k,layout,out_dtype,kw", [
     (1, 64, 256, "tile", jnp.bfloat16, {}),                         # default: reduce
     (1, 64, 256, "chunk", jnp.bfloat16, dict(method="reduce", block_k=128)),
+    (1, 48, 256, "tile", jnp.bfloat16, dict(method="lanes", block_n=16, block_k=128)),
+    (1, 64, 512, "tile", jnp.float32, dict(method="lanes", split_k=2, block_k=128)),
+    (1, 32, 2048, "tile", jnp.bfloat16, dict(method="lanes", block_k=1024)),   # one K step
     (1, 32, 256, "tile", jnp.bfloat16, dict(method="dot", split_k=2, block_k=64)),
     (3, 48, 128, "chunk", jnp.bfloat16, dict(block_n=16, block_k=64)),
     (3, 64, 256, "tile", jnp.bfloat16, dict(method="swap")),
@@ -69,15 +72,16 @@ def test_nvfp4_gemv(decode, m, n, k, layout, out_dtype, kw):
 
 
 @pytest.mark.parametrize("decode", DECODES)
-@pytest.mark.parametrize("m,n,k,layout,block_k", [(1, 64, 256, "tile", None),
-                                                  (8, 96, 512, "chunk", 64),
-                                                  (2, 64, 512, "tile", None)])   # rows
-def test_nvfp4_gemv_silu_mul(decode, m, n, k, layout, block_k):
-  gen = rng(decode, m, n, k, layout)
+@pytest.mark.parametrize("m,n,k,layout,block_k,method", [(1, 64, 256, "tile", None, None),
+                                                         (8, 96, 512, "chunk", 64, None),
+                                                         (2, 64, 512, "tile", None, None),  # rows
+                                                         (1, 80, 384, "tile", 128, "lanes")])
+def test_nvfp4_gemv_silu_mul(decode, m, n, k, layout, block_k, method):
+  gen = rng(decode, m, n, k, layout, method)
   x = randn(gen, (m, k))
   g, u = random_nvfp4(gen, (n, k)), random_nvfp4(gen, (n, k))
   out = nvfp4_gemv_silu_mul(x, g, u, decode=decode, layout=layout, interpret=INTERPRET,
-                            block_n=16 if n % 32 else None, block_k=block_k)
+                            block_n=16 if n % 32 else None, block_k=block_k, method=method)
   assert_close(out, nvfp4_gemv_silu_mul_reference(x, g, u), what="nvfp4_gemv_silu_mul")
 
 

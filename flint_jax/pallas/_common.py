@@ -71,12 +71,14 @@ def dot_nn(a, b):
                          preferred_element_type=jnp.float32)
 
 
-METHODS = ("dot", "swap", "reduce", "rows")
+METHODS = ("dot", "swap", "reduce", "rows", "lanes")
+CUDA_CORE_M1 = ("reduce", "lanes")   # single-row methods: x is one [BK] row
+NO_LANES = ("dot", "swap", "reduce", "rows")   # kernels without the lanes accumulator
 
 
-def check_method(method: str, m: int):
-  check(method in METHODS, f"method must be one of {METHODS}, got {method=}")
-  check(method != "reduce" or m == 1, f"method='reduce' needs M == 1, got {m=}")
+def check_method(method: str, m: int, allowed=METHODS):
+  check(method in allowed, f"method must be one of {allowed}, got {method=}")
+  check(method not in CUDA_CORE_M1 or m == 1, f"method={method!r} needs M == 1, got {m=}")
 
 
 def mm_tile(x, w, method: str):
@@ -87,7 +89,10 @@ def mm_tile(x, w, method: str):
   weight rows are the MMA's M dimension, wgmma-eligible when BN >= 64). ``reduce`` (M == 1):
   broadcast multiply and row sum on the CUDA cores -> [BN] (what XLA emits for a GEMV).
   ``rows`` (any M, rows padded to a power of two only): ``reduce`` for every row at once,
-  x [Mp, BK] -> [Mp, BN] on the CUDA cores.
+  x [Mp, BK] -> [Mp, BN] on the CUDA cores. ``lanes`` (M == 1): the products w * x unreduced,
+  [BN, BK]: the caller accumulates them lane by lane over the K loop (FFMAs only) and reduces
+  once after it (``finish_acc``), where ``reduce`` pays a cross-warp reduction (shuffles, shared
+  memory, barriers) on every K step.
   """
   if method == "dot":
     return dot_nt(x, w)
@@ -95,23 +100,49 @@ def mm_tile(x, w, method: str):
     return dot_nt(w, x)
   if method == "rows":
     return jnp.sum(w.astype(jnp.float32)[None] * x.astype(jnp.float32)[:, None], axis=2)
+  if method == "lanes":
+    return w.astype(jnp.float32) * x.astype(jnp.float32)[None, :]
   return jnp.sum(w.astype(jnp.float32) * x.astype(jnp.float32)[None, :], axis=1)
 
 
 def load_x(x_ref, lead, m, mp, cols, method):
   """x tile for mm_tile: rows 0..m-1 padded to mp (duplicates), or the single row for reduce."""
-  if method == "reduce":
+  if method in CUDA_CORE_M1:
     return x_ref[(*lead, 0, cols)]
   return x_ref[(*lead, row_load_index(m, mp), cols)]
 
 
-def acc_shape(mp: int, bn: int, method: str):
+def acc_shape(mp: int, bn: int, method: str, lanes: tuple = ()):
+  """Accumulator shape of a K loop; ``lanes``: the per-row product shape of one K step (the
+  ``lanes`` method only: [BK] for bf16 tiles, ``nvfp4_gemv.lanes_shape`` for NVFP4)."""
+  if method == "lanes":
+    return (bn, *lanes)
   return {"dot": (mp, bn), "rows": (mp, bn), "swap": (bn, mp), "reduce": (bn,)}[method]
+
+
+def acc_zeros(mp: int, bn: int, method: str, lanes: tuple = ()):
+  return jnp.zeros(acc_shape(mp, bn, method, lanes), jnp.float32)
+
+
+def finish_method(method: str) -> str:
+  """The method whose ``acc_shape`` a finished accumulator has (``lanes`` -> ``reduce``)."""
+  return "reduce" if method == "lanes" else method
+
+
+def finish_acc(acc, method: str):
+  """The K loop's accumulator in ``store_tile`` layout: ``lanes`` sums its lane axes (one axis
+  at a time, the innermost first), the other methods are already reduced."""
+  if method != "lanes":
+    return acc
+  while acc.ndim > 1:
+    acc = jnp.sum(acc, axis=acc.ndim - 1)
+  return acc
 
 
 def store_tile(o_ref, lead, acc, n0, bn, m, mp, method, row0=0):
   """Stores the real rows of an accumulator in ``acc_shape`` layout at
-  o_ref[*lead, row0:row0+m, n0:n0+bn] (row0 may be traced)."""
+  o_ref[*lead, row0:row0+m, n0:n0+bn] (row0 may be traced); ``lanes`` accumulators must have
+  been through ``finish_acc``."""
   r, rmask = row_store_index(m, mp, row0)
   cols = n0 + jnp.arange(bn, dtype=jnp.int32)
   acc = acc.astype(o_ref.dtype)
@@ -153,7 +184,8 @@ def as_index_array(x, name: str) -> jax.Array:
 
 
 __all__ = [
-    "METHODS", "check_method", "mm_tile", "load_x", "acc_shape", "store_tile",
+    "METHODS", "CUDA_CORE_M1", "NO_LANES", "check_method", "mm_tile", "load_x", "acc_shape",
+    "acc_zeros", "finish_method", "finish_acc", "store_tile",
     "MASK_VALUE", "next_pow2", "pad_rows", "is_pow2", "pow2_divisor", "row_load_index",
     "row_store_index", "dot_nt", "dot_nn", "silu_mul_f32", "compiler_params", "check", "cdiv",
     "as_index_array",

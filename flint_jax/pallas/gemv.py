@@ -130,7 +130,7 @@ def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
   num_warps = num_warps or dwarps
   m, n, k = _validate(x, [w], block_n, block_k, split_k)
   method = method or default_method(m)
-  C.check_method(method, m)
+  C.check_method(method, m, allowed=C.NO_LANES)
   mp = C.pad_rows(m, method)
   kernel = functools.partial(_gemv_kernel, m=m, mp=mp, bn=block_n, bk=block_k,
                              k_len=k // split_k, split_k=split_k, method=method)
@@ -194,7 +194,7 @@ def gemv_silu_mul(x, w_gate, w_up, *, block_n: int | None = None, block_k: int |
   num_warps = num_warps or dwarps
   m, n, k = _validate(x, [w_gate, w_up], block_n, block_k, 1)
   method = method or default_method(m)
-  C.check_method(method, m)
+  C.check_method(method, m, allowed=C.NO_LANES)
   mp = C.pad_rows(m, method)
   kernel = functools.partial(_gemv_silu_mul_kernel, m=m, mp=mp, bn=block_n, bk=block_k,
                              k_len=k, method=method)

@@ -188,7 +188,7 @@ def layer_end_qkv(h, weights, w_norm, counter, *, y=None, top_logits=None, count
   preload = steps if preload is None else preload
   C.check(0 <= preload <= steps, f"preload must be 0..{steps} K steps, got {preload=}")
   method = method or ("reduce" if m == 1 else "dot")
-  C.check_method(method, m)
+  C.check_method(method, m, allowed=C.NO_LANES)
   C.check(method != "swap", "layer_end_qkv: method must be reduce (M == 1) or dot")
   decode = NV.resolve_decode(decode, interpret)
   mp, dp = C.pad_rows(m), C.next_pow2(d)

@@ -176,27 +176,31 @@ def _lin_format(w) -> str:
   return "bf16"
 
 
-def _tile_dot(fmt, xs, x_idx, m, mp, ws, w_idx, n0, bn, i, bk, decode, layout, method):
-  """One K step (index i) of x[.., :m] . W[.., n0:n0+bn]^T, fp32 in ``acc_shape(mp, bn, method)``
-  layout (decode factor included for NVFP4)."""
+def _tile_dot(fmt, xs, x_idx, m, mp, ws, w_idx, n0, bn, i, bk, acc, decode, layout, method):
+  """acc + one K step (index i) of x[.., :m] . W[.., n0:n0+bn]^T, fp32 in the
+  ``_acc_zeros(fmt, mp, bn, bk, method)`` layout (decode factor included for NVFP4)."""
   if fmt == "bf16":
     x_ref, _ = xs
     (w_ref,) = ws
     k0 = pl.multiple_of(i * bk, bk)
     x = C.load_x(x_ref, x_idx, m, mp, pl.ds(k0, bk), method)           # [Mp, BK] / [BK]
     w = w_ref[(*w_idx, pl.ds(n0, bn), pl.ds(k0, bk))]                   # [BN, BK]
-    return C.mm_tile(x, w, method)
+    return acc + C.mm_tile(x, w, method)
   _, x5_ref = xs
   q_ref, s_ref = ws
   nb = bk // 64
   return NV.nvfp4_tile_dot(x5_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn,
                            pl.multiple_of(i * nb, nb), nb, decode=decode, layout=layout,
-                           method=method)
+                           method=method, acc=acc)
+
+
+def _acc_zeros(fmt, mp, bn, bk, method):
+  return C.acc_zeros(mp, bn, method, (bk,) if fmt == "bf16" else NV.lanes_shape(bk))
 
 
 def _coef(c_ref, u, m, mp, method):
   """Routing coefficients of slot u broadcastable against an accumulator tile."""
-  if method == "reduce":
+  if method in C.CUDA_CORE_M1:
     return c_ref[u, 0]
   c = c_ref[u, C.row_load_index(m, mp)]                                 # [Mp]
   return c[None, :] if method == "swap" else c[:, None]
@@ -278,11 +282,12 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     def body(i, carry):
       ag, au = carry
       kw = dict(decode=decode, layout=layout, method=method)
-      ag = ag + _tile_dot(fmt, xs, x_idx, m, mp, wg, w_idx, ng, bn, i, step, **kw)
-      au = au + _tile_dot(fmt, xs, x_idx, m, mp, wu, w_idx, nu, bn, i, step, **kw)
+      ag = _tile_dot(fmt, xs, x_idx, m, mp, wg, w_idx, ng, bn, i, step, ag, **kw)
+      au = _tile_dot(fmt, xs, x_idx, m, mp, wu, w_idx, nu, bn, i, step, au, **kw)
       return ag, au
-    z = jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32)
-    return lax.fori_loop(0, d // step, body, (z, z))
+    z = _acc_zeros(fmt, mp, bn, step, method)
+    ag, au = lax.fori_loop(0, d // step, body, (z, z))
+    return C.finish_acc(ag, method), C.finish_acc(au, method)
 
   def routed():
     u = pid // n_i
@@ -348,7 +353,7 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   dt = r["out"].dtype
   kw = dict(decode=decode, layout=layout, method=method)
-  zeros = jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32)
+  zeros = C.acc_zeros(mp, bn, C.finish_method(method))   # a finished accumulator's shape
   if token_method is None:
     m_u, mp_u, method_u = m, mp, method
   else:
@@ -359,7 +364,9 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
     hs = (r["hs"], r["hs5"])
     acc = lax.fori_loop(
         0, inter_s // bk_s,
-        lambda i, a: a + _tile_dot(fs, hs, (), m, mp, wsd, (), n0, bn, i, bk_s, **kw), zeros)
+        lambda i, a: _tile_dot(fs, hs, (), m, mp, wsd, (), n0, bn, i, bk_s, a, **kw),
+        _acc_zeros(fs, mp, bn, bk_s, method))
+    acc = C.finish_acc(acc, method)
     if fs == "nvfp4":
       acc = acc * (r["sd_s2"][0] * NV.decode_factor(decode))
     return acc.astype(dt)
@@ -374,8 +381,9 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
     kw_u = dict(kw, method=method_u)
     acc = lax.fori_loop(
         0, inter // bk,
-        lambda i, a: a + _tile_dot(fe, h, (u,), m_u, mp_u, wd, (e,), n0, bn, i, bk, **kw_u),
-        jnp.zeros(C.acc_shape(mp_u, bn, method_u), jnp.float32))
+        lambda i, a: _tile_dot(fe, h, (u,), m_u, mp_u, wd, (e,), n0, bn, i, bk, a, **kw_u),
+        _acc_zeros(fe, mp_u, bn, bk, method_u))
+    acc = C.finish_acc(acc, method_u)
     if fe == "nvfp4":
       acc = acc * (r["dn_s2"][e] * NV.decode_factor(decode))
     return acc.astype(dt)

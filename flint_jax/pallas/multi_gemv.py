@@ -181,16 +181,19 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
         xt = C.load_x(x_ref, (), m, mp, pl.ds(k0, bk), method)  # [Mp, BK] ([BK] for reduce)
         w = w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]                # [BN, BK]
         return acc + C.mm_tile(xt, w, method)
+      lanes = (bk,)
     else:
       q_ref, s_ref = w_refs[i]
       nb = bk // 64
+      lanes = NV.lanes_shape(bk)
 
       def body(j, acc):
         b0 = pl.multiple_of(j * nb, nb)
-        return acc + NV.nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb,
-                                       decode=decode, layout=layout, method=method)
+        return NV.nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb,
+                                 decode=decode, layout=layout, method=method, acc=acc)
 
-    acc = lax.fori_loop(0, n_iter, body, jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32))
+    acc = lax.fori_loop(0, n_iter, body, C.acc_zeros(mp, bn, method, lanes))
+    acc = C.finish_acc(acc, method)
     if fmt == "nvfp4":
       acc = acc * (s2_refs[i][0] * NV.decode_factor(decode))
     C.store_tile(o_refs[i], (), acc, n0, bn, m, mp, method)
@@ -224,8 +227,9 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   """(y_0, ..., y_{n-1}), y_i[M, N_i] = out_dtype(x @ W_i^T [* weight_scale_2_i]), one kernel.
 
   weights: tuple of 1..4 bf16 [N_i, K] arrays, or tuple of 1..4 ``NVFP4Weight``. ``method``:
-  "dot" / "swap" / "reduce" (M == 1) / "rows", default ``gemv.default_method`` (bf16) or, for
-  NVFP4, "rows" at M = 2..4 and ``nvfp4_gemv.default_method`` otherwise (``resolve_method``).
+  "dot" / "swap" / "reduce" or "lanes" (M == 1) / "rows", default ``gemv.default_method``
+  (bf16) or, for NVFP4, "rows" at M = 2..4 and ``nvfp4_gemv.default_method`` otherwise
+  (``resolve_method``).
   ``decode`` / ``layout``: NVFP4 only (see ``nvfp4_gemv``; ``decode="asm"`` falls back to
   ``"fp8"`` in interpret mode). Block defaults:
   ``default_multi_gemv_blocks`` (not yet measured for the fused kernel).

@@ -64,7 +64,7 @@ from flint_jax.pallas import _common as C
 __all__ = [
     "NVFP4Weight", "nvfp4_gemv", "nvfp4_gemv_reference", "nvfp4_gemv_silu_mul",
     "nvfp4_gemv_silu_mul_reference", "dequantize_nvfp4_reference", "nvfp4_tile_dot",
-    "decode_factor", "nvfp4_views", "x_view", "DECODES", "LAYOUTS",
+    "decode_factor", "nvfp4_views", "x_view", "lanes_shape", "DECODES", "LAYOUTS",
 ]
 
 DECODES = ("fp8", "asm")
@@ -175,16 +175,30 @@ def x_view(x):
   return x.reshape(*lead, m, k // 64, 2, 2, 16)
 
 
+def lanes_shape(block_k: int) -> tuple:
+  """Per-row product shape of one K step of the ``lanes`` method: [K/64 blocks, 2 (h), 16]."""
+  return (block_k // 64, 2, 16)
+
+
 def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
-                   layout, method="dot"):
+                   layout, method="dot", acc=None):
   """fp32 partial x . W^T over the 64-value blocks b0 .. b0+nb of weight rows n0 .. n0+bn.
 
   x_ref: view [..., M, K/64, 2, 2, 16] bf16 indexed by ``x_idx`` (leading indices), rows 0..m-1
   padded to mp; q_ref / s_ref: views from ``nvfp4_views``, indexed by ``w_idx``. Returns
   ``_common.acc_shape(mp, bn, method)``: [Mp, BN] (dot, rows), [BN, Mp] (swap) or [BN] (reduce,
-  M=1).
+  M=1), or ``acc`` plus it when ``acc`` is given. ``lanes`` (M=1, tile layout) needs ``acc``
+  [BN, nb, 2, 16] (``lanes_shape``) and returns acc + w_lo * x_lo + w_hi * x_hi, two FFMAs per
+  code byte and no reduction (``_common.finish_acc`` after the K loop).
   The result carries the decode's power of two (``decode_factor``).
   """
+  part = _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb,
+                         decode=decode, layout=layout, method=method, acc=acc)
+  return part if acc is None or method == "lanes" else acc + part
+
+
+def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
+                    layout, method, acc):
   ds = slice(None)
   nrow = pl.ds(n0, bn)
   rows = C.row_load_index(m, mp)
@@ -194,6 +208,12 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
     s_lo = s_ref[(*w_idx, nrow, blk, 0, ds)].astype(jnp.float32)[..., None]  # [BN, nb, 2, 1]
     s_hi = s_ref[(*w_idx, nrow, blk, 1, ds)].astype(jnp.float32)[..., None]
     w_lo, w_hi = _decode_pair(q, s_lo, s_hi, decode)
+    if method == "lanes":
+      C.check(acc is not None, "method='lanes' accumulates into acc: pass acc=")
+      for half, w in enumerate((w_lo, w_hi)):    # two separate adds: FFMAs, no FMUL + FADD
+        x = x_ref[(*x_idx, 0, blk, half, ds, ds)].astype(jnp.float32)     # [nb, 2, 16]
+        acc = acc + w.astype(jnp.float32) * x[None]
+      return acc
     if method in ("reduce", "rows"):
       wf = (w_lo.astype(jnp.float32), w_hi.astype(jnp.float32))
 
@@ -218,6 +238,7 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
     x_hi = x_ref[(*x_idx, rows, blk, 1, ds, ds)].reshape(mp, nb * 32)
     w_lo, w_hi = w_lo.reshape(bn, nb * 32), w_hi.reshape(bn, nb * 32)
     return C.mm_tile(x_lo, w_lo, method) + C.mm_tile(x_hi, w_hi, method)
+  C.check(method != "lanes", "method='lanes' needs layout='tile'")
   acc = None
   for bb in range(nb):
     for h in range(2):
@@ -322,11 +343,11 @@ def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, o_ref, *, m, mp, bn, nb, n_i
 
   def body(i, acc):
     b0 = pl.multiple_of(bbase + i * nb, nb)
-    return acc + nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb,
-                                decode=decode, layout=layout, method=method)
+    return nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb, decode=decode,
+                          layout=layout, method=method, acc=acc)
 
-  acc = lax.fori_loop(0, n_iter, body, jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32))
-  acc = acc * (s2_ref[0] * decode_factor(decode))
+  acc = lax.fori_loop(0, n_iter, body, C.acc_zeros(mp, bn, method, lanes_shape(nb * 64)))
+  acc = C.finish_acc(acc, method) * (s2_ref[0] * decode_factor(decode))
   lead = (pl.program_id(1),) if split_k > 1 else ()
   C.store_tile(o_ref, lead, acc, n0, bn, m, mp, method)
 
@@ -396,12 +417,13 @@ def _nvfp4_silu_mul_kernel(x_ref, qg_ref, sg_ref, qu_ref, su_ref, s2_ref, o_ref,
     acc_g, acc_u = carry
     b0 = pl.multiple_of(i * nb, nb)
     kw = dict(decode=decode, layout=layout, method=method)
-    acc_g = acc_g + nvfp4_tile_dot(x_ref, (), m, mp, qg_ref, sg_ref, (), n0, bn, b0, nb, **kw)
-    acc_u = acc_u + nvfp4_tile_dot(x_ref, (), m, mp, qu_ref, su_ref, (), n0, bn, b0, nb, **kw)
+    acc_g = nvfp4_tile_dot(x_ref, (), m, mp, qg_ref, sg_ref, (), n0, bn, b0, nb, acc=acc_g, **kw)
+    acc_u = nvfp4_tile_dot(x_ref, (), m, mp, qu_ref, su_ref, (), n0, bn, b0, nb, acc=acc_u, **kw)
     return acc_g, acc_u
 
-  z = jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32)
+  z = C.acc_zeros(mp, bn, method, lanes_shape(nb * 64))
   acc_g, acc_u = lax.fori_loop(0, n_iter, body, (z, z))
+  acc_g, acc_u = C.finish_acc(acc_g, method), C.finish_acc(acc_u, method)
   f = decode_factor(decode)
   h = C.silu_mul_f32(acc_g * (s2_ref[0] * f), acc_u * (s2_ref[1] * f))
   C.store_tile(o_ref, (), h, n0, bn, m, mp, method)

@@ -1,0 +1,183 @@
+"""Register, spill and instruction counts of the Pallas kernels for the H200, without a GPU.
+
+Lowers a flint_jax kernel for an abstract H200 (``pallas.testing.lower_for_h200``), captures
+the Triton IR of every ``pallas_call`` on the way, compiles it for sm_90 with the ``triton`` pip
+package (its bundled ``ptxas`` / ``cuobjdump``), and prints per kernel: registers, local memory
+(spills), shared memory, and the SASS opcode histogram of each loop (a backward branch), i.e.
+what one K step costs per thread. The TTGIR, PTX and SASS land in ``--out`` for reading.
+
+Caveat: XLA compiles the same IR with its own bundled Triton, whose passes may differ a little
+from the pip release's; use the counts to compare variants of a kernel, and time on the GPU.
+
+Needs a Python 3.12 environment with jax 0.11.2 (the project's) *and* ``triton`` (3.6.0 matches
+jaxlib 0.11.2's dialects; install it into a separate venv and point ``--triton-python`` at it, or
+into the same one). Example::
+
+  JAX_PLATFORMS=cpu PYTHONPATH=. python tools/triton_sass.py --out /tmp/sass \\
+      --kernel nvfp4_gemv --m 1 --n 4096 --k 2048 --kw method=lanes block_n=16 block_k=1024
+  JAX_PLATFORMS=cpu PYTHONPATH=. python tools/triton_sass.py --kernel moe --m 8
+
+Kernels: nvfp4_gemv, multi_gemv (NVFP4 q|k|v), moe (routed, NVFP4 experts, Flint sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def capture_triton_modules(fn, *args):
+  """[{name, asm, grid, num_warps, num_stages}] for every pallas_call of jit(fn)(*args)."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src.pallas.triton import pallas_call_registration as reg
+  from flint_jax.pallas import testing   # pylint: disable=g-import-not-at-top
+  captured = []
+  lower_module, custom_call = reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call
+
+  def lower_and_keep(*a, **k):
+    res = lower_module(*a, **k)
+    captured.append(dict(asm=res.module.operation.get_asm(enable_debug_info=False),
+                         grid=list(res.grid)))
+    return res
+
+  def custom_call_and_keep(*a, backend_config=None, **k):
+    if backend_config and "num_warps" in backend_config and captured:
+      c = captured[-1]
+      c.setdefault("num_warps", int(str(backend_config["num_warps"]).split(":")[0]))
+      c.setdefault("num_stages", int(str(backend_config["num_stages"]).split(":")[0]))
+      c.setdefault("name", str(backend_config["name"]).strip('"'))
+    return custom_call(*a, backend_config=backend_config, **k)
+
+  reg.lowering.lower_jaxpr_to_triton_module = lower_and_keep
+  reg.mlir.custom_call = custom_call_and_keep
+  try:
+    testing.lower_for_h200(fn, *args)
+  finally:
+    reg.lowering.lower_jaxpr_to_triton_module = lower_module
+    reg.mlir.custom_call = custom_call
+  return captured
+
+
+_COMPILE = r'''
+import json, os, re, subprocess, sys, collections
+import triton
+from triton.backends.compiler import GPUTarget
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+for base in sys.argv[1:]:
+  meta = json.load(open(base + ".json"))
+  k = triton.compile(base + ".ttir", target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=meta["num_warps"], num_stages=meta["num_stages"]))
+  open(base + ".ttgir", "w").write(k.asm["ttgir"])
+  open(base + ".ptx", "w").write(k.asm["ptx"])
+  open(base + ".cubin", "wb").write(k.asm["cubin"])
+  sass = subprocess.run([BIN + "/cuobjdump", "-sass", base + ".cubin"], capture_output=True,
+                        text=True).stdout
+  open(base + ".sass", "w").write(sass)
+  res = subprocess.run([BIN + "/cuobjdump", "-res-usage", base + ".cubin"], capture_output=True,
+                       text=True).stdout
+  r = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", res, re.S)
+  print(json.dumps(dict(base=base, regs=int(r.group(1)), shared=int(r.group(2)),
+                        local=int(r.group(3)))))
+'''
+
+
+def loop_histograms(sass: str):
+  """[(n_instructions, Counter of opcodes)] of each loop (a branch to an earlier address)."""
+  ins = []
+  for line in sass.splitlines():
+    m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+    if m:
+      ins.append((int(m.group(1), 16), m.group(2)))
+  index = {a: i for i, (a, _) in enumerate(ins)}
+  loops = []
+  for i, (addr, text) in enumerate(ins):
+    m = re.search(r"BRA.*?0x([0-9a-f]+)", text)
+    if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+      body = ins[index[int(m.group(1), 16)]:i + 1]
+      ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                for _, t in body)
+      loops.append((len(body), ops))
+  return loops
+
+
+def _parse_kw(items):
+  kw = {}
+  for item in items or ():
+    k, v = item.split("=", 1)
+    kw[k] = int(v) if v.lstrip("-").isdigit() else v
+  return kw
+
+
+def build(kernel: str, m: int, n: int, k: int, kw: dict):
+  """(fn, args) of one kernel call at Flint sizes (abstract shapes; weights as numpy)."""
+  import jax   # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp   # pylint: disable=g-import-not-at-top
+  import numpy as np   # pylint: disable=g-import-not-at-top
+  from flint_jax.pallas import testing   # pylint: disable=g-import-not-at-top
+  gen = np.random.default_rng(0)
+  S = jax.ShapeDtypeStruct
+  if kernel == "nvfp4_gemv":
+    mod = importlib.import_module("flint_jax.pallas.nvfp4_gemv")
+    w = testing.random_nvfp4(gen, (n, k))
+    return functools.partial(mod.nvfp4_gemv, **kw), (S((m, k), jnp.bfloat16), *w)
+  if kernel == "multi_gemv":
+    mod = importlib.import_module("flint_jax.pallas.multi_gemv")
+    ws = tuple(testing.random_nvfp4(gen, (rows, 2048)) for rows in (4096, 512, 512))
+    return functools.partial(mod.multi_gemv, **kw), (S((m, 2048), jnp.bfloat16), ws)
+  if kernel == "moe":
+    mod = importlib.import_module("flint_jax.pallas.moe")
+    experts, shared = testing.random_moe_weights("nvfp4", 256, 2048, 512, 1024, gen)
+    return (functools.partial(mod.moe_decode_routed, **kw),
+            (S((m, 2048), jnp.bfloat16), S((m, 256), jnp.float32), experts, shared))
+  raise SystemExit(f"unknown --kernel {kernel!r}: nvfp4_gemv, multi_gemv or moe")
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--kernel", default="nvfp4_gemv", help="nvfp4_gemv | multi_gemv | moe")
+  ap.add_argument("--m", type=int, default=1, help="tokens (rows of x)")
+  ap.add_argument("--n", type=int, default=4096, help="output rows (nvfp4_gemv)")
+  ap.add_argument("--k", type=int, default=2048, help="input features (nvfp4_gemv)")
+  ap.add_argument("--kw", nargs="*", help="kernel keyword arguments, e.g. method=lanes block_n=16")
+  ap.add_argument("--out", default="/tmp/flint_sass", help="directory for TTIR/TTGIR/PTX/SASS")
+  ap.add_argument("--triton-python", default=sys.executable,
+                  help="a Python with the triton package (default: this one)")
+  args = ap.parse_args()
+  fn, fargs = build(args.kernel, args.m, args.n, args.k, _parse_kw(args.kw))
+  os.makedirs(args.out, exist_ok=True)
+  bases = []
+  for i, c in enumerate(capture_triton_modules(fn, *fargs)):
+    base = os.path.join(args.out, f"{i}_{c['name']}")
+    with open(base + ".ttir", "w") as f:
+      f.write(c["asm"])
+    with open(base + ".json", "w") as f:
+      json.dump({key: v for key, v in c.items() if key != "asm"}, f)
+    bases.append((base, c))
+  res = subprocess.run([args.triton_python, "-c", _COMPILE, *[b for b, _ in bases]],
+                       capture_output=True, text=True)
+  if res.returncode:
+    raise SystemExit(f"triton compile failed (is triton installed in {args.triton_python}?):\n"
+                     f"{res.stderr[-3000:]}")
+  stats = {json.loads(line)["base"]: json.loads(line) for line in res.stdout.splitlines()}
+  for base, c in bases:
+    st = stats[base]
+    print(f"{c['name']}: grid {c['grid']} warps {c['num_warps']} stages {c['num_stages']} "
+          f"regs {st['regs']} spill (local) {st['local']} B shared {st['shared']} B")
+    with open(base + ".sass") as f:
+      for n_ins, ops in loop_histograms(f.read()):
+        top = ", ".join(f"{op} {cnt}" for op, cnt in ops.most_common(12))
+        print(f"  loop: {n_ins} instructions / thread / iteration: {top}")
+
+
+if __name__ == "__main__":
+  main()

@@ -131,12 +131,16 @@ def test_default_blocks():
 
 
 def test_default_methods():
-  """The measured tile-method defaults (runs 25, 30): NVFP4 q|k|v on rows at M = 2..4, NVFP4
-  single GEMVs on rows at M = 2 below 16384 rows; reduce at M = 1; tensor cores otherwise."""
+  """The measured tile-method defaults (runs 25, 30, 32): NVFP4 q|k|v on rows at M = 2..4 and
+  on lanes at M = 1 (reduce with the chunk layout and in norm_qkv, which have no lanes), NVFP4
+  single GEMVs on rows at M = 2 below 16384 rows, reduce at M = 1; tensor cores otherwise."""
+  from flint_jax.pallas import _common as C
   from flint_jax.pallas.multi_gemv import resolve_method
   from flint_jax.pallas.nvfp4_gemv import default_method
   assert [resolve_method("nvfp4", m, None, "tile", "asm", False)[0] for m in (1, 2, 4, 5, 8)] == [
-      "reduce", "rows", "rows", "dot", "dot"]
+      "lanes", "rows", "rows", "dot", "dot"]
+  assert resolve_method("nvfp4", 1, None, "chunk", "asm", False)[0] == "reduce"
+  assert resolve_method("nvfp4", 1, None, "tile", "asm", False, allowed=C.NO_LANES)[0] == "reduce"
   assert resolve_method("bf16", 2, None, "tile", "asm", False)[0] != "rows"
   assert [default_method(m, 2048) for m in (1, 2, 3, 8)] == ["reduce", "rows", "dot", "dot"]
   assert default_method(2, 150144) == "dot"

@@ -101,17 +101,23 @@ def default_multi_gemv_blocks(ns, k: int, *, m: int = 1, fmt: str = "bf16",
   return bn, bk, warps
 
 
-def resolve_method(fmt: str, m: int, method, layout: str, decode: str, interpret: bool):
-  """(tile method, NVFP4 decode) after defaults and checks, shared with ``norm_qkv``."""
+def resolve_method(fmt: str, m: int, method, layout: str, decode: str, interpret: bool,
+                   allowed=C.METHODS):
+  """(tile method, NVFP4 decode) after defaults and checks, shared with ``norm_qkv`` (which
+  has no ``lanes`` accumulator: ``allowed``)."""
   if fmt == "bf16":
     method = method or G.default_method(m)
   else:
     C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}, got {layout=}")
     decode = NV.resolve_decode(decode, interpret)
     # rows at M = 2..4: Flint q|k|v 9.9 / 16.9 us against 24.7 / 23.1 for the tensor-core tile
-    # (M = 2 / 4; at M = 8 rows loses, 31.0 against 19.6; run 25)
-    method = method or ("rows" if 2 <= m <= 4 else NV.default_method(m))
-  C.check_method(method, m)
+    # (M = 2 / 4; at M = 8 rows loses, 31.0 against 19.6; run 25). lanes at M = 1: 5.92 against
+    # 6.34 us for reduce (run 32; 6.11 against 6.56 inside the step), where every other NVFP4
+    # GEMV kept reduce (lanes slower there: MoE 20.5 against 15.9, LM head 140 against 97)
+    lanes = "lanes" in allowed and layout == "tile"
+    method = method or ("rows" if 2 <= m <= 4 else "lanes" if m == 1 and lanes
+                        else NV.default_method(m))
+  C.check_method(method, m, allowed)
   return method, decode
 
 

@@ -326,8 +326,8 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   fmt = MG._format(weights)  # pylint: disable=protected-access
   m, d = h.shape
   ns = tuple(MG._n_rows(w, fmt) for w in weights)  # pylint: disable=protected-access
-  method, decode = MG.resolve_method(fmt, m, method, layout, decode, interpret)
-  C.check_method(method, m, allowed=C.NO_LANES)
+  method, decode = MG.resolve_method(fmt, m, method, layout, decode, interpret,
+                                     allowed=C.NO_LANES)
   dbn, dbk, dwarps = MG.default_multi_gemv_blocks(ns, d, m=m, fmt=fmt, method=method)
   block_n, block_k = block_n or dbn, block_k or dbk
   block_d = block_d or default_block_d(d, m, block_k)

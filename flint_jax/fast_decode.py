@@ -5,7 +5,8 @@ Q/K-norm + RoPE + cache write inside it -> merge -> o_proj GEMV -> fused residua
 MoE: the router dot (XLA), the gate_up kernel (picks each slot's expert from the router logits,
 stores the route) and the down kernel (shared expert included), one kernel combining the experts
 with the residual add + next RMSNorm; or, for dense layers, gate|up+SiLU and down GEMVs -> fused
-residual add + next RMSNorm.
+residual add + next RMSNorm. A split-K NVFP4 o_proj or dense down hands its fp32 partials to
+`add_rms_norm`, which sums them (no XLA reduce kernel in between).
 The caches stay layer-stacked: kernels index the layer inside, so nothing is sliced or copied,
 and the cache writes are in place under donation.
 
@@ -154,11 +155,16 @@ FUSED_OPTIONS = DecodeOptions(router_in_norm=True, norm_in_qkv=True, attention="
 # - Attention, Q/K-norm + RoPE + cache write, residual add + RMSNorm: Pallas (1.1-30x).
 
 
-def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None):
-    """x [M, K] -> [M, N]; ``method``: the NVFP4 kernel's tile method (None: its default)."""
+def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None, sum_splits=True):
+    """x [M, K] -> [M, N]; ``method``: the NVFP4 kernel's tile method (None: its default).
+
+    ``sum_splits=False``: a split-K NVFP4 GEMV returns its fp32 partials [S, M, N] unsummed, for
+    `add_rms_norm` to sum (one launch less); only pass it where the result goes there.
+    """
     if lin.quant:
         return nvfp4_gemv(x, lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...],
-                          out_dtype=out_dtype, method=method, interpret=interpret)
+                          out_dtype=out_dtype, method=method, interpret=interpret,
+                          sum_splits=sum_splits)
     return layers.matmul_t(x, lin.weight[...]).astype(out_dtype)
 
 
@@ -316,11 +322,14 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     ring_k, ring_v = kc, vc
                 else:
                     full_k, full_v = kc, vc
-                a = _linear(attn.o_proj, o.reshape(b, h_ * hd), interpret, method=nv_method)
+                router_in_norm = opts.router_in_norm and cfg.is_moe(i)
+                # add_rms_norm sums the o_proj's split-K partials (add_rms_norm_router cannot)
+                a = _linear(attn.o_proj, o.reshape(b, h_ * hd), interpret, method=nv_method,
+                            sum_splits=router_in_norm)
                 mlp = layer.mlp
                 post_ln = layer.post_attention_layernorm.weight[...]
                 router_logits = None
-                if opts.router_in_norm and cfg.is_moe(i):
+                if router_in_norm:
                     h, x, router_logits = add_rms_norm_router(
                         h, a, post_ln, mlp.gate.weight[...], eps=eps, interpret=interpret)
                 else:
@@ -337,8 +346,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
                                              router_logits, moe_kw)
                 else:
+                    # partials only for add_rms_norm (norm_qkv / layer_end_qkv take [M, D])
                     y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret, nv_method), interpret,
-                                method=nv_method)
+                                method=nv_method, sum_splits=fold and not last)
                     if fold and not last:
                         pending = (y, None)
                     else:

@@ -5,6 +5,7 @@ import pytest
 from flax import nnx
 
 import flint_jax
+from flint_jax import fast_decode
 from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
 from flint_jax.model import FlintForCausalLM
 
@@ -39,9 +40,9 @@ CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v
          ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "tokrows"), ("nvfp4", "rows")]
 
 
-def assert_generate_equal(fmt, seed, options, rows, max_new_tokens):
+def assert_generate_equal(fmt, seed, options, rows, max_new_tokens, cfg=None):
     """Greedy generate() of one random small model on the XLA and the Pallas path: same tokens."""
-    mod = FlintForCausalLM(small_cfg(), quant=fmt == "nvfp4", rngs=nnx.Rngs(seed))
+    mod = FlintForCausalLM(cfg or small_cfg(), quant=fmt == "nvfp4", rngs=nnx.Rngs(seed))
     xla = flint_jax.from_module(mod, kernels="xla")
     pal = flint_jax.from_module(mod, kernels="pallas")
     if options is not None:
@@ -86,6 +87,24 @@ def test_nvfp4_m1_method_batch_one_equals_xla(method):
     """One NVFP4 row with every NVFP4 GEMV and the MoE on the given M = 1 tile method."""
     assert_generate_equal("nvfp4", 8, DecodeOptions(nvfp4_m1_method=method),
                           [list(range(5, 75))], 5)
+
+
+@pytest.mark.parametrize("options,want", [("default", [2, 3, 2, 2]), ("fused", [2])])
+def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
+    """NVFP4 with 16 heads: the o_proj (K = 1024) runs split-K 2 and the dense down (K = 192)
+    split-K 3; add_rms_norm gets their fp32 partials (`want`: S per call in one step) except
+    where norm_qkv or add_rms_norm_router takes the output ("fused": layer 0's down folds into
+    layer 1's q|k|v, the MoE layers' o_proj goes to the router kernel). Tokens equal XLA's."""
+    seen, arn = [], fast_decode.add_rms_norm
+
+    def spy(h, y, w, **kw):
+        seen.append(y.shape[0] if y.ndim == 3 else 0)
+        return arn(h, y, w, **kw)
+
+    monkeypatch.setattr(fast_decode, "add_rms_norm", spy)
+    cfg = small_cfg().replace(num_attention_heads=16)
+    assert_generate_equal("nvfp4", 4, OPTIONS[options], [list(range(5, 30)), [3, 4]], 3, cfg)
+    assert seen and seen == want * (len(seen) // len(want)), seen
 
 
 @pytest.mark.parametrize("kw,match", [

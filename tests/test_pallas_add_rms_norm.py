@@ -33,3 +33,32 @@ def test_weight_multiplied_before_cast():
   normed = x32 / np.sqrt(np.mean(x32 ** 2) + 1e-6)
   want = jnp.asarray(np.float32(1 + 2 ** -7) * normed, jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("d", [2048, 1001])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_add_rms_norm_split_k_partials(parts, m, d):
+  """y as fp32 split-K partials [S, M, D]: summed in the kernel, rounded to bf16, then added."""
+  gen = rng("parts", parts, m, d)
+  h = randn(gen, (m, d), jnp.bfloat16, 4.0)
+  y = randn(gen, (parts, m, d), jnp.float32)
+  w = randn(gen, (d,), jnp.bfloat16, 0.3) + 1
+  s, out = add_rms_norm(h, y, w, interpret=INTERPRET)
+  s_ref, out_ref = add_rms_norm_reference(h, y, w)
+  np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(s_ref, np.float32))
+  assert_close(out, out_ref, what="add_rms_norm partials")
+  # the unfused path it replaces: XLA sum + cast, then add_rms_norm on [M, D]
+  s2, out2 = add_rms_norm(h, jnp.sum(y, axis=0).astype(h.dtype), w, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(s2, np.float32))
+  assert_close(out, out2, what="add_rms_norm partials vs summed")
+
+
+def test_add_rms_norm_rejects_bad_partials():
+  h, w = jnp.zeros((2, 256), jnp.bfloat16), jnp.ones((256,), jnp.bfloat16)
+  with pytest.raises(ValueError, match="float32"):
+    add_rms_norm(h, jnp.zeros((2, 2, 256), jnp.bfloat16), w, interpret=True)
+  with pytest.raises(ValueError, match="S, M, D"):
+    add_rms_norm(h, jnp.zeros((2, 3, 256), jnp.float32), w, interpret=True)
+  with pytest.raises(ValueError, match="must match h"):
+    add_rms_norm(h, jnp.zeros((2, 256), jnp.float32), w, interpret=True)

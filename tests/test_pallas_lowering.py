@@ -230,6 +230,27 @@ def test_norms_lower():
   lower(rms_norm, S((8, D), BF), S((D,), BF))
 
 
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 8])
+def test_add_rms_norm_partials_lower(parts, m):
+  """fp32 split-K partials [S, M, D] summed inside add_rms_norm: one Triton kernel, no XLA op."""
+  text = lower(add_rms_norm, S((m, D), BF), S((parts, m, D), F32), S((D,), BF))
+  assert text.count("__gpu$xla.gpu.triton") == 1
+  assert "stablehlo.reduce" not in text
+  lower(add_rms_norm, S((m, 1000), BF), S((parts, m, 1000), F32), S((1000,), BF))   # masked
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_nvfp4_o_proj_into_add_rms_norm_lowers(m):
+  """o_proj (split-K by default) -> add_rms_norm on its partials: two Triton kernels, no XLA
+  reduce between them."""
+  def fn(o, q, s, s2, h, w):
+    return add_rms_norm(h, nvfp4_gemv(o, q, s, s2, sum_splits=False), w)
+  text = lower(fn, S((m, 4096), BF), *nv(D, 4096), S((m, D), BF), S((D,), BF))
+  assert text.count("__gpu$xla.gpu.triton") == 2
+  assert "stablehlo.reduce" not in text
+
+
 @pytest.mark.parametrize("m", [1, 8, 16])
 @pytest.mark.parametrize("kw", [{}, dict(block_d=2048), dict(block_e=4, block_d=512, num_warps=8)])
 def test_add_rms_norm_router_lowers(m, kw):

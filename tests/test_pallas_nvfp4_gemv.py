@@ -90,3 +90,38 @@ def test_nvfp4_rejects_bad_shapes():
   w = random_nvfp4(rng(0), (32, 96))
   with pytest.raises(ValueError, match="multiple of 64"):
     nvfp4_gemv(x, *w, interpret=True)
+
+
+@pytest.mark.parametrize("m,n,k,kw", [
+    (1, 2048, 4096, {}),                                  # o_proj: default split-K 4
+    (1, 64, 192, dict(block_k=64)),                       # split-K 3 (a tiny dense down)
+    (2, 96, 4096, {}),                                    # M = 2 default: rows, split-K
+    (8, 64, 512, dict(block_k=128, split_k=2)),           # dot
+])
+def test_nvfp4_gemv_partials(m, n, k, kw):
+  """sum_splits=False: fp32 partials [S, M, N], one per contiguous K range, whose sum (rounded
+  to out_dtype) is the default output exactly."""
+  g = rng("partials", m, n, k, kw)
+  x = randn(g, (m, k))
+  w = random_nvfp4(g, (n, k))
+  parts = nvfp4_gemv(x, *w, sum_splits=False, interpret=INTERPRET, **kw)
+  assert parts.ndim == 3 and parts.shape[0] > 1 and parts.shape[1:] == (m, n), parts.shape
+  assert parts.dtype == jnp.float32
+  ref = nvfp4_gemv_reference(x, *w, split_k=parts.shape[0], sum_splits=False)
+  assert_close(parts, ref, what="nvfp4_gemv partials")
+  full = nvfp4_gemv(x, *w, interpret=INTERPRET, **kw)
+  np.testing.assert_array_equal(np.asarray(jnp.sum(parts, axis=0).astype(full.dtype), np.float32),
+                                np.asarray(full, np.float32))
+  assert_close(full, nvfp4_gemv_reference(x, *w), what="nvfp4_gemv")
+
+
+def test_nvfp4_gemv_sum_splits_without_split_k():
+  """split_k == 1: [M, N] out_dtype whatever sum_splits says (kernel and reference)."""
+  g = rng("nosplit")
+  x = randn(g, (1, 256))
+  w = random_nvfp4(g, (64, 256))
+  out = nvfp4_gemv(x, *w, split_k=1, sum_splits=False, interpret=INTERPRET)
+  assert out.shape == (1, 64) and out.dtype == jnp.bfloat16
+  ref = nvfp4_gemv_reference(x, *w, split_k=1, sum_splits=False)
+  assert ref.shape == (1, 64) and ref.dtype == jnp.bfloat16
+  assert_close(out, ref, what="nvfp4_gemv split_k=1")

@@ -6,14 +6,21 @@ in fp32 **before** the cast (Flint's RMSNorm, FLINT_SPEC section 3; not Llama's 
 ``(s, out)``: the new residual stream and the normalised input of the next block. The norm is
 computed from the *rounded* ``s`` (what the reference's next layer sees).
 
+``add_rms_norm(h, y_parts, w)`` with fp32 split-K partials ``y_parts [S, M, D]`` (a split-K
+GEMV's unsummed output, e.g. ``nvfp4_gemv(..., sum_splits=False)``): also fuses the split-K sum,
+``y = h.dtype(sum_s y_parts[s])`` in fp32 (s = 0, 1, ... in order), rounded to h's dtype before
+the add exactly as ``jnp.sum(y_parts, axis=0).astype(h.dtype)`` then ``add_rms_norm(h, y, w)``
+(the reference model rounds its projection outputs to bf16). One XLA reduce kernel less.
+
 ``rms_norm(x, w)``: the same without the add.
 
 ``moe.moe_combine_add_rms_norm`` fuses the MoE combine in front of the same add + norm (it uses
 ``_normalize`` and ``_num_warps`` from here: keep them in step).
 
 One program per row; the row (D = 2048 for Flint) is one block, padded to a power of two with a
-masked load when D is not one. Shapes: h, y, x [M, D] (any M) bf16 or f32; w [D] (any float
-dtype, used in fp32); outputs have x's dtype.
+masked load when D is not one; the S partials (S small) are a static loop of row loads. Shapes:
+h, y, x [M, D] (any M) bf16 or f32, or y fp32 [S, M, D]; w [D] (any float dtype, used in fp32);
+outputs have h's / x's dtype.
 """
 
 from __future__ import annotations
@@ -41,11 +48,19 @@ def _add_rms_norm_kernel(h_ref, y_ref, w_ref, s_ref, o_ref, *, d, dp, eps):
 
 
 def _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, row, *, d, dp, eps):
-  """Row ``row`` of ``add_rms_norm`` (also a producer of ``layer_end_qkv``)."""
+  """Row ``row`` of ``add_rms_norm`` (also a producer of ``layer_end_qkv``). ``y_ref`` [M, D], or
+  fp32 split-K partials [S, M, D]: summed in fp32 and rounded to h's dtype first."""
   cols = jnp.arange(dp, dtype=jnp.int32)
   mask = cols < d
   h = plgpu.load(h_ref.at[row, cols], mask=mask, other=0)           # [Dp]
-  y = plgpu.load(y_ref.at[row, cols], mask=mask, other=0)
+  if len(y_ref.shape) == 3:
+    y = None
+    for part in range(y_ref.shape[0]):   # S is 2..4: in order, as jnp.sum(axis=0) on a row
+      p = plgpu.load(y_ref.at[part, row, cols], mask=mask, other=0)
+      y = p if y is None else y + p
+    y = y.astype(h.dtype)                # the projection's output rounding
+  else:
+    y = plgpu.load(y_ref.at[row, cols], mask=mask, other=0)
   w = plgpu.load(w_ref.at[cols], mask=mask, other=0).astype(jnp.float32)
   s = (h.astype(jnp.float32) + y.astype(jnp.float32)).astype(s_ref.dtype)
   out = _normalize(s.astype(jnp.float32), w, d, eps)
@@ -71,6 +86,22 @@ def _check(x, w, name):
   C.check(w.shape == (x.shape[1],), f"weight must be [D={x.shape[1]}], got {w.shape=}")
 
 
+def _check_parts(h, y):
+  C.check(y.shape[1:] == h.shape and y.dtype == jnp.float32 and y.shape[0] >= 1,
+          f"split-K partials y must be float32 [S, M, D] with [M, D] = {h.shape}, got "
+          f"{y.shape=} {y.dtype=}")
+
+
+def _check_add(h, y, w):
+  _check(h, w, "h")
+  if y.ndim == 3:
+    _check_parts(h, y)
+  else:
+    C.check(y.shape == h.shape and y.dtype == h.dtype,
+            f"y must match h (or be float32 [S, M, D] partials), got {y.shape=} {y.dtype=} vs "
+            f"{h.shape=} {h.dtype=}")
+
+
 def _num_warps(dp: int) -> int:
   # One warp per 512 elements, 1..8 warps (Triton's layer-norm tutorial heuristic).
   return max(1, min(8, dp // 512))
@@ -79,29 +110,36 @@ def _num_warps(dp: int) -> int:
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
 def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None,
                  interpret: bool = False):
-  """(s, out) = (h + y, RMSNorm(h + y) * w); h, y [M, D], w [D]."""
-  _check(h, w, "h")
-  C.check(y.shape == h.shape and y.dtype == h.dtype,
-          f"y must match h, got {y.shape=} {y.dtype=} vs {h.shape=} {h.dtype=}")
+  """(s, out) = (h + y, RMSNorm(h + y) * w); h [M, D], w [D]; y [M, D] (h's dtype) or fp32
+  split-K partials [S, M, D], summed in the kernel (module docstring)."""
+  _check_add(h, y, w)
   m, d = h.shape
   dp = C.next_pow2(d)
+  parts = f"_splits{y.shape[0]}" if y.ndim == 3 else ""
   kernel = functools.partial(_add_rms_norm_kernel, d=d, dp=dp, eps=eps)
   out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype))
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=(m,),
       compiler_params=C.compiler_params(num_warps or _num_warps(dp), 1),
-      interpret=interpret, name=f"flint_add_rms_norm_d{d}",
+      interpret=interpret, name=f"flint_add_rms_norm{parts}_d{d}",
   )(h, y, w)
 
 
 def add_rms_norm_reference(h, y, w, *, eps: float = 1e-6, **unused_tuning):
-  """Plain jnp: s = h + y (rounded to h.dtype), then rms_norm_reference(s)."""
+  """Plain jnp: s = h + y (rounded to h.dtype), then rms_norm_reference(s); fp32 partials
+  y [S, M, D] are summed first: ``jnp.sum(y, axis=0).astype(h.dtype)`` (rounding forced)."""
   del unused_tuning
+  if y.ndim == 3:
+    _check_parts(h, y)
   return _add_rms_norm_reference(h, y, w, eps=eps)
 
 
 @functools.partial(jax.jit, static_argnames=("eps",))
 def _add_rms_norm_reference(h, y, w, *, eps):
+  if y.ndim == 3:   # reduce_precision: under jit XLA may elide an f32 -> bf16 -> f32 round trip
+    fi = jnp.finfo(h.dtype)
+    y = jax.lax.reduce_precision(jnp.sum(y, axis=0), exponent_bits=fi.nexp,
+                                 mantissa_bits=fi.nmant).astype(h.dtype)
   s = h + y
   return s, _rms_norm_reference(s, w, eps=eps)
 

@@ -354,13 +354,21 @@ def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, o_ref, *, m, mp, bn, nb, n_i
 
 @functools.partial(jax.jit, static_argnames=(
     "out_dtype", "block_n", "block_k", "split_k", "decode", "layout", "method", "num_warps",
-    "num_stages", "interpret"))
+    "num_stages", "interpret", "sum_splits"))
 def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat16,
                block_n: int | None = None, block_k: int | None = None,
                split_k: int | None = None, decode: str = "asm", layout: str = "tile",
                method: str | None = None, num_warps: int | None = None, num_stages: int = 3,
-               interpret: bool = False):
-  """y[M, N] = out_dtype((x @ dequant(qweight, weight_scale)^T) * weight_scale_2)."""
+               interpret: bool = False, sum_splits: bool = True):
+  """y[M, N] = out_dtype((x @ dequant(qweight, weight_scale)^T) * weight_scale_2).
+
+  With split-K (``split_k`` > 1, given or the default) the kernel writes float32 partials
+  [split_k, M, N], partial s over the contiguous K range [s K/split_k, (s+1) K/split_k), each
+  already times weight_scale_2; ``sum_splits`` (default) sums them in an XLA op and casts to
+  ``out_dtype``. ``sum_splits=False`` returns them unsummed (``out_dtype`` unused): the caller
+  must compute ``out_dtype(sum(y, axis=0))`` in fp32 itself, e.g. ``add_rms_norm`` takes them
+  as its ``y`` (one launch less). Without split-K the result is [M, N] ``out_dtype`` either way.
+  """
   n, kh = qweight.shape
   method = method or default_method(x.shape[0], n)
   dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], method=method)
@@ -389,24 +397,40 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_nvfp4_gemv_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}",
   )(x_view(x), q4, s4, s2)
-  if split_k > 1:
+  if split_k > 1 and sum_splits:
     y = jnp.sum(y, axis=0).astype(out_dtype)
   return y
 
 
 def nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat16,
-                         **unused_tuning):
-  """Plain jnp: exact bf16 dequantisation, fp32 dot, tensor scale on the fp32 result."""
+                         split_k: int | None = None, sum_splits: bool = True, **unused_tuning):
+  """Plain jnp: exact bf16 dequantisation, fp32 dot, tensor scale on the fp32 result.
+
+  ``sum_splits=False`` with ``split_k`` > 1: ``nvfp4_gemv``'s fp32 partials [split_k, M, N] (one
+  dot per contiguous K range). The reference picks no tiles, so ``split_k`` must be given then.
+  """
   del unused_tuning
-  return _nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, out_dtype=out_dtype)
+  if sum_splits or split_k == 1:
+    split_k = 1
+  C.check(split_k is not None, "sum_splits=False needs an explicit split_k in the reference")
+  return _nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, out_dtype=out_dtype,
+                               split_k=split_k)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def _nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, *, out_dtype):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "split_k"))
+def _nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, *, out_dtype, split_k=1):
   w = dequantize_nvfp4_reference(qweight, weight_scale)
+  s2 = jnp.asarray(weight_scale_2, jnp.float32)
+  if split_k > 1:   # partial s: K range s of split_k, [S, M, N] fp32
+    (m, k), n = x.shape, w.shape[0]
+    C.check(k % split_k == 0, f"split_k must divide K: {split_k=} {k=}")
+    xs, ws = x.reshape(m, split_k, k // split_k), w.reshape(n, split_k, k // split_k)
+    y = lax.dot_general(xs, ws, (((2,), (2,)), ((1,), (1,))),
+                        preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    return y * s2
   y = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                       precision=lax.Precision.HIGHEST)
-  return (y * jnp.asarray(weight_scale_2, jnp.float32)).astype(out_dtype)
+  return (y * s2).astype(out_dtype)
 
 
 def _nvfp4_silu_mul_kernel(x_ref, qg_ref, sg_ref, qu_ref, su_ref, s2_ref, o_ref, *, m, mp, bn,

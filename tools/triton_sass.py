@@ -17,7 +17,8 @@ into the same one). Example::
       --kernel nvfp4_gemv --m 1 --n 4096 --k 2048 --kw method=lanes block_n=16 block_k=1024
   JAX_PLATFORMS=cpu PYTHONPATH=. python tools/triton_sass.py --kernel moe --m 8
 
-Kernels: nvfp4_gemv, multi_gemv (NVFP4 q|k|v), moe (routed, NVFP4 experts, Flint sizes).
+Kernels: nvfp4_gemv, multi_gemv (NVFP4 q|k|v), moe / moe_bf16 (routed, NVFP4 / BF16 experts,
+Flint sizes).
 """
 
 from __future__ import annotations
@@ -133,18 +134,20 @@ def build(kernel: str, m: int, n: int, k: int, kw: dict):
     mod = importlib.import_module("flint_jax.pallas.multi_gemv")
     ws = tuple(testing.random_nvfp4(gen, (rows, 2048)) for rows in (4096, 512, 512))
     return functools.partial(mod.multi_gemv, **kw), (S((m, 2048), jnp.bfloat16), ws)
-  if kernel == "moe":
+  if kernel in ("moe", "moe_bf16"):
     mod = importlib.import_module("flint_jax.pallas.moe")
-    experts, shared = testing.random_moe_weights("nvfp4", 256, 2048, 512, 1024, gen)
+    fmt = "bf16" if kernel == "moe_bf16" else "nvfp4"
+    experts, shared = testing.random_moe_weights(fmt, 256, 2048, 512, 1024, gen)
     return (functools.partial(mod.moe_decode_routed, **kw),
             (S((m, 2048), jnp.bfloat16), S((m, 256), jnp.float32), experts, shared))
-  raise SystemExit(f"unknown --kernel {kernel!r}: nvfp4_gemv, multi_gemv or moe")
+  raise SystemExit(f"unknown --kernel {kernel!r}: nvfp4_gemv, multi_gemv, moe or moe_bf16")
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--kernel", default="nvfp4_gemv", help="nvfp4_gemv | multi_gemv | moe")
+  ap.add_argument("--kernel", default="nvfp4_gemv",
+                  help="nvfp4_gemv | multi_gemv | moe | moe_bf16")
   ap.add_argument("--m", type=int, default=1, help="tokens (rows of x)")
   ap.add_argument("--n", type=int, default=4096, help="output rows (nvfp4_gemv)")
   ap.add_argument("--k", type=int, default=2048, help="input features (nvfp4_gemv)")

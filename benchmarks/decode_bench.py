@@ -220,7 +220,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     as one producer / consumer kernel), "pallas_allrows" / "pallas_tokrows" (the routed MoE's
     `moe_slot_rows` forced to "all" / "token"), "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
     the NVFP4 GEMVs at batch > 1), "pallas_lanes" / "pallas_reduce" (`nvfp4_m1_method`: the
-    NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" tile method)."""
+    NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" tile method), "pallas_rin"
+    (`router_in_norm`: add + norm + router GEMV in one kernel)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -238,6 +239,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "allrows": DecodeOptions(moe_slot_rows="all"),
                "tokrows": DecodeOptions(moe_slot_rows="token"),
                "rows": DecodeOptions(nvfp4_rows=True),
+               "rin": DecodeOptions(router_in_norm=True),
                "lanes": DecodeOptions(nvfp4_m1_method="lanes"),
                "reduce": DecodeOptions(nvfp4_m1_method="reduce")}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,

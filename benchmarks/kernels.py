@@ -946,11 +946,43 @@ def lanes_cases(variants):
            functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
 
 
+ARNR = importlib.import_module("flint_jax.pallas.add_rms_norm_router")
+
+
+def _norm_then_router(h, a, w, router):
+  """The default step's pair: add_rms_norm (Pallas), then XLA's fp32 router dot."""
+  s, x = NORM.add_rms_norm(h, a, w)
+  return s, x, MOE.moe_router_logits(x, router)
+
+
+def arnr_cases(variants):
+  """``add_rms_norm_router`` (residual add + RMSNorm + fp32 router GEMV, one launch) against the
+  default step's pair (``add_rms_norm`` + XLA's router dot), at M = 1 and 8, with bf16 [M, D]
+  attention outputs (BF16 o_proj) and fp32 split-K partials [4, M, D] (NVFP4 o_proj)."""
+  if variants:
+    return
+  routers = [randn((E, D), jnp.float32, D ** -0.5) for _ in range(8)]
+  for m, parts in [(1, 0), (1, 4), (8, 0), (8, 4)]:
+    a_shape, a_dt = ((parts, m, D), jnp.float32) if parts else ((m, D), BF)
+    sets = [(randn((m, D)), randn(a_shape, a_dt), randn((D,)) + 1, r) for r in routers]
+    case, lbl = f"M{m}{'_parts' if parts else ''}", f"norm+router M={m} S={parts or 1}"
+    bytes_ = E * D * 4 + 4 * m * D * 2 + (parts or 1) * m * D * 4
+    yield (f"arnr/{case}/xla", "arnr", lbl, "xla", jax.jit(ARNR.add_rms_norm_router_reference),
+           sets, bytes_)
+    yield (f"arnr/{case}/pair", "arnr", lbl, "add_rms_norm + XLA router",
+           jax.jit(_norm_then_router), sets, bytes_)
+    for kw in [dict(), dict(block_e=8, block_d=1024), dict(block_e=2), dict(block_e=8, block_d=2048),
+               dict(block_e=4, num_warps=8), dict(block_e=2, num_warps=2),
+               dict(block_e=16, block_d=512)]:
+      yield (f"arnr/{case}/{_tag(kw)}", "arnr", lbl, _tag(kw),
+             functools.partial(ARNR.add_rms_norm_router, **kw), sets, bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
           "nqtune": nqtune_cases, "slotrows": slotrows_cases, "rows": rows_cases,
-          "rows2": rows2_cases, "lanes": lanes_cases}
+          "rows2": rows2_cases, "lanes": lanes_cases, "arnr": arnr_cases}
 
 
 # ------------------------------------------------------------------------------------------

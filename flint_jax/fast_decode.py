@@ -323,9 +323,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 else:
                     full_k, full_v = kc, vc
                 router_in_norm = opts.router_in_norm and cfg.is_moe(i)
-                # add_rms_norm sums the o_proj's split-K partials (add_rms_norm_router cannot)
+                # add_rms_norm (or add_rms_norm_router) sums the o_proj's split-K partials
                 a = _linear(attn.o_proj, o.reshape(b, h_ * hd), interpret, method=nv_method,
-                            sum_splits=router_in_norm)
+                            sum_splits=False)
                 mlp = layer.mlp
                 post_ln = layer.post_attention_layernorm.weight[...]
                 router_logits = None

@@ -93,18 +93,25 @@ def test_nvfp4_m1_method_batch_one_equals_xla(method):
 def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     """NVFP4 with 16 heads: the o_proj (K = 1024) runs split-K 2 and the dense down (K = 192)
     split-K 3; add_rms_norm gets their fp32 partials (`want`: S per call in one step) except
-    where norm_qkv or add_rms_norm_router takes the output ("fused": layer 0's down folds into
-    layer 1's q|k|v, the MoE layers' o_proj goes to the router kernel). Tokens equal XLA's."""
-    seen, arn = [], fast_decode.add_rms_norm
+    where norm_qkv takes the output ("fused": layer 0's down folds into layer 1's q|k|v); the
+    MoE layers' o_proj goes to add_rms_norm_router there, which gets the partials too. Tokens
+    equal XLA's."""
+    seen, routed, arn, arnr = [], [], fast_decode.add_rms_norm, fast_decode.add_rms_norm_router
 
     def spy(h, y, w, **kw):
         seen.append(y.shape[0] if y.ndim == 3 else 0)
         return arn(h, y, w, **kw)
 
+    def spy_router(h, a, w, r, **kw):
+        routed.append(a.shape[0] if a.ndim == 3 else 0)
+        return arnr(h, a, w, r, **kw)
+
     monkeypatch.setattr(fast_decode, "add_rms_norm", spy)
+    monkeypatch.setattr(fast_decode, "add_rms_norm_router", spy_router)
     cfg = small_cfg().replace(num_attention_heads=16)
     assert_generate_equal("nvfp4", 4, OPTIONS[options], [list(range(5, 30)), [3, 4]], 3, cfg)
     assert seen and seen == want * (len(seen) // len(want)), seen
+    assert set(routed) == ({2} if options == "fused" else set()), routed
 
 
 @pytest.mark.parametrize("kw,match", [

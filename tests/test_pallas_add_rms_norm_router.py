@@ -31,7 +31,8 @@ def _inputs(m, d, e, *params):
 
 
 @pytest.mark.parametrize("m,d,e,kw", [
-    (1, 2048, 256, {}),                                 # Flint: 32 programs, 2 column chunks
+    (1, 2048, 256, {}),                                 # Flint: 64 programs, whole [4, D] tiles
+    (1, 2048, 256, dict(block_e=8, block_d=1024)),      # 32 programs, 2 column chunks
     (3, 320, 40, dict(block_e=16)),                     # odd D, last expert block partial
     (8, 2048, 256, dict(block_e=32, block_d=2048)),     # whole router tile, reused by 8 rows
     (16, 320, 20, dict(block_d=128)),   # 16 rows, chunks partly/fully masked, E % block_e != 0
@@ -59,6 +60,27 @@ def test_add_rms_norm_router(m, d, e, kw):
   top = min(6, e)
   np.testing.assert_array_equal(np.sort(np.asarray(jax.lax.top_k(logits, top)[1]), -1),
                                 np.sort(np.asarray(jax.lax.top_k(l_ref, top)[1]), -1))
+
+
+@pytest.mark.parametrize("m,d,e,s_parts,kw", [
+    (1, 2048, 256, 4, {}),                              # the NVFP4 o_proj's split-K 4 partials
+    (3, 320, 40, 2, dict(block_e=8, block_d=128)),      # partials summed per column chunk too
+])
+def test_add_rms_norm_router_split_k_partials(m, d, e, s_parts, kw):
+  """a as fp32 split-K partials [S, M, D]: the kernel sums them (add_rms_norm's rule), so s, x
+  equal add_rms_norm's on the same partials and the logits those of its own x."""
+  gen, h, _, w, router = _inputs(m, d, e, "parts", s_parts)
+  parts = randn(gen, (s_parts, m, d), jnp.float32, 0.5)
+  s, x, logits = add_rms_norm_router(h, parts, w, router, interpret=INTERPRET, **kw)
+  s_k, x_k = add_rms_norm(h, parts, w, interpret=INTERPRET)
+  np.testing.assert_array_equal(f32(s), f32(s_k))
+  np.testing.assert_array_equal(f32(x), f32(x_k))
+  s_ref, x_ref, _ = add_rms_norm_router_reference(h, parts, w, router)
+  np.testing.assert_array_equal(f32(s), f32(s_ref))
+  np.testing.assert_allclose(f32(x), f32(x_ref), rtol=2 ** -7, atol=0)
+  assert_close(logits, moe_router_logits(x, router), **F32_TOL, what="logits vs own x")
+  with pytest.raises(ValueError, match="partials"):
+    add_rms_norm_router(h, parts.astype(jnp.bfloat16), w, router, interpret=True)
 
 
 def test_reference_rounds_s_and_x():

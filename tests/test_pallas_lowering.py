@@ -260,6 +260,9 @@ def test_add_rms_norm_router_lowers(m, kw):
   assert text.count("__gpu$xla.gpu.triton") == 1
   lower(add_rms_norm_router, S((m, 320), BF), S((m, 320), BF), S((320,), BF),
         S((40, 320), F32))   # D and E not powers of two: masked
+  text = lower(functools.partial(add_rms_norm_router, **kw), S((m, D), BF), S((4, m, D), F32),
+               S((D,), BF), S((E, D), F32))   # the NVFP4 o_proj's split-K partials
+  assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.reduce" not in text
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

@@ -47,20 +47,26 @@ def _add_rms_norm_kernel(h_ref, y_ref, w_ref, s_ref, o_ref, *, d, dp, eps):
   _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, pl.program_id(0), d=d, dp=dp, eps=eps)
 
 
+def load_y_row(y_ref, row, cols, mask, dtype):
+  """Row ``row`` of a projection output: ``y_ref`` [M, D], or fp32 split-K partials [S, M, D]
+  summed in fp32 (s = 0, 1, ... in order, as ``jnp.sum(axis=0)``) and rounded to ``dtype`` (the
+  projection's output rounding). Also used by ``add_rms_norm_router``."""
+  if len(y_ref.shape) == 2:
+    return plgpu.load(y_ref.at[row, cols], mask=mask, other=0)
+  y = None
+  for part in range(y_ref.shape[0]):   # S is 2..4
+    p = plgpu.load(y_ref.at[part, row, cols], mask=mask, other=0)
+    y = p if y is None else y + p
+  return y.astype(dtype)
+
+
 def _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, row, *, d, dp, eps):
   """Row ``row`` of ``add_rms_norm`` (also a producer of ``layer_end_qkv``). ``y_ref`` [M, D], or
   fp32 split-K partials [S, M, D]: summed in fp32 and rounded to h's dtype first."""
   cols = jnp.arange(dp, dtype=jnp.int32)
   mask = cols < d
   h = plgpu.load(h_ref.at[row, cols], mask=mask, other=0)           # [Dp]
-  if len(y_ref.shape) == 3:
-    y = None
-    for part in range(y_ref.shape[0]):   # S is 2..4: in order, as jnp.sum(axis=0) on a row
-      p = plgpu.load(y_ref.at[part, row, cols], mask=mask, other=0)
-      y = p if y is None else y + p
-    y = y.astype(h.dtype)                # the projection's output rounding
-  else:
-    y = plgpu.load(y_ref.at[row, cols], mask=mask, other=0)
+  y = load_y_row(y_ref, row, cols, mask, h.dtype)
   w = plgpu.load(w_ref.at[cols], mask=mask, other=0).astype(jnp.float32)
   s = (h.astype(jnp.float32) + y.astype(jnp.float32)).astype(s_ref.dtype)
   out = _normalize(s.astype(jnp.float32), w, d, eps)
@@ -86,16 +92,16 @@ def _check(x, w, name):
   C.check(w.shape == (x.shape[1],), f"weight must be [D={x.shape[1]}], got {w.shape=}")
 
 
-def _check_parts(h, y):
+def check_parts(h, y):
   C.check(y.shape[1:] == h.shape and y.dtype == jnp.float32 and y.shape[0] >= 1,
           f"split-K partials y must be float32 [S, M, D] with [M, D] = {h.shape}, got "
           f"{y.shape=} {y.dtype=}")
 
 
-def _check_add(h, y, w):
+def check_add(h, y, w):
   _check(h, w, "h")
   if y.ndim == 3:
-    _check_parts(h, y)
+    check_parts(h, y)
   else:
     C.check(y.shape == h.shape and y.dtype == h.dtype,
             f"y must match h (or be float32 [S, M, D] partials), got {y.shape=} {y.dtype=} vs "
@@ -112,7 +118,7 @@ def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None,
                  interpret: bool = False):
   """(s, out) = (h + y, RMSNorm(h + y) * w); h [M, D], w [D]; y [M, D] (h's dtype) or fp32
   split-K partials [S, M, D], summed in the kernel (module docstring)."""
-  _check_add(h, y, w)
+  check_add(h, y, w)
   m, d = h.shape
   dp = C.next_pow2(d)
   parts = f"_splits{y.shape[0]}" if y.ndim == 3 else ""
@@ -130,7 +136,7 @@ def add_rms_norm_reference(h, y, w, *, eps: float = 1e-6, **unused_tuning):
   y [S, M, D] are summed first: ``jnp.sum(y, axis=0).astype(h.dtype)`` (rounding forced)."""
   del unused_tuning
   if y.ndim == 3:
-    _check_parts(h, y)
+    check_parts(h, y)
   return _add_rms_norm_reference(h, y, w, eps=eps)
 
 

@@ -20,18 +20,22 @@ row at D = 2048), recomputes s and x itself (redundantly: the row work is neglig
 weight stream), and multiplies them with its ``block_e`` router rows on the CUDA cores (broadcast
 multiply + row sum in fp32; no ``tl.dot``, whose fp32 inputs would be rounded to TF32). The fp32
 router weight (2 MB at E = 256, D = 2048) is thus streamed by E / block_e programs at once
-(block_e = 8: 32 programs). Program 0 alone stores s and x (``pl.when``).
+(block_e = 4: 64 programs). Program 0 alone stores s and x (``pl.when``). ``a`` may also be a
+split-K GEMV's fp32 partials [S, M, D] (``nvfp4_gemv(..., sum_splits=False)``): each program sums
+them as ``add_rms_norm`` does (``load_y_row``), so no XLA reduce runs in between.
 
 D is covered in ``block_d`` column chunks (a power of two dividing the padded row ``Dp``): with
 ``block_d == Dp`` the router tile ``[block_e, Dp]`` is loaded once per program and reused by all
 rows; with ``block_d < Dp`` (fewer registers) each row first computes its mean square from the
 full row, then, per chunk, reloads its h/a chunk, renormalises it with that statistic
 (elementwise, so bit-identical to the full-row x) and the router chunk (an L1/L2 hit after the
-first row). Default tiles: block_e = 8, block_d = 1024 ([8, 1024] fp32 = 64 registers per thread
-at 4 warps; the whole [8, 2048] tile would need 128, plus the row vectors). Not yet measured on
-the GPU: ``block_e`` (programs vs bytes per program), ``block_d`` and ``num_warps`` are the knobs
-to sweep. Rows (M <= 16) are a ``fori_loop`` inside the program. E need not be a multiple of
-``block_e`` or a power of two, nor D a power of two (masked loads and stores).
+first row). Default tiles: block_e = 4, block_d = Dp ([4, 2048] fp32 = 64 registers per thread
+at 4 warps, loaded before the norm so the 32 KB per program stream under it). Session 3 measured
+the old default (block_e = 8, block_d = 1024: the router chunks loaded after the norm): 4.7 us
+at M = 1 against 1.8 + 2.5 for ``add_rms_norm`` and XLA's router dot (run 9); ``--groups arnr``
+of ``benchmarks/kernels.py`` sweeps ``block_e``, ``block_d`` and ``num_warps``. Rows (M <= 16)
+are a ``fori_loop`` inside the program. E need not be a multiple of ``block_e`` or a power of
+two, nor D a power of two (masked loads and stores).
 
 Shapes: h, a [M, D] (bf16, or f32), 1 <= M <= 16; w_norm [D] (any float dtype, used in fp32);
 router_w [E, D] fp32 (bf16 accepted, upcast). Outputs s, x [M, D] h.dtype; logits [M, E] f32.
@@ -89,7 +93,7 @@ def _kernel(h_ref, a_ref, wn_ref, rw_ref, s_ref, x_ref, l_ref, *, m, d, dp, n_ex
 
   def row(t, carry):
     h = plgpu.load(h_ref.at[t, cols], mask=cmask, other=0)
-    a = plgpu.load(a_ref.at[t, cols], mask=cmask, other=0)
+    a = ARN.load_y_row(a_ref, t, cols, cmask, h.dtype)
     s = (h.astype(jnp.float32) + a.astype(jnp.float32)).astype(s_ref.dtype)
     s32 = s.astype(jnp.float32)
     x = ARN._normalize(s32, w_norm, d, eps).astype(x_ref.dtype)   # add_rms_norm, op for op
@@ -110,7 +114,7 @@ def _kernel(h_ref, a_ref, wn_ref, rw_ref, s_ref, x_ref, l_ref, *, m, d, dp, n_ex
         cc = c * block_d + jnp.arange(block_d, dtype=jnp.int32)
         ccm = cc < d
         hc = plgpu.load(h_ref.at[t, cc], mask=ccm, other=0)
-        ac = plgpu.load(a_ref.at[t, cc], mask=ccm, other=0)
+        ac = ARN.load_y_row(a_ref, t, cc, ccm, hc.dtype)
         wc = plgpu.load(wn_ref.at[cc], mask=ccm, other=0).astype(jnp.float32)
         sc = (hc.astype(jnp.float32) + ac.astype(jnp.float32)).astype(s_ref.dtype)
         xc = (wc * (sc.astype(jnp.float32) * rstd)).astype(x_ref.dtype)
@@ -125,8 +129,12 @@ def _check(h, a, w_norm, router_w):
   C.check(h.ndim == 2, f"h must be [M, D], got {h.shape=}")
   m, d = h.shape
   C.check(1 <= m <= MAX_ROWS, f"add_rms_norm_router handles 1..{MAX_ROWS} rows, got M={m}")
-  C.check(a.shape == h.shape and a.dtype == h.dtype,
-          f"a must match h, got {a.shape=} {a.dtype=} vs {h.shape=} {h.dtype=}")
+  if a.ndim == 3:
+    ARN.check_parts(h, a)
+  else:
+    C.check(a.shape == h.shape and a.dtype == h.dtype,
+            f"a must match h (or be float32 [S, M, D] split-K partials), got {a.shape=} "
+            f"{a.dtype=} vs {h.shape=} {h.dtype=}")
   C.check(w_norm.shape == (d,), f"w_norm must be [D={d}], got {w_norm.shape=}")
   C.check(router_w.ndim == 2 and router_w.shape[1] == d,
           f"router_w must be [E, D={d}], got {router_w.shape=}")
@@ -136,7 +144,10 @@ def _check(h, a, w_norm, router_w):
 
 def _tuning(d, n_exp, block_e, block_d, num_warps):
   dp = C.next_pow2(d)
-  block_e = block_e or min(8, C.next_pow2(n_exp))
+  # 4 router rows per program: with the default block_d the whole [4, Dp] fp32 tile (64
+  # registers per thread at 4 warps) is loaded before the norm, not after it as with 8 rows in
+  # two column chunks
+  block_e = block_e or min(4, C.next_pow2(n_exp))
   C.check(C.is_pow2(block_e), f"block_e must be a power of two, got {block_e=}")
   block_d = block_d or min(dp, max(16, _TILE_ELEMS // block_e))
   C.check(C.is_pow2(block_d) and block_d <= dp,
@@ -151,8 +162,9 @@ def add_rms_norm_router(h, a, w_norm, router_w, *, eps: float = 1e-6, block_e: i
                         interpret: bool = False):
   """(s, x, logits) = (bf16(h + a), RMSNorm(s) * w_norm, f32(x) . f32(router_w)^T); one launch.
 
-  h, a [M, D] (M <= 16), w_norm [D], router_w [E, D] fp32. Tuning: ``block_e`` router rows per
-  program (power of two; default 8 -> E / 8 programs), ``block_d`` columns per router tile
+  h [M, D] (M <= 16), a [M, D] (h's dtype) or fp32 split-K partials [S, M, D] (summed in the
+  kernel, as ``add_rms_norm``), w_norm [D], router_w [E, D] fp32. Tuning: ``block_e`` router rows
+  per program (power of two; default 4 -> E / 4 programs), ``block_d`` columns per router tile
   (power of two dividing next_pow2(D); default 8192 / block_e), ``num_warps`` (default
   ``add_rms_norm``'s, which keeps its row reduction order).
   """
@@ -164,10 +176,11 @@ def add_rms_norm_router(h, a, w_norm, router_w, *, eps: float = 1e-6, block_e: i
                              block_d=block_d, eps=eps)
   out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype),
                jax.ShapeDtypeStruct((m, n_exp), jnp.float32))
+  parts = f"_splits{a.shape[0]}" if a.ndim == 3 else ""
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=(C.cdiv(n_exp, block_e),),
-      compiler_params=C.compiler_params(num_warps, 1),
-      interpret=interpret, name=f"flint_add_rms_norm_router_d{d}_e{n_exp}",
+      compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,
+      name=f"flint_add_rms_norm_router{parts}_d{d}_e{n_exp}_be{block_e}_bd{block_d}",
   )(h, a, w_norm, router_w)
 
 
@@ -182,6 +195,8 @@ def add_rms_norm_router_reference(h, a, w_norm, router_w, *, eps: float = 1e-6,
   with the unrounded x.
   """
   del unused_tuning
+  if a.ndim == 3:
+    ARN.check_parts(h, a)
   return _add_rms_norm_router_reference(h, a, w_norm, router_w, eps=eps)
 
 
@@ -196,6 +211,8 @@ def _round_trip(v32, dtype):
 @functools.partial(jax.jit, static_argnames=("eps",))
 def _add_rms_norm_router_reference(h, a, w_norm, router_w, *, eps):
   dt = h.dtype
+  if a.ndim == 3:   # split-K partials: the projection's sum and output rounding first
+    a = _round_trip(jnp.sum(a, axis=0), dt).astype(dt)
   s32 = _round_trip(h.astype(jnp.float32) + a.astype(jnp.float32), dt)
   ms = jnp.mean(s32 * s32, axis=-1, keepdims=True)
   x32 = _round_trip(w_norm.astype(jnp.float32) * (s32 * lax.rsqrt(ms + eps)), dt)

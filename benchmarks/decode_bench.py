@@ -221,7 +221,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     `moe_slot_rows` forced to "all" / "token"), "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
     the NVFP4 GEMVs at batch > 1), "pallas_lanes" / "pallas_reduce" (`nvfp4_m1_method`: the
     NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" tile method), "pallas_rin"
-    (`router_in_norm`: add + norm + router GEMV in one kernel)."""
+    (`router_in_norm` forced on: add + norm + router GEMV in one kernel; the default at batch 1
+    only), "pallas_norin" (forced off), "pallas_xgu" (`bf16_dense_pallas=False`: the BF16 dense
+    gate|up on XLA at batch 1 too)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -240,6 +242,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "tokrows": DecodeOptions(moe_slot_rows="token"),
                "rows": DecodeOptions(nvfp4_rows=True),
                "rin": DecodeOptions(router_in_norm=True),
+               "norin": DecodeOptions(router_in_norm=False),
+               "xgu": DecodeOptions(bf16_dense_pallas=False),
                "lanes": DecodeOptions(nvfp4_m1_method="lanes"),
                "reduce": DecodeOptions(nvfp4_m1_method="reduce")}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,

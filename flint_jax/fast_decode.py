@@ -1,12 +1,14 @@
 """The Pallas decode step: one token per row (batch <= 16) through the fused kernels.
 
 Per layer (default `DecodeOptions`): one q|k|v GEMV kernel -> split-KV sink attention with the
-Q/K-norm + RoPE + cache write inside it -> merge -> o_proj GEMV -> fused residual add + RMSNorm ->
-MoE: the router dot (XLA), the gate_up kernel (picks each slot's expert from the router logits,
-stores the route) and the down kernel (shared expert included), one kernel combining the experts
-with the residual add + next RMSNorm; or, for dense layers, gate|up+SiLU and down GEMVs -> fused
-residual add + next RMSNorm. A split-K NVFP4 o_proj or dense down hands its fp32 partials to
-`add_rms_norm`, which sums them (no XLA reduce kernel in between).
+Q/K-norm + RoPE + cache write inside it -> merge -> o_proj GEMV -> fused residual add + RMSNorm
+(at batch 1 with the router GEMV in the same kernel) -> MoE: the router dot (XLA, batch > 1), the
+gate_up kernel (picks each slot's expert from the router logits, stores the route) and the down
+kernel (shared expert included), one kernel combining the experts with the residual add + next
+RMSNorm; or, for dense layers, gate|up+SiLU and down GEMVs -> fused residual add + next RMSNorm.
+At batch 1 with BF16 weights the layer end goes into the next q|k|v kernel instead
+(`norm_in_qkv`). A split-K NVFP4 o_proj or dense down hands its fp32 partials to the norm kernel,
+which sums them (no XLA reduce kernel in between).
 The caches stay layer-stacked: kernels index the layer inside, so nothing is sliced or copied,
 and the cache writes are in place under donation.
 
@@ -26,7 +28,7 @@ from flint_jax.cache import KVCache
 from flint_jax.config import FlintConfig
 from flint_jax import layers
 from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, decode_attention,
-                              layer_end_qkv, moe_block, moe_combine_add_rms_norm, moe_decode_routed,
+                              gemv_silu_mul, layer_end_qkv, moe_block, moe_combine_add_rms_norm, moe_decode_routed,
                               moe_router_logits, multi_gemv, norm_qkv, nvfp4_gemv,
                               nvfp4_gemv_silu_mul, qk_norm_rope, qk_norm_rope_attention,
                               rms_norm)
@@ -46,8 +48,10 @@ class DecodeOptions:
       reference model's MoE (gathered experts, einsums), then `add_rms_norm`; "v1" = the session-1
       choice ("slots" for NVFP4 experts, "xla" for BF16).
     router_in_norm: (with moe="routed") the residual add + RMSNorm after attention and the router
-      GEMV in one kernel (`add_rms_norm_router`): one launch less per MoE layer. Off by default:
-      slower on the H200 (4.7 us against 1.8 + 2.5; perf log 9).
+      GEMV in one kernel (`add_rms_norm_router`): one launch less per MoE layer. None (default)
+      = the measured choice: at batch 1 only (H200, run 34: 1.89 us against 2.78 for
+      add_rms_norm + XLA's router dot, 2.27 against 3.30 with NVFP4's split-K partials; at batch
+      8 7.33 / 13.1 against 6.35 / 6.86). True / False force it.
     norm_in_qkv: (with moe="routed" and fused_qkv) the end of each layer (MoE combine or dense
       output, residual add, the next layer's input RMSNorm) computed inside the next layer's
       q|k|v kernel (`norm_qkv`): one launch less per layer. None (default) = the measured
@@ -81,13 +85,17 @@ class DecodeOptions:
       CUDA-core ``rows`` tiles (one decode, one row sum per token) instead of the kernels'
       defaults. Off: at batch 8 the step is slower (16.1 against 9.5 ms, run 25); the q|k|v
       kernel already picks ``rows`` by itself at M = 2..4, where it measured faster.
+    bf16_dense_pallas: the BF16 dense layers' gate|up + SiLU as one Pallas `gemv_silu_mul`
+      kernel instead of XLA's dot + elementwise kernels. None (default) = at batch 1 only. Not
+      yet measured against XLA's pair at Flint size (the XLA GEMV is faster on single
+      projections at M = 1).
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.
     """
     fused_qkv: bool = True
     moe: str = "routed"
-    router_in_norm: bool = False
+    router_in_norm: bool | None = None
     norm_in_qkv: bool | None = None
     attention: str = "fused"
     ring_splits: int | None = None
@@ -98,10 +106,17 @@ class DecodeOptions:
     moe_slot_rows: str | None = None
     nvfp4_rows: bool = False
     nvfp4_m1_method: str | None = None
+    bf16_dense_pallas: bool | None = None
 
     def qkv_wait_at(self, batch: int) -> bool:
         """Whether the step at this batch size runs ``layer_end_qkv``."""
         return self.qkv_wait and batch <= self.qkv_wait_max_batch
+
+    def router_in_norm_at(self, batch: int) -> bool:
+        """Whether the step at this batch size runs `add_rms_norm_router`."""
+        if self.router_in_norm is None:
+            return self.moe == "routed" and batch == 1
+        return self.router_in_norm
 
     def norm_in_qkv_at(self, batch: int, quant: bool) -> bool:
         """Whether the step at this batch size (NVFP4 weights or not) runs ``norm_qkv``."""
@@ -168,14 +183,17 @@ def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None, sum_splits=T
     return layers.matmul_t(x, lin.weight[...]).astype(out_dtype)
 
 
-def _silu_mul(mlp, x, interpret, method=None):
-    """bf16(silu(g) * u) in fp32 from g = bf16(x Wg^T), u = bf16(x Wu^T) (the model's rule)."""
+def _silu_mul(mlp, x, interpret, method=None, bf16_pallas=False):
+    """bf16(silu(g) * u) in fp32 from g = bf16(x Wg^T), u = bf16(x Wu^T) (the model's rule);
+    BF16 weights: XLA's dots, or with ``bf16_pallas`` the `gemv_silu_mul` kernel."""
     g, u = mlp.gate_proj, mlp.up_proj
     if g.quant:
         return nvfp4_gemv_silu_mul(
             x, (g.qweight[...], g.weight_scale[...], g.weight_scale_2[...]),
             (u.qweight[...], u.weight_scale[...], u.weight_scale_2[...]), method=method,
             interpret=interpret)
+    if bf16_pallas:
+        return gemv_silu_mul(x, g.weight[...], u.weight[...], interpret=interpret)
     return layers.silu_mul(layers.matmul_t(x, g.weight[...]).astype(x.dtype),
                            layers.matmul_t(x, u.weight[...]).astype(x.dtype))
 
@@ -322,7 +340,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     ring_k, ring_v = kc, vc
                 else:
                     full_k, full_v = kc, vc
-                router_in_norm = opts.router_in_norm and cfg.is_moe(i)
+                router_in_norm = opts.router_in_norm_at(b) and cfg.is_moe(i)
                 # add_rms_norm (or add_rms_norm_router) sums the o_proj's split-K partials
                 a = _linear(attn.o_proj, o.reshape(b, h_ * hd), interpret, method=nv_method,
                             sum_splits=False)
@@ -347,8 +365,11 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                              router_logits, moe_kw)
                 else:
                     # partials only for add_rms_norm (norm_qkv / layer_end_qkv take [M, D])
-                    y = _linear(mlp.down_proj, _silu_mul(mlp, x, interpret, nv_method), interpret,
-                                method=nv_method, sum_splits=fold and not last)
+                    bf16_pallas = (b == 1 if opts.bf16_dense_pallas is None
+                                   else opts.bf16_dense_pallas)
+                    hid = _silu_mul(mlp, x, interpret, nv_method, bf16_pallas)
+                    y = _linear(mlp.down_proj, hid, interpret, method=nv_method,
+                                sum_splits=fold and not last)
                     if fold and not last:
                         pending = (y, None)
                     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 F32 = jnp.float32
 
@@ -22,9 +23,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (weight.astype(F32) * normed).astype(x.dtype)
 
 
+def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """[head_dim // 2] f32 theta^(-2i/head_dim), computed in float64 on the host and rounded
+    once: a constant of every jitted step (an XLA kernel per step otherwise), and the same
+    values in the XLA and the Pallas paths."""
+    i = np.arange(0, head_dim, 2, dtype=np.float64)
+    return (float(theta) ** (-i / head_dim)).astype(np.float32)
+
+
 def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos, sin of NeoX RoPE in fp32. positions: int [...]. Returns two [..., head_dim // 2] f32."""
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=F32) / head_dim)
+    inv_freq = jnp.asarray(rope_inv_freq(head_dim, theta))
     angles = positions.astype(F32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 

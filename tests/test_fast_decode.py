@@ -69,9 +69,21 @@ def test_norm_in_qkv_default_is_bf16_batch_one():
     assert not DecodeOptions(qkv_wait=True).norm_in_qkv_at(1, quant=False)
 
 
-def test_default_step_batch_one_equals_xla():
-    """One BF16 row: the default step takes the norm_qkv route, and equals XLA."""
-    assert_generate_equal("bf16", 6, None, [list(range(20, 90))], 5)
+def test_router_in_norm_default_is_batch_one():
+    """The measured choice (run 34): add + norm + router GEMV in one kernel at batch 1 only."""
+    opts = DecodeOptions()
+    assert opts.router_in_norm_at(1) and not opts.router_in_norm_at(2)
+    assert not DecodeOptions(moe="slots").router_in_norm_at(1)
+    assert DecodeOptions(router_in_norm=True).router_in_norm_at(8)
+    assert not DecodeOptions(router_in_norm=False).router_in_norm_at(1)
+
+
+@pytest.mark.parametrize("bf16_dense_pallas", [None, False])
+def test_default_step_batch_one_equals_xla(bf16_dense_pallas):
+    """One BF16 row: the default step takes the norm_qkv and router_in_norm routes (and the
+    Pallas dense gate|up, or XLA's), and equals XLA."""
+    opts = DecodeOptions(bf16_dense_pallas=bf16_dense_pallas)
+    assert_generate_equal("bf16", 6, opts, [list(range(20, 90))], 5)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

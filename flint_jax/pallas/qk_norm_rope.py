@@ -32,14 +32,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flint_jax import layers
 from flint_jax.pallas import _common as C
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_reference", "rope_inv_freq"]
 
 
 def rope_inv_freq(head_dim: int, theta: float):
-  """[Dh/2] f32 theta^(-2i/Dh) (same expression as flint_jax.layers.rope_angles)."""
-  return theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  """[Dh/2] f32 theta^(-2i/Dh): ``flint_jax.layers.rope_inv_freq``'s host constant (the values
+  the XLA path uses; no XLA kernel per step)."""
+  return jnp.asarray(layers.rope_inv_freq(head_dim, theta))
 
 
 def _norm_rope_rows(ref, b, n, np_, half, w1, w2, eps, rope, cos, sin, offset=0):

@@ -41,8 +41,9 @@ decode; default at M = 2 below 16384 output rows) or ``dot`` / ``swap`` on the t
 (default ``dot`` otherwise; see ``default_method``). Measured on the H200 (docs/kernels.md):
 M = 1 is 1.7-2.2x faster than XLA's dequantize + GEMV (q_proj 9.9 vs 16.7 us, dense gate|up
 19.4 vs 42.2 us); M = 8 is at parity on the 2048-row layers and 2.2x faster on large N, but far
-from the bandwidth floor: the decoded operand of a Triton ``dot`` round-trips through shared
-memory.
+from the bandwidth floor. (The decoded operand does *not* go through shared memory: Triton
+decodes straight into the ``mma.sync`` operand registers, per the SASS (``tools/triton_sass.py``);
+the M = 8 tile is latency-bound inside each warp, docs/kernels.md "Session 7".)
 
 Shapes / dtypes: x [M, K] bf16, M <= 16, K % 64 == 0; returns [M, N] ``out_dtype`` (bf16 default,
 f32 for a logits head).
@@ -259,7 +260,7 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
 
 def default_method(m: int, n: int = 0) -> str:
   """``reduce`` at M = 1 (CUDA-core multiply + row sum: 1.5-2.2x faster than the tensor-core
-  tile, whose decoded operand round-trips through shared memory); ``rows`` (the same per row) at
+  tile, which wastes 15 of its 16 MMA rows and needs large tiles per program); ``rows`` (the same per row) at
   M = 2 for N < 16384 rows (H200, run 30: o_proj 8.2 against 16.8 us, dense down 14.7 against
   21.3, dense gate|up 25.6 against 39.8; at M = 4 it wins only for the o_proj, and the LM head
   keeps ``dot``: 190 against 215 us at M = 2); ``dot`` otherwise."""

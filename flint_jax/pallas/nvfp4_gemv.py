@@ -260,10 +260,10 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
 
 def default_method(m: int, n: int = 0) -> str:
   """``reduce`` at M = 1 (CUDA-core multiply + row sum: 1.5-2.2x faster than the tensor-core
-  tile, which wastes 15 of its 16 MMA rows and needs large tiles per program); ``rows`` (the same per row) at
-  M = 2 for N < 16384 rows (H200, run 30: o_proj 8.2 against 16.8 us, dense down 14.7 against
-  21.3, dense gate|up 25.6 against 39.8; at M = 4 it wins only for the o_proj, and the LM head
-  keeps ``dot``: 190 against 215 us at M = 2); ``dot`` otherwise."""
+  tile, which wastes 15 of its 16 MMA rows and needs large tiles per program); ``rows`` (the
+  same per row) at M = 2 for N < 16384 rows (H200, run 30: o_proj 8.2 against 16.8 us, dense
+  down 14.7 against 21.3, dense gate|up 25.6 against 39.8; at M = 4 it wins only for the o_proj,
+  and the LM head keeps ``dot``: 190 against 215 us at M = 2); ``dot`` otherwise."""
   if m == 1:
     return "reduce"
   return "rows" if m == 2 and n < 16384 else "dot"

@@ -118,6 +118,10 @@ class DecodeOptions:
             return self.moe == "routed" and batch == 1
         return self.router_in_norm
 
+    def bf16_dense_pallas_at(self, batch: int) -> bool:
+        """Whether the step at this batch size runs the BF16 dense gate|up on `gemv_silu_mul`."""
+        return batch == 1 if self.bf16_dense_pallas is None else self.bf16_dense_pallas
+
     def norm_in_qkv_at(self, batch: int, quant: bool) -> bool:
         """Whether the step at this batch size (NVFP4 weights or not) runs ``norm_qkv``."""
         if self.qkv_wait_at(batch):
@@ -285,10 +289,10 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # qkv_wait: one zeroed (ticket, ready) counter pair per layer for every step.
         quant = layers[0].self_attn.q_proj.quant
         wait, fold = opts.qkv_wait_at(b), opts.fold_layer_end(b, quant)
-        # NVFP4 GEMVs only (the MoE's method applies to NVFP4 experts only, see _moe_method)
-        nv_method = "rows" if (opts.nvfp4_rows and b > 1) else None
-        if b == 1:
-            nv_method = opts.nvfp4_m1_method
+        # tile method of the NVFP4 GEMVs (the BF16 ones ignore it); the MoE gets it below, for
+        # NVFP4 experts only
+        nv_method = opts.nvfp4_m1_method if b == 1 else ("rows" if opts.nvfp4_rows else None)
+        bf16_dense_pallas = opts.bf16_dense_pallas_at(b)
         moe_kw = dict(slot_rows=opts.moe_slot_rows if b > 1 else None)
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
@@ -364,10 +368,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
                                              router_logits, moe_kw)
                 else:
+                    hid = _silu_mul(mlp, x, interpret, nv_method, bf16_dense_pallas)
                     # partials only for add_rms_norm (norm_qkv / layer_end_qkv take [M, D])
-                    bf16_pallas = (b == 1 if opts.bf16_dense_pallas is None
-                                   else opts.bf16_dense_pallas)
-                    hid = _silu_mul(mlp, x, interpret, nv_method, bf16_pallas)
                     y = _linear(mlp.down_proj, hid, interpret, method=nv_method,
                                 sum_splits=fold and not last)
                     if fold and not last:

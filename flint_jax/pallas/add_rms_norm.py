@@ -98,14 +98,28 @@ def check_parts(h, y):
           f"{y.shape=} {y.dtype=}")
 
 
-def check_add(h, y, w):
-  _check(h, w, "h")
+def check_y(h, y, name="y"):
+  """The projection output added to h: [M, D] in h's dtype, or fp32 split-K partials."""
   if y.ndim == 3:
     check_parts(h, y)
   else:
     C.check(y.shape == h.shape and y.dtype == h.dtype,
-            f"y must match h (or be float32 [S, M, D] partials), got {y.shape=} {y.dtype=} vs "
-            f"{h.shape=} {h.dtype=}")
+            f"{name} must match h (or be float32 [S, M, D] split-K partials), got "
+            f"{y.shape=} {y.dtype=} vs {h.shape=} {h.dtype=}")
+
+
+def round_trip(v32, dtype):
+  """f32(dtype(v32)) that XLA cannot elide (reduce_precision; exact for bf16 / f16): under jit
+  XLA may otherwise drop an f32 -> bf16 -> f32 round trip (``xla_allow_excess_precision``)."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return v32
+  fi = jnp.finfo(dtype)
+  return jax.lax.reduce_precision(v32, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+
+def sum_parts_reference(y, dtype):
+  """Plain jnp: split-K partials [S, M, D] summed in fp32 and rounded to ``dtype`` (forced)."""
+  return round_trip(jnp.sum(y, axis=0), dtype).astype(dtype)
 
 
 def _num_warps(dp: int) -> int:
@@ -118,7 +132,8 @@ def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None,
                  interpret: bool = False):
   """(s, out) = (h + y, RMSNorm(h + y) * w); h [M, D], w [D]; y [M, D] (h's dtype) or fp32
   split-K partials [S, M, D], summed in the kernel (module docstring)."""
-  check_add(h, y, w)
+  _check(h, w, "h")
+  check_y(h, y)
   m, d = h.shape
   dp = C.next_pow2(d)
   parts = f"_splits{y.shape[0]}" if y.ndim == 3 else ""
@@ -142,10 +157,8 @@ def add_rms_norm_reference(h, y, w, *, eps: float = 1e-6, **unused_tuning):
 
 @functools.partial(jax.jit, static_argnames=("eps",))
 def _add_rms_norm_reference(h, y, w, *, eps):
-  if y.ndim == 3:   # reduce_precision: under jit XLA may elide an f32 -> bf16 -> f32 round trip
-    fi = jnp.finfo(h.dtype)
-    y = jax.lax.reduce_precision(jnp.sum(y, axis=0), exponent_bits=fi.nexp,
-                                 mantissa_bits=fi.nmant).astype(h.dtype)
+  if y.ndim == 3:
+    y = sum_parts_reference(y, h.dtype)
   s = h + y
   return s, _rms_norm_reference(s, w, eps=eps)
 

@@ -129,12 +129,7 @@ def _check(h, a, w_norm, router_w):
   C.check(h.ndim == 2, f"h must be [M, D], got {h.shape=}")
   m, d = h.shape
   C.check(1 <= m <= MAX_ROWS, f"add_rms_norm_router handles 1..{MAX_ROWS} rows, got M={m}")
-  if a.ndim == 3:
-    ARN.check_parts(h, a)
-  else:
-    C.check(a.shape == h.shape and a.dtype == h.dtype,
-            f"a must match h (or be float32 [S, M, D] split-K partials), got {a.shape=} "
-            f"{a.dtype=} vs {h.shape=} {h.dtype=}")
+  ARN.check_y(h, a, "a")
   C.check(w_norm.shape == (d,), f"w_norm must be [D={d}], got {w_norm.shape=}")
   C.check(router_w.ndim == 2 and router_w.shape[1] == d,
           f"router_w must be [E, D={d}], got {router_w.shape=}")
@@ -200,22 +195,14 @@ def add_rms_norm_router_reference(h, a, w_norm, router_w, *, eps: float = 1e-6,
   return _add_rms_norm_router_reference(h, a, w_norm, router_w, eps=eps)
 
 
-def _round_trip(v32, dtype):
-  """f32(dtype(v32)) that XLA cannot elide (reduce_precision; exact for bf16 / f16)."""
-  if jnp.dtype(dtype) == jnp.float32:
-    return v32
-  fi = jnp.finfo(dtype)
-  return lax.reduce_precision(v32, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
-
-
 @functools.partial(jax.jit, static_argnames=("eps",))
 def _add_rms_norm_router_reference(h, a, w_norm, router_w, *, eps):
   dt = h.dtype
   if a.ndim == 3:   # split-K partials: the projection's sum and output rounding first
-    a = _round_trip(jnp.sum(a, axis=0), dt).astype(dt)
-  s32 = _round_trip(h.astype(jnp.float32) + a.astype(jnp.float32), dt)
+    a = ARN.sum_parts_reference(a, dt)
+  s32 = ARN.round_trip(h.astype(jnp.float32) + a.astype(jnp.float32), dt)
   ms = jnp.mean(s32 * s32, axis=-1, keepdims=True)
-  x32 = _round_trip(w_norm.astype(jnp.float32) * (s32 * lax.rsqrt(ms + eps)), dt)
+  x32 = ARN.round_trip(w_norm.astype(jnp.float32) * (s32 * lax.rsqrt(ms + eps)), dt)
   return s32.astype(dt), x32.astype(dt), MOE.moe_router_logits(x32, router_w)
 
 

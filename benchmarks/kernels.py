@@ -777,6 +777,22 @@ def nqtune_cases(variants):
              sets, bytes_)
 
 
+def nqlanes_cases(variants):
+  """NVFP4, M = 1: ``norm_qkv`` on ``lanes`` tiles (session 8; ``multi_gemv``'s M = 1 default
+  since session 7) against the default pair (``moe_combine_add_rms_norm`` + ``multi_gemv`` on
+  lanes) and ``norm_qkv`` on ``reduce`` (its tiles until session 8). The reference first."""
+  if variants:
+    return
+  sets, bytes_, lbl, base = _layer_end_cases("nqlanes", "nvfp4", 1)
+  yield from base
+  for kw in (dict(), dict(method="reduce"), dict(block_k=1024), dict(num_warps=4),
+             dict(block_n=32, num_warps=16)):
+    name = " ".join(f"{k}={v}" for k, v in kw.items()) or "default (lanes)"
+    yield (f"nqlanes/nvfp4/{name.replace(' ', '_')}", "nqlanes", lbl, f"norm_qkv {name}",
+           lambda h, y, tl, w, ws, kw=kw: NQ.norm_qkv(h, ws, w, y=y, top_logits=tl, **kw),
+           sets, bytes_)
+
+
 def _used_rows(fn, top_k=6):
   """fn's (y, route) with y cut to the rows every ``slot_rows`` mode defines (y[t*k+j, t] and the
   shared expert's), so the rel_l2 check compares like with like."""
@@ -982,7 +998,8 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
           "nqtune": nqtune_cases, "slotrows": slotrows_cases, "rows": rows_cases,
-          "rows2": rows2_cases, "lanes": lanes_cases, "arnr": arnr_cases}
+          "rows2": rows2_cases, "lanes": lanes_cases, "arnr": arnr_cases,
+          "nqlanes": nqlanes_cases}
 
 
 # ------------------------------------------------------------------------------------------

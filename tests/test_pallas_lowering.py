@@ -319,3 +319,15 @@ def test_norm_qkv_methods_lower(fmt, m, method, layout):
                                         layout=layout)
   text = lower(fn, S((m, D), BF), ws, S((D,), BF), S((m * 4 + 1, m, D), BF), S((m, 4), F32))
   assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_mosaic_gemv_lowers(pdl):
+  """The Mosaic GPU GEMV lowers for an H200; with pdl=True its module asks for a PDL launch."""
+  from flint_jax.pallas.mosaic_gemv import mosaic_gemv
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    text = lower_for_h200(functools.partial(mosaic_gemv, split_k=4, pdl=pdl),
+                          S((4096 // 64, 8, 64), BF), S((D, 4096), BF)).as_text()
+  assert "mosaic_gpu_v2" in text
+  assert ("mosaic_gpu.uses_pdl" in text) == pdl

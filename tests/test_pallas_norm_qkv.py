@@ -73,7 +73,10 @@ CASES = [
     ("bf16", "dense", 3, 256, 0, 0, QKV_SMALL, False, {}),
     ("bf16", "dense", 8, 192, 0, 0, (64, 32, 32, 16), False, dict(method="swap", block_d=64)),
     ("bf16", "norm", 1, 256, 0, 0, QKV_SMALL, False, dict(method="reduce")),
-    ("nvfp4", "moe", 1, 256, 20, 6, QKV_SMALL, True, {}),                         # reduce
+    ("bf16", "dense", 1, 128, 0, 0, (64, 32), False, dict(method="lanes", block_k=64)),
+    ("nvfp4", "moe", 1, 256, 20, 6, QKV_SMALL, True, {}),                         # lanes
+    ("nvfp4", "moe", 1, 128, 16, 6, (64, 32), False, dict(method="reduce", block_k=64)),
+    ("nvfp4", "norm", 1, 256, 0, 0, QKV_SMALL, False, dict(block_k=128, block_d=64)),  # lanes
     ("nvfp4", "moe", 3, 256, 16, 3, QKV_SMALL, False, dict(block_d=256)),         # dot
     ("nvfp4", "moe", 8, 128, 16, 2, (64, 32), True, dict(layout="chunk", block_k=64)),
     ("nvfp4", "dense", 1, 128, 0, 0, (64, 32), False, dict(method="swap", block_d=32)),

@@ -103,8 +103,8 @@ def default_multi_gemv_blocks(ns, k: int, *, m: int = 1, fmt: str = "bf16",
 
 def resolve_method(fmt: str, m: int, method, layout: str, decode: str, interpret: bool,
                    allowed=C.METHODS):
-  """(tile method, NVFP4 decode) after defaults and checks, shared with ``norm_qkv`` (which
-  has no ``lanes`` accumulator: ``allowed``)."""
+  """(tile method, NVFP4 decode) after defaults and checks, shared with ``norm_qkv``
+  (``allowed``: the tile methods the calling kernel implements)."""
   if fmt == "bf16":
     method = method or G.default_method(m)
   else:

@@ -80,13 +80,32 @@ MODES = ("moe", "dense", "norm")
 # In-kernel pieces
 
 
-def _nvfp4_tile_dot_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layout, method):
-  """``nvfp4_gemv.nvfp4_tile_dot`` with the x tiles from ``xfn(col_index)`` instead of a ref.
+def _nvfp4_tile_dot_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layout, method,
+                      acc):
+  """``nvfp4_gemv.nvfp4_tile_dot`` with the x tiles from ``xfn(col_index)`` instead of a ref;
+  returns ``acc`` plus this K step's partial.
 
   ``xfn(cidx, nd)`` returns x at the trailing indices ``cidx`` (nd result dims) of the
   [.., D/64, 2, 2, 16] view, for the one row (M == 1: no row dim) or the mp padded rows (leading
-  [Mp] dim). Same decode, tile
-  dots and summation order as ``nvfp4_tile_dot``, so the same fp32 partials for the same x."""
+  [Mp] dim). Same decode, tile dots, ``lanes`` FFMAs and summation order as ``nvfp4_tile_dot``,
+  so the same fp32 partials for the same x."""
+  if method == "lanes":   # M == 1, tile layout: two FFMAs per code byte, as nvfp4_tile_dot
+    C.check(m == 1 and layout == "tile", "method='lanes' needs M == 1 and layout='tile'")
+    ds, blk = slice(None), pl.ds(b0, nb)
+    q = q_ref[pl.ds(n0, bn), blk, ds, ds]                                # [BN, nb, 2, 16]
+    s_lo = s_ref[pl.ds(n0, bn), blk, 0, ds].astype(jnp.float32)[..., None]
+    s_hi = s_ref[pl.ds(n0, bn), blk, 1, ds].astype(jnp.float32)[..., None]
+    w_lo, w_hi = NV._decode_pair(q, s_lo, s_hi, decode)  # pylint: disable=protected-access
+    for half, w in ((0, w_lo), (1, w_hi)):
+      x = xfn((blk, half, ds, ds), 3).astype(jnp.float32)                  # [nb, 2, 16]
+      acc = acc + w.astype(jnp.float32) * x[None]
+    return acc
+  return acc + _nvfp4_part_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, decode=decode,
+                             layout=layout, method=method)
+
+
+def _nvfp4_part_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layout, method):
+  """This K step's fp32 partial for the dot / swap / reduce / rows tiles."""
   ds = slice(None)
   nrow = pl.ds(n0, bn)
   one = m == 1
@@ -217,10 +236,11 @@ def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, 
       def body(j, acc):
         k0 = pl.multiple_of(j * bk, bk)
         xt = x_chunk(r["h"], r.get("y"), r["w"], (pl.ds(k0, bk),), 1, inv)
-        if one and method != "reduce":
+        if one and method not in C.CUDA_CORE_M1:
           xt = jnp.broadcast_to(xt[None, :], (mp, bk))
         w = w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]                         # [BN, BK]
         return acc + C.mm_tile(xt, w, method)
+      lanes = (bk,)
     else:
       q_ref, s_ref = r[f"q{i}"], r[f"sc{i}"]
       nb = bk // 64
@@ -230,10 +250,12 @@ def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, 
 
       def body(j, acc):
         b0 = pl.multiple_of(j * nb, nb)
-        return acc + _nvfp4_tile_dot_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb,
-                                       decode=decode, layout=layout, method=method)
+        return _nvfp4_tile_dot_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, decode=decode,
+                                 layout=layout, method=method, acc=acc)
+      lanes = NV.lanes_shape(bk)
 
-    acc = lax.fori_loop(0, d // bk, body, jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32))
+    acc = lax.fori_loop(0, d // bk, body, C.acc_zeros(mp, bn, method, lanes))
+    acc = C.finish_acc(acc, method)
     if fmt == "nvfp4":
       acc = acc * (r[f"s2_{i}"][0] * NV.decode_factor(decode))
     C.store_tile(o_refs[i], (), acc, n0, bn, m, mp, method)
@@ -326,8 +348,7 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   fmt = MG._format(weights)  # pylint: disable=protected-access
   m, d = h.shape
   ns = tuple(MG._n_rows(w, fmt) for w in weights)  # pylint: disable=protected-access
-  method, decode = MG.resolve_method(fmt, m, method, layout, decode, interpret,
-                                     allowed=C.NO_LANES)
+  method, decode = MG.resolve_method(fmt, m, method, layout, decode, interpret)
   dbn, dbk, dwarps = MG.default_multi_gemv_blocks(ns, d, m=m, fmt=fmt, method=method)
   block_n, block_k = block_n or dbn, block_k or dbk
   block_d = block_d or default_block_d(d, m, block_k)

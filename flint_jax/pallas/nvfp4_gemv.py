@@ -434,8 +434,8 @@ def _nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, *, out_dtype
   return (y * s2).astype(out_dtype)
 
 
-def _nvfp4_silu_mul_kernel(x_ref, qg_ref, sg_ref, qu_ref, su_ref, s2_ref, o_ref, *, m, mp, bn,
-                           nb, n_iter, decode, layout, method):
+def _nvfp4_silu_mul_kernel(x_ref, qg_ref, sg_ref, qu_ref, su_ref, s2g_ref, s2u_ref, o_ref, *, m,
+                           mp, bn, nb, n_iter, decode, layout, method):
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
 
   def body(i, carry):
@@ -450,7 +450,7 @@ def _nvfp4_silu_mul_kernel(x_ref, qg_ref, sg_ref, qu_ref, su_ref, s2_ref, o_ref,
   acc_g, acc_u = lax.fori_loop(0, n_iter, body, (z, z))
   acc_g, acc_u = C.finish_acc(acc_g, method), C.finish_acc(acc_u, method)
   f = decode_factor(decode)
-  h = C.silu_mul_f32(acc_g * (s2_ref[0] * f), acc_u * (s2_ref[1] * f))
+  h = C.silu_mul_f32(acc_g * (s2g_ref[0] * f), acc_u * (s2u_ref[0] * f))
   C.store_tile(o_ref, (), h, n0, bn, m, mp, method)
 
 
@@ -478,15 +478,17 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   nb = block_k // 64
   qg, sg = nvfp4_views(gate.qweight, gate.weight_scale)
   qu, su = nvfp4_views(up.qweight, up.weight_scale)
-  s2 = jnp.stack([jnp.asarray(gate.weight_scale_2, jnp.float32).reshape(()),
-                  jnp.asarray(up.weight_scale_2, jnp.float32).reshape(())])
+  # the two tensor scales as separate [1] inputs (free reshapes): a jnp.stack would be one
+  # more XLA launch per call
+  s2g = jnp.asarray(gate.weight_scale_2, jnp.float32).reshape(1)
+  s2u = jnp.asarray(up.weight_scale_2, jnp.float32).reshape(1)
   kernel = functools.partial(_nvfp4_silu_mul_kernel, m=m, mp=mp, bn=block_n, nb=nb,
                              n_iter=k // block_k, decode=decode, layout=layout, method=method)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(n // block_n,),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_nvfp4_silu_mul_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}",
-  )(x_view(x), qg, sg, qu, su, s2)
+  )(x_view(x), qg, sg, qu, su, s2g, s2u)
 
 
 def nvfp4_gemv_silu_mul_reference(x, gate, up, **unused_tuning):

@@ -118,12 +118,29 @@ def time_chain(fn, ws, y0, windows: int = 5, calls: int = 20):
   return statistics.median(per), out
 
 
+def kernel_gaps(fn, ws, y0, trace_dir):
+  """Traces one call; -> (median, min) gap in us between consecutive kernels on the stream
+  (start of one minus end of the previous: negative = the next kernel started before the
+  previous one ended, i.e. a programmatic dependent launch overlapped them). Profiling turns
+  XLA's command buffers off, so this shows stream launches."""
+  import kernels as KB  # benchmarks/kernels.py: the perfetto trace parser
+  fn(ws, y0).block_until_ready()
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    fn(ws, y0).block_until_ready()
+  _, evs = KB.parse_trace(trace_dir)
+  evs = sorted(evs)
+  gaps = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:])]
+  return (statistics.median(gaps), min(gaps), len(evs)) if gaps else (None, None, len(evs))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default=None, help="directory for probe.jsonl")
   p.add_argument("--sizes", default="2048,4096", help="N (= K) of the square GEMVs")
   p.add_argument("--layers", type=int, default=32)
   p.add_argument("--variants", default="xla,triton,mosaic,mosaic_pdl,mosaic_pdl_notrig")
+  p.add_argument("--trace", action="store_true",
+                 help="also trace one call per variant and report the gaps between kernels")
   p.add_argument("--configs", default="4:4,4:8,2:8",
                  help="mosaic split_k:stages pairs, comma separated")
   a = p.parse_args(argv)
@@ -154,6 +171,10 @@ def main(argv=None):
                  else None)
           row = dict(n=n, variant=variant, split_k=sk, stages=st, layers=a.layers,
                      us_per_layer=sec / a.layers * 1e6, floor_us=floor_us, rel_err=err)
+          if a.trace:
+            tdir = os.path.join(a.out or "/tmp", f"trace_{n}_{variant}_{sk}_{st}")
+            med, low, nk = kernel_gaps(fn, ws, y_in, tdir)
+            row.update(gap_median_us=med, gap_min_us=low, kernels=nk)
         except Exception as e:  # report and go on: one failing variant must not hide the rest
           row = dict(n=n, variant=variant, split_k=sk, stages=st, error=repr(e)[:400])
         rows.append(row)

@@ -22,7 +22,6 @@ weight bytes, and the relative error of the chain's output against the ``xla`` v
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -37,7 +36,6 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-from flint_jax.pallas import gemv as _gemv_pkg  # noqa: E402,F401
 import importlib  # noqa: E402
 
 GEMV = importlib.import_module("flint_jax.pallas.gemv")

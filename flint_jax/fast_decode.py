@@ -56,9 +56,11 @@ class DecodeOptions:
       output, residual add, the next layer's input RMSNorm) computed inside the next layer's
       q|k|v kernel (`norm_qkv`): one launch less per layer. None (default) = the measured
       choice: on for BF16 weights at batch 1 only. On the H200 it is 0.05-0.1 ms faster there
-      (runs 13, 20, 22; kernel 10.2 against 12.2 us for the pair it replaces), 0.05-0.15 ms
-      slower for NVFP4 at batch 1, and much slower at batch 8, where every program repeats a
-      larger prologue (perf log 9, 22). True / False force it.
+      (runs 13, 20, 22; kernel 10.2 against 12.2 us for the pair it replaces), slower for
+      NVFP4 at batch 1 even on the lanes tiles (run 38: 2.594 against 2.458 ms in-loop, 350
+      against 397 kernels; 10.2 us per layer against 3.1 + 6.1 for the pair), and much slower
+      at batch 8, where every program repeats a larger prologue (perf log 9, 22, 35). True /
+      False force it.
     attention: "fused" (default) = `qk_norm_rope_attention`: the Q/K norm, RoPE and cache
       write inside the split-KV kernel, then the merge kernel (2 launches; H200: ring layer
       6.3 us against 4.1 + 3.5 for the two kernels it replaces); "split" = `qk_norm_rope` then

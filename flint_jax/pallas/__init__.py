@@ -20,6 +20,8 @@ numerical contract of the kernel and the XLA fallback):
 | ``add_rms_norm`` | ``add_rms_norm``, ``rms_norm`` |
 | ``add_rms_norm_router`` | ``add_rms_norm_router``: residual add + RMSNorm + fp32 router GEMV; |
 | | ``moe_block_from_attention``: attention output -> next block's input, 4 launches |
+| ``mosaic_gemv`` | ``mosaic_gemv``: bf16 GEMV on Mosaic GPU (TMA + wgmma) with an optional |
+| | programmatic-dependent-launch wait; a probe, not used by the decode step (docs/kernels.md) |
 
 Every wrapper is jitted with its tuning knobs static and takes ``interpret=True`` to run on CPU.
 Measurements and the tuning log live in ``docs/kernels.md``.

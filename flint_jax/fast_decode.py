@@ -1,7 +1,8 @@
 """The Pallas decode step: one token per row (batch <= 16) through the fused kernels.
 
 Per layer (default `DecodeOptions`): one q|k|v GEMV kernel -> split-KV sink attention with the
-Q/K-norm + RoPE + cache write inside it -> merge -> o_proj GEMV -> fused residual add + RMSNorm
+Q/K-norm + RoPE + cache write inside it -> merge (at batch 1 by the last split program of each KV
+head, no merge kernel) -> o_proj GEMV -> fused residual add + RMSNorm
 (at batch 1 with the router GEMV in the same kernel) -> MoE: the router dot (XLA, batch > 1), the
 gate_up kernel (picks each slot's expert from the router logits, stores the route) and the down
 kernel (shared expert included), one kernel combining the experts with the residual add + next
@@ -61,12 +62,15 @@ class DecodeOptions:
       against 397 kernels; 10.2 us per layer against 3.1 + 6.1 for the pair), and much slower
       at batch 8, where every program repeats a larger prologue (perf log 9, 22, 35). True /
       False force it.
-    attention: "fused" (default) = `qk_norm_rope_attention`: the Q/K norm, RoPE and cache
-      write inside the split-KV kernel, then the merge kernel (2 launches; H200: ring layer
-      6.3 us against 4.1 + 3.5 for the two kernels it replaces); "split" = `qk_norm_rope` then
-      `decode_attention` (3 launches); "fused_atomic" = "fused" with the merge done by the last
-      program of each KV head (1 launch, one zeroed counter per step; measured no faster: its
-      merge tail costs about what the launch saved).
+    attention: "fused" = `qk_norm_rope_attention`: the Q/K norm, RoPE and cache write inside
+      the split-KV kernel, then the merge kernel (2 launches; H200: ring layer 6.3 us against
+      4.1 + 3.5 for the two kernels it replaces); "fused_atomic" = "fused" with the merge done
+      by the last program of each KV head (1 launch, one zeroed counter per step: its merge
+      tail costs about what the launch saves); "split" = `qk_norm_rope` then `decode_attention`
+      (3 launches). None (default) = "fused_atomic" at batch 1, "fused" above: at batch 1 / 1K
+      the same in-loop time with 48 kernels fewer (run 40: BF16 2.681 against 2.692 ms, 302
+      against 350 kernels; NVFP4 2.539 against 2.537, 349 against 397), at batch 8 no better
+      (BF16 6.413 against 6.353, NVFP4 9.539 against 9.562).
     qkv_wait: (with moe="routed" and fused_qkv; instead of norm_in_qkv) the end of each layer
       and the next layer's q|k|v in one `layer_end_qkv` kernel: one program per row computes
       the layer end once, the GEMV programs load their weights first and wait for it on a
@@ -99,7 +103,7 @@ class DecodeOptions:
     moe: str = "routed"
     router_in_norm: bool | None = None
     norm_in_qkv: bool | None = None
-    attention: str = "fused"
+    attention: str | None = None
     ring_splits: int | None = None
     qkv_wait: bool = False
     qkv_wait_max_batch: int = 1
@@ -109,6 +113,12 @@ class DecodeOptions:
     nvfp4_rows: bool = False
     nvfp4_m1_method: str | None = None
     bf16_dense_pallas: bool | None = None
+
+    def attention_at(self, batch: int) -> str:
+        """The attention variant the step at this batch size runs."""
+        if self.attention is None:
+            return "fused_atomic" if batch == 1 else "fused"
+        return self.attention
 
     def qkv_wait_at(self, batch: int) -> bool:
         """Whether the step at this batch size runs ``layer_end_qkv``."""
@@ -137,8 +147,8 @@ class DecodeOptions:
         return self.norm_in_qkv_at(batch, quant) or self.qkv_wait_at(batch)
 
     def __post_init__(self):
-        if self.attention not in ("split", "fused", "fused_atomic"):
-            raise ValueError("DecodeOptions.attention must be split|fused|fused_atomic, got "
+        if self.attention not in (None, "split", "fused", "fused_atomic"):
+            raise ValueError("DecodeOptions.attention must be None|split|fused|fused_atomic, got "
                              f"{self.attention!r}")
         if self.ring_splits is not None and (self.ring_splits < 1 or
                                              self.ring_splits & (self.ring_splits - 1)):
@@ -286,8 +296,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # and the normalised input itself.
         pending = (None, None)
         # One zeroed merge counter per step for every layer (attention="fused_atomic").
+        attention = opts.attention_at(b)
         counter = (jnp.zeros((len(layers), b, kvh), jnp.int32)
-                   if opts.attention == "fused_atomic" else None)
+                   if attention == "fused_atomic" else None)
         # qkv_wait: one zeroed (ticket, ready) counter pair per layer for every step.
         quant = layers[0].self_attn.q_proj.quant
         wait, fold = opts.qkv_wait_at(b), opts.fold_layer_end(b, quant)
@@ -324,7 +335,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)
                 window = cfg.sliding_window if sliding else None
                 splits = opts.ring_splits if sliding else None
-                if opts.attention == "split":
+                if attention == "split":
                     q, kc, vc = qk_norm_rope(
                         q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc,
                         j, rope=sliding, ring=sliding, theta=cfg.rope_theta, eps=eps,

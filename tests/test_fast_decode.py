@@ -78,6 +78,20 @@ def test_router_in_norm_default_is_batch_one():
     assert not DecodeOptions(router_in_norm=False).router_in_norm_at(1)
 
 
+def test_attention_default_is_atomic_at_batch_one():
+    """The measured choice (run 40): the merge in the last split program at batch 1 only."""
+    opts = DecodeOptions()
+    assert opts.attention_at(1) == "fused_atomic" and opts.attention_at(2) == "fused"
+    assert DecodeOptions(attention="fused").attention_at(1) == "fused"
+    assert DecodeOptions(attention="split").attention_at(8) == "split"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4"])
+def test_default_step_batch_one_nvfp4_equals_xla(fmt):
+    """One NVFP4 row on the default step (atomic merge, router in the norm kernel, lanes q|k|v)."""
+    assert_generate_equal(fmt, 9, DecodeOptions(), [list(range(30, 100))], 5)
+
+
 @pytest.mark.parametrize("bf16_dense_pallas", [None, False])
 def test_default_step_batch_one_equals_xla(bf16_dense_pallas):
     """One BF16 row: the default step takes the norm_qkv and router_in_norm routes (and the
@@ -131,7 +145,7 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(moe="xla", router_in_norm=True), "router_in_norm needs moe='routed'"),
     (dict(fused_qkv=False, norm_in_qkv=True), "norm_in_qkv needs"),
     (dict(moe="slots", norm_in_qkv=True), "norm_in_qkv needs"),
-    (dict(attention="flash"), "split|fused|fused_atomic"),
+    (dict(attention="flash"), "None|split|fused|fused_atomic"),
     (dict(ring_splits=3), "power of two"),
     (dict(qkv_wait=True, norm_in_qkv=True), "qkv_wait needs"),
     (dict(qkv_wait=True, moe="slots"), "qkv_wait needs"),

@@ -79,11 +79,14 @@ def test_router_in_norm_default_is_batch_one():
 
 
 def test_attention_default_is_atomic_at_batch_one():
-    """The measured choice (run 40): the merge in the last split program at batch 1 only."""
+    """The measured choice (runs 40-41): the merge in the last split program at batch 1, up to
+    16 splits."""
     opts = DecodeOptions()
-    assert opts.attention_at(1) == "fused_atomic" and opts.attention_at(2) == "fused"
-    assert DecodeOptions(attention="fused").attention_at(1) == "fused"
-    assert DecodeOptions(attention="split").attention_at(8) == "split"
+    assert opts.attention_at(1, 16) == "fused_atomic" and opts.attention_at(2, 16) == "fused"
+    assert opts.attention_at(1, 64) == "fused"
+    assert DecodeOptions(attention="fused").attention_at(1, 2) == "fused"
+    assert DecodeOptions(attention="fused_atomic").attention_at(8, 64) == "fused_atomic"
+    assert DecodeOptions(attention="split").attention_at(8, 4) == "split"
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4"])

@@ -1,8 +1,7 @@
 """The Pallas decode step: one token per row (batch <= 16) through the fused kernels.
 
 Per layer (default `DecodeOptions`): one q|k|v GEMV kernel -> split-KV sink attention with the
-Q/K-norm + RoPE + cache write inside it -> merge (at batch 1 by the last split program of each KV
-head, no merge kernel) -> o_proj GEMV -> fused residual add + RMSNorm
+Q/K-norm + RoPE + cache write inside it -> merge -> o_proj GEMV -> fused residual add + RMSNorm
 (at batch 1 with the router GEMV in the same kernel) -> MoE: the router dot (XLA, batch > 1), the
 gate_up kernel (picks each slot's expert from the router logits, stores the route) and the down
 kernel (shared expert included), one kernel combining the experts with the residual add + next
@@ -28,7 +27,6 @@ from flax import nnx
 from flint_jax.cache import KVCache
 from flint_jax.config import FlintConfig
 from flint_jax import layers
-from flint_jax.pallas.decode_attention import default_attention_blocks
 from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, decode_attention,
                               gemv_silu_mul, layer_end_qkv, moe_block, moe_combine_add_rms_norm,
                               moe_decode_routed, moe_router_logits, multi_gemv, norm_qkv,
@@ -36,12 +34,6 @@ from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, de
                               qk_norm_rope_attention, rms_norm)
 
 MAX_BATCH = 16
-
-
-# The default step merges the attention splits in the last split program (attention
-# "fused_atomic") up to this many splits: beyond, its serial merge tail outgrows the merge
-# kernel it replaces (docs/performance.md, perf log 36).
-ATOMIC_MERGE_MAX_SPLITS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,19 +61,15 @@ class DecodeOptions:
       against 397 kernels; 10.2 us per layer against 3.1 + 6.1 for the pair), and much slower
       at batch 8, where every program repeats a larger prologue (perf log 9, 22, 35). True /
       False force it.
-    attention: "fused" = `qk_norm_rope_attention`: the Q/K norm, RoPE and cache write inside
-      the split-KV kernel, then the merge kernel (2 launches; H200: ring layer 6.3 us against
-      4.1 + 3.5 for the two kernels it replaces); "fused_atomic" = "fused" with the merge done
-      by the last program of each KV head (1 launch, one zeroed counter per step: its merge
-      tail costs about what the launch saves); "split" = `qk_norm_rope` then `decode_attention`
-      (3 launches). None (default) = "fused_atomic" at batch 1 for the layers whose attention
-      runs in at most ``ATOMIC_MERGE_MAX_SPLITS`` splits (the sliding layers; the full layers
-      of caches up to 2K slots), "fused" elsewhere. H200: at batch 1 / 1K (16 splits
-      everywhere) the same in-loop time with 48 kernels fewer (run 40: BF16 2.681 against
-      2.692 ms, 302 against 350 kernels; NVFP4 2.539 against 2.537, 349 against 397); a
-      full layer's 64 splits make the last program's merge long (run 41, 8K: 17.1 us against
-      10.9 + 2.2 for kernel + merge; 100K: 61.8 against 54.7 + 2.7); at batch 8 no better
-      (run 40: BF16 6.413 against 6.353, NVFP4 9.539 against 9.562).
+    attention: "fused" (default) = `qk_norm_rope_attention`: the Q/K norm, RoPE and cache
+      write inside the split-KV kernel, then the merge kernel (2 launches; H200: ring layer
+      6.3 us against 4.1 + 3.5 for the two kernels it replaces); "split" = `qk_norm_rope` then
+      `decode_attention` (3 launches); "fused_atomic" = "fused" with the merge done by the last
+      program of each KV head (1 launch, one zeroed counter per step; measured no faster: its
+      merge tail costs about what the launch saves. H200, batch 1 / 1K, in-loop: BF16 2.681
+      against 2.692 ms in run 40, 2.685 against 2.615 in run 42, with 302 against 350
+      kernels; NVFP4 2.539 / 2.537 and 2.492 / 2.360 with 349 against 397; a full layer's 64
+      splits at 8K+ make its merge tail 4 us longer than the merge kernel, run 41).
     qkv_wait: (with moe="routed" and fused_qkv; instead of norm_in_qkv) the end of each layer
       and the next layer's q|k|v in one `layer_end_qkv` kernel: one program per row computes
       the layer end once, the GEMV programs load their weights first and wait for it on a
@@ -114,7 +102,7 @@ class DecodeOptions:
     moe: str = "routed"
     router_in_norm: bool | None = None
     norm_in_qkv: bool | None = None
-    attention: str | None = None
+    attention: str = "fused"
     ring_splits: int | None = None
     qkv_wait: bool = False
     qkv_wait_max_batch: int = 1
@@ -124,13 +112,6 @@ class DecodeOptions:
     nvfp4_rows: bool = False
     nvfp4_m1_method: str | None = None
     bf16_dense_pallas: bool | None = None
-
-    def attention_at(self, batch: int, num_splits: int) -> str:
-        """The attention variant of a layer whose attention runs in ``num_splits`` splits."""
-        if self.attention is None:
-            atomic = batch == 1 and num_splits <= ATOMIC_MERGE_MAX_SPLITS
-            return "fused_atomic" if atomic else "fused"
-        return self.attention
 
     def qkv_wait_at(self, batch: int) -> bool:
         """Whether the step at this batch size runs ``layer_end_qkv``."""
@@ -159,8 +140,8 @@ class DecodeOptions:
         return self.norm_in_qkv_at(batch, quant) or self.qkv_wait_at(batch)
 
     def __post_init__(self):
-        if self.attention not in (None, "split", "fused", "fused_atomic"):
-            raise ValueError("DecodeOptions.attention must be None|split|fused|fused_atomic, got "
+        if self.attention not in ("split", "fused", "fused_atomic"):
+            raise ValueError("DecodeOptions.attention must be split|fused|fused_atomic, got "
                              f"{self.attention!r}")
         if self.ring_splits is not None and (self.ring_splits < 1 or
                                              self.ring_splits & (self.ring_splits - 1)):
@@ -307,13 +288,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # the gate_up kernel stored) waits for the next q|k|v kernel, which forms the residual
         # and the normalised input itself.
         pending = (None, None)
-        # The attention variant per cache (sliding ring / full), from its split count; one
-        # zeroed merge counter per step for every layer when any runs "fused_atomic".
-        ring_ns = opts.ring_splits or default_attention_blocks(b, kvh, ring_k.shape[-2])[1]
-        full_ns = default_attention_blocks(b, kvh, full_k.shape[-2])[1]
-        attention_of = {True: opts.attention_at(b, ring_ns), False: opts.attention_at(b, full_ns)}
+        # One zeroed merge counter per step for every layer (attention="fused_atomic").
         counter = (jnp.zeros((len(layers), b, kvh), jnp.int32)
-                   if "fused_atomic" in attention_of.values() else None)
+                   if opts.attention == "fused_atomic" else None)
         # qkv_wait: one zeroed (ticket, ready) counter pair per layer for every step.
         quant = layers[0].self_attn.q_proj.quant
         wait, fold = opts.qkv_wait_at(b), opts.fold_layer_end(b, quant)
@@ -350,8 +327,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)
                 window = cfg.sliding_window if sliding else None
                 splits = opts.ring_splits if sliding else None
-                attention = attention_of[sliding]
-                if attention == "split":
+                if opts.attention == "split":
                     q, kc, vc = qk_norm_rope(
                         q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc,
                         j, rope=sliding, ring=sliding, theta=cfg.rope_theta, eps=eps,
@@ -360,14 +336,14 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                          window=window, num_splits=splits, interpret=interpret)
                 else:
                     atomic = dict(counter=counter, counter_layer=i, merge="atomic") if (
-                        attention == "fused_atomic") else dict(merge="kernel")
+                        counter is not None) else dict(merge="kernel")
                     res = qk_norm_rope_attention(
                         q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc,
                         attn.sinks[...], j, rope=sliding, ring=sliding, window=window,
                         theta=cfg.rope_theta, eps=eps, num_splits=splits, interpret=interpret,
                         **atomic)
                     o, kc, vc = res[:3]
-                    if attention == "fused_atomic":
+                    if counter is not None:
                         counter = res[3]
                 if sliding:
                     ring_k, ring_v = kc, vc

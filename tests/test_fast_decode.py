@@ -78,21 +78,9 @@ def test_router_in_norm_default_is_batch_one():
     assert not DecodeOptions(router_in_norm=False).router_in_norm_at(1)
 
 
-def test_attention_default_is_atomic_at_batch_one():
-    """The measured choice (runs 40-41): the merge in the last split program at batch 1, up to
-    16 splits."""
-    opts = DecodeOptions()
-    assert opts.attention_at(1, 16) == "fused_atomic" and opts.attention_at(2, 16) == "fused"
-    assert opts.attention_at(1, 64) == "fused"
-    assert DecodeOptions(attention="fused").attention_at(1, 2) == "fused"
-    assert DecodeOptions(attention="fused_atomic").attention_at(8, 64) == "fused_atomic"
-    assert DecodeOptions(attention="split").attention_at(8, 4) == "split"
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4"])
-def test_default_step_batch_one_nvfp4_equals_xla(fmt):
-    """One NVFP4 row on the default step (atomic merge, router in the norm kernel, lanes q|k|v)."""
-    assert_generate_equal(fmt, 9, DecodeOptions(), [list(range(30, 100))], 5)
+def test_default_step_batch_one_nvfp4_equals_xla():
+    """One NVFP4 row on the default step (router in the norm kernel, lanes q|k|v)."""
+    assert_generate_equal("nvfp4", 9, DecodeOptions(), [list(range(30, 100))], 5)
 
 
 @pytest.mark.parametrize("bf16_dense_pallas", [None, False])
@@ -148,7 +136,7 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(moe="xla", router_in_norm=True), "router_in_norm needs moe='routed'"),
     (dict(fused_qkv=False, norm_in_qkv=True), "norm_in_qkv needs"),
     (dict(moe="slots", norm_in_qkv=True), "norm_in_qkv needs"),
-    (dict(attention="flash"), "None|split|fused|fused_atomic"),
+    (dict(attention="flash"), "split|fused|fused_atomic"),
     (dict(ring_splits=3), "power of two"),
     (dict(qkv_wait=True, norm_in_qkv=True), "qkv_wait needs"),
     (dict(qkv_wait=True, moe="slots"), "qkv_wait needs"),

@@ -223,7 +223,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" tile method), "pallas_rin"
     (`router_in_norm` forced on: add + norm + router GEMV in one kernel; the default at batch 1
     only), "pallas_norin" (forced off), "pallas_xgu" (`bf16_dense_pallas=False`: the BF16 dense
-    gate|up on XLA at batch 1 too)."""
+    gate|up on XLA at batch 1 too), "pallas_gusk2" / "pallas_gusk4" (`moe_gate_up_split_k`: the
+    BF16 MoE gate_up kernel's K in 2 / 4 slices)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -245,7 +246,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "norin": DecodeOptions(router_in_norm=False),
                "xgu": DecodeOptions(bf16_dense_pallas=False),
                "lanes": DecodeOptions(nvfp4_m1_method="lanes"),
-               "reduce": DecodeOptions(nvfp4_m1_method="reduce")}[variant]
+               "reduce": DecodeOptions(nvfp4_m1_method="reduce"),
+               "gusk2": DecodeOptions(moe_gate_up_split_k=2),
+               "gusk4": DecodeOptions(moe_gate_up_split_k=4)}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

@@ -704,6 +704,27 @@ def route_cases(variants):
                  (x, ids, w, experts, shared) for x, (ids, w) in zip(xs, routes)], bytes_)
 
 
+def gusk_cases(variants):
+  """BF16 routed MoE (gate_up + down) with the gate_up kernel's K in 1 / 2 / 4 slices
+  (``gate_up_split_k``): at M = 1 its 64 programs leave half the H200's 132 SMs idle."""
+  if variants:
+    return
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  experts, shared = moe_weights("bf16")
+  for m in (1, 2):
+    xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
+    lbl = f"bf16 M={m}"
+    sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
+    yield (f"gusk/bf16/M{m}/xla", "gusk", lbl, "xla",
+           jax.jit(lambda x, lg, ex, sh: MOE.moe_decode_routed_reference(x, lg, ex, sh)[0]),
+           sets, bytes_)
+    for sk in (1, 2, 4):
+      yield (f"gusk/bf16/M{m}/sk{sk}", "gusk", lbl, f"routed gate_up_split_k={sk}",
+             lambda x, lg, ex, sh, sk=sk: MOE.moe_decode_routed(x, lg, ex, sh,
+                                                                gate_up_split_k=sk)[0],
+             sets, bytes_)
+
+
 LEQ = importlib.import_module("flint_jax.pallas.layer_end_qkv")
 NQ = importlib.import_module("flint_jax.pallas.norm_qkv")
 
@@ -999,7 +1020,7 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
           "nqtune": nqtune_cases, "slotrows": slotrows_cases, "rows": rows_cases,
           "rows2": rows2_cases, "lanes": lanes_cases, "arnr": arnr_cases,
-          "nqlanes": nqlanes_cases}
+          "nqlanes": nqlanes_cases, "gusk": gusk_cases}
 
 
 # ------------------------------------------------------------------------------------------

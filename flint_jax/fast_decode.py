@@ -94,6 +94,9 @@ class DecodeOptions:
       kernel instead of XLA's dot + elementwise kernels. None (default) = at batch 1 only (H200,
       run 35: 16.3 us per dense layer against 18.9 + 1.4 for XLA's two kernels; step 2.690
       against 2.714 ms, 350 against 352 kernels). True / False force it.
+    moe_gate_up_split_k: the BF16 routed MoE's gate_up kernel with its K (= D) in this many
+      slices (`moe_decode_routed(gate_up_split_k=)`: S x the programs, fp32 partial gate / up
+      summed by the down kernel); None = 1. NVFP4 experts ignore it.
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.
@@ -112,6 +115,7 @@ class DecodeOptions:
     nvfp4_rows: bool = False
     nvfp4_m1_method: str | None = None
     bf16_dense_pallas: bool | None = None
+    moe_gate_up_split_k: int | None = None
 
     def qkv_wait_at(self, batch: int) -> bool:
         """Whether the step at this batch size runs ``layer_end_qkv``."""
@@ -302,6 +306,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method
+        if not moe_quant and (opts.moe_gate_up_split_k or 1) > 1:
+            moe_kw["gate_up_split_k"] = opts.moe_gate_up_split_k
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         if not fold:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)

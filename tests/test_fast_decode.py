@@ -83,6 +83,13 @@ def test_default_step_batch_one_nvfp4_equals_xla():
     assert_generate_equal("nvfp4", 9, DecodeOptions(), [list(range(30, 100))], 5)
 
 
+@pytest.mark.parametrize("split_k", [2])
+def test_moe_gate_up_split_k_batch_one_equals_xla(split_k):
+    """One BF16 row with the MoE gate_up kernel in K slices (partials summed by the down kernel)."""
+    assert_generate_equal("bf16", 10, DecodeOptions(moe_gate_up_split_k=split_k),
+                          [list(range(40, 110))], 5)
+
+
 @pytest.mark.parametrize("bf16_dense_pallas", [None, False])
 def test_default_step_batch_one_equals_xla(bf16_dense_pallas):
     """One BF16 row: the default step takes the norm_qkv and router_in_norm routes (and the

@@ -158,6 +158,10 @@ def test_moe_routed_lowers(fmt, m):
   if m == 1:  # the per-lane accumulation in both kernels
     lower(functools.partial(moe_decode_routed, method="lanes"), S((m, D), BF), S((m, E), F32),
           experts, shared)
+  if fmt == "bf16":   # gate_up in K slices, the down kernel summing the partials
+    text = lower(functools.partial(moe_decode_routed, gate_up_split_k=2), S((m, D), BF),
+                 S((m, E), F32), experts, shared)
+    assert text.count("__gpu$xla.gpu.triton") == 2
   if m > 1:   # the other slot_rows mode (the default at M = 8 is "all" for both formats)
     lower(functools.partial(moe_decode_routed, slot_rows="token"), S((m, D), BF), S((m, E), F32),
           experts, shared)

@@ -186,6 +186,41 @@ def test_moe_decode_routed(fmt, m, e, top_k, d, inter, inter_s, ties, slot_rows)
   assert_routed_close(y, ref, top_k, mode, f"moe routed {fmt} {slot_rows}")
 
 
+@pytest.mark.parametrize("m,d,split_k,kw", [
+    (1, 512, 2, {}),                                # the BF16 M = 1 default tiles (bk 256)
+    (1, 256, 2, {}),                                # slices narrower than block_k: bk 128
+    (3, 256, 4, dict(block_k=32, block_k_down=32)),  # 4 slices of 2 K steps; several down steps
+])
+def test_moe_decode_routed_gate_up_split_k(m, d, split_k, kw):
+  """gate_up in K slices (fp32 partial g / u, summed by the down kernel): the same outputs as the
+  reference and as the unsplit kernels (up to the fp32 summation order), the same routing."""
+  _, experts, shared, x, _, logits = _routed_case("bf16", m, 16, 3, d, 64, 128, False, "sk")
+  args = dict(top_k=3, interpret=INTERPRET, **kw)
+  y, route = moe_decode_routed(x, logits, experts, shared, gate_up_split_k=split_k, **args)
+  y1, route1 = moe_decode_routed(x, logits, experts, shared, **args)
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=3)
+  assert_route_is_top_k(route, logits, 3)
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(route1.ids))
+  assert_close(y, ref, what=f"split_k={split_k} vs reference")
+  assert_close(y, y1, what=f"split_k={split_k} vs unsplit")
+  # the unrouted kernels (moe_decode) with the same split, on the same routing
+  sig = jax.nn.sigmoid(route.logits)
+  w = sig / jnp.sum(sig, axis=1, keepdims=True)
+  out = moe_decode(x, route.ids, w, experts, shared, gate_up_split_k=split_k,
+                   interpret=INTERPRET, **kw)
+  assert_close(out, moe_decode_reference(x, route.ids, w, experts, shared),
+               what=f"moe_decode split_k={split_k}")
+
+
+def test_moe_gate_up_split_k_rejects_nvfp4_and_bad_slices():
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", 1, 16, 2, 128, 64, 64, False, "skb")
+  with pytest.raises(ValueError, match="bf16 experts"):
+    moe_decode_routed(x, logits, experts, shared, top_k=2, gate_up_split_k=2, interpret=True)
+  _, experts, shared, x, _, logits = _routed_case("bf16", 1, 16, 2, 128, 64, 64, False, "skc")
+  with pytest.raises(ValueError, match="gate_up_split_k=3 must be a power of two"):
+    moe_decode_routed(x, logits, experts, shared, top_k=2, gate_up_split_k=3, interpret=True)
+
+
 def test_moe_decode_routed_token_rows_equal_all_rows():
   """slot_rows "token" and "all" agree on the rows both define (NVFP4, M = 4): the per-token
   reduce tiles and the all-rows tensor-core tiles compute the same expert outputs."""

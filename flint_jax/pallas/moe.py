@@ -265,15 +265,19 @@ def _slot_route(l_ref, u, route):
 
 
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
-                    decode, layout, method, route=None, token_method=None):
+                    decode, layout, method, route=None, token_method=None, split_k=1):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
   ``route_ids`` / ``route_logits`` [u // top_k, u % top_k].
   token_method (routed only): slot u multiplies only its own token t = u // top_k (x row t, the
-  tile method ``token_method`` at M = 1) and writes h [U, 1, I]; otherwise all M rows."""
+  tile method ``token_method`` at M = 1) and writes h [U, 1, I]; otherwise all M rows.
+  split_k > 1 (bf16): grid axis 1 is the K slice s; the program writes fp32 partial g and u
+  (``hg`` / ``hu`` [S, U, M, I], ``hsg`` / ``hsu`` [S, M, I_s]) instead of h, and the down
+  kernel forms h from them."""
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
+  ks = pl.program_id(1) if split_k > 1 else 0
   n_i = inter // bn
   n_routed = n_slots_max * n_i
   xs = (r["x"], r["x5"])
@@ -286,8 +290,17 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       au = _tile_dot(fmt, xs, x_idx, m, mp, wu, w_idx, nu, bn, i, step, au, **kw)
       return ag, au
     z = _acc_zeros(fmt, mp, bn, step, method)
-    ag, au = lax.fori_loop(0, d // step, body, (z, z))
+    n_k = d // step // split_k                      # K steps of this program's slice
+    ag, au = lax.fori_loop(ks * n_k, (ks + 1) * n_k, body, (z, z))
     return C.finish_acc(ag, method), C.finish_acc(au, method)
+
+  def store_h(h_name, lead, ag, au, n0, m_, mp_, method_):
+    """h = bf16(silu(g) * u), or (split_k > 1) the fp32 partials g, u of slice ks."""
+    if split_k == 1:
+      C.store_tile(r[h_name], lead, C.silu_mul_f32(ag, au), n0, bn, m_, mp_, method_)
+    else:
+      C.store_tile(r[h_name + "g"], (ks, *lead), ag, n0, bn, m_, mp_, method_)
+      C.store_tile(r[h_name + "u"], (ks, *lead), au, n0, bn, m_, mp_, method_)
 
   def routed():
     u = pid // n_i
@@ -305,7 +318,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
         e, lg = _slot_route(r["logits"], u, route)
         top_k = route[0]
 
-        @pl.when(j == 0)      # one program per slot stores the routing (scalar stores)
+        @pl.when((j == 0) & (ks == 0))  # one program per slot stores the routing (scalars)
         def _():
           r["route_ids"][u // top_k, u % top_k] = e
           r["route_logits"][u // top_k, u % top_k] = lg
@@ -316,8 +329,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
         f = NV.decode_factor(decode)
         ag = ag * (r["gu_s2"][e, 0] * f)
         au = au * (r["gu_s2"][e, 1] * f)
-      C.store_tile(r["h"], (u,), C.silu_mul_f32(ag, au), j * bn, bn, operand["m"],
-                   operand["mp"], operand["method"])
+      store_h("h", (u,), ag, au, j * bn, operand["m"], operand["mp"], operand["method"])
 
     if route is None:
       pl.when(u < r["n_slots"][0])(slot)
@@ -335,20 +347,23 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       f = NV.decode_factor(decode)
       ag = ag * (r["sg_s2"][0] * f)
       au = au * (r["su_s2"][0] * f)
-    C.store_tile(r["hs"], (), C.silu_mul_f32(ag, au), j * bn, bn, m, mp, method)
+    store_h("hs", (), ag, au, j * bn, m, mp, method)
 
   lax.cond(pid < n_routed, routed, shared)
 
 
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
-                 decode, layout, unroll, method, split, route_top_k=None, token_method=None):
+                 decode, layout, unroll, method, split, route_top_k=None, token_method=None,
+                 gu_split_k=1):
   """split=False: grid (D/BN,), every slot + shared + combine in one program, out [M, D].
   split=True: grid (D/BN, slots + 1), one (slot | shared) per program, y [(slots + 1) * M, D]
   bf16 (the caller's [slots + 1, M, D]; the combine is one XLA fusion, or
   ``moe_combine_add_rms_norm``). Slot u's expert: ``slot_expert[u]`` (route_top_k None; slots
   u >= ``n_slots`` write zeros), or ``route_ids[u // route_top_k, u % route_top_k]`` (the gate_up
   kernel's routing; split only, every slot live). token_method (routed only): h is [U, 1, I]
-  and slot u writes only its token's row y[u, u // route_top_k] (``token_method`` tiles)."""
+  and slot u writes only its token's row y[u, u // route_top_k] (``token_method`` tiles).
+  gu_split_k > 1 (bf16): h arrives as the gate_up kernel's fp32 partials (``hg`` / ``hu``,
+  ``hsg`` / ``hsu``); each K step forms its h tile = bf16(silu(sum_s g) * sum_s u)."""
   r = dict(zip(names, refs))
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   dt = r["out"].dtype
@@ -359,13 +374,26 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
   else:
     m_u, mp_u, method_u = 1, C.pad_rows(1), token_method
 
+  def parts_dot(name, lead, m_, mp_, w_ref, w_idx, bk_, method_):
+    """K step i of h . W^T with h formed from the gate_up kernel's split-K partials."""
+    def step(i, a):
+      cols = pl.ds(pl.multiple_of(i * bk_, bk_), bk_)
+      g = u = None
+      for sk in range(gu_split_k):    # the partials summed in slice order
+        gs = C.load_x(r[name + "g"], (sk, *lead), m_, mp_, cols, method_)
+        us = C.load_x(r[name + "u"], (sk, *lead), m_, mp_, cols, method_)
+        g, u = (gs, us) if g is None else (g + gs, u + us)
+      x = C.silu_mul_f32(g, u).astype(w_ref.dtype)
+      w = w_ref[(*w_idx, pl.ds(n0, bn), cols)]
+      return a + C.mm_tile(x, w, method_)
+    return step
+
   def shared_y():   # y_s = bf16(hs . Wd^T * scale_2)
     wsd = [r["sd_w"]] if fs == "bf16" else [r["sd_q"], r["sd_s"]]
-    hs = (r["hs"], r["hs5"])
-    acc = lax.fori_loop(
-        0, inter_s // bk_s,
-        lambda i, a: _tile_dot(fs, hs, (), m, mp, wsd, (), n0, bn, i, bk_s, a, **kw),
-        _acc_zeros(fs, mp, bn, bk_s, method))
+    hs = (r["hs"], r["hs5"]) if gu_split_k == 1 else None
+    body = (parts_dot("hs", (), m, mp, r["sd_w"], (), bk_s, method) if gu_split_k > 1 else
+            lambda i, a: _tile_dot(fs, hs, (), m, mp, wsd, (), n0, bn, i, bk_s, a, **kw))
+    acc = lax.fori_loop(0, inter_s // bk_s, body, _acc_zeros(fs, mp, bn, bk_s, method))
     acc = C.finish_acc(acc, method)
     if fs == "nvfp4":
       acc = acc * (r["sd_s2"][0] * NV.decode_factor(decode))
@@ -377,12 +405,12 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
     else:
       e = r["route_ids"][u // route_top_k, u % route_top_k]
     wd = [r["dn_w"]] if fe == "bf16" else [r["dn_q"], r["dn_s"]]
-    h = (r["h"], r["h5"])
+    h = (r["h"], r["h5"]) if gu_split_k == 1 else None
     kw_u = dict(kw, method=method_u)
-    acc = lax.fori_loop(
-        0, inter // bk,
-        lambda i, a: _tile_dot(fe, h, (u,), m_u, mp_u, wd, (e,), n0, bn, i, bk, a, **kw_u),
-        _acc_zeros(fe, mp_u, bn, bk, method_u))
+    body = (parts_dot("h", (u,), m_u, mp_u, r["dn_w"], (e,), bk, method_u) if gu_split_k > 1
+            else lambda i, a: _tile_dot(fe, h, (u,), m_u, mp_u, wd, (e,), n0, bn, i, bk, a,
+                                        **kw_u))
+    acc = lax.fori_loop(0, inter // bk, body, _acc_zeros(fe, mp_u, bn, bk, method_u))
     acc = C.finish_acc(acc, method_u)
     if fe == "nvfp4":
       acc = acc * (r["dn_s2"][e] * NV.decode_factor(decode))
@@ -478,17 +506,19 @@ def default_moe_tiling(fe: str, m: int) -> dict:
 
 _TUNING = ("block_n", "block_k", "block_n_down", "block_k_down", "decode", "layout",
            "unroll_slots", "method", "method_down", "num_warps", "num_stages", "num_warps_down",
-           "num_stages_down", "interpret")
+           "num_stages_down", "gate_up_split_k", "interpret")
 
 
 def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, route_args, *,
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
-            block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None):
+            block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
+            gate_up_split_k=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
   reads the ids. coef [U, M] only for down_split=False. slot_rows: see ``moe_decode_routed``.
+  gate_up_split_k: see ``moe_decode``.
   Returns (y [U + 1, M, D] (down_split) or out [M, D], MoERoute or None)."""
   C.check(slot_rows in (None, "all", "token"),
           f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
@@ -530,6 +560,14 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     C.check(min(bk, bk_dn, bk_s_dn) >= 64 and d % 64 == 0 and inter % 64 == 0,
             "NVFP4 needs D, I, I_s multiples of 64")
   tag = "_routed" if route is not None else ""
+  sk = gate_up_split_k or 1
+  if sk > 1:
+    C.check(fe == fs == "bf16" and not token,
+            "gate_up_split_k > 1 needs bf16 experts and shared expert (and not slot_rows='token')")
+    C.check(d % sk == 0 and C.is_pow2(sk), f"gate_up_split_k={sk} must be a power of two "
+            f"dividing D={d}")
+    bk = min(bk, C.pow2_divisor(d // sk, bk))     # whole K steps in every slice
+    C.check(bk >= 16, f"gate_up_split_k={sk} leaves K slices of {d // sk} < 16 values")
 
   # ---- kernel 1: gate_up (+ shared gate/up)
   names = ["x", "x5"] + route_names
@@ -552,9 +590,14 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     names += ["sg_q", "sg_s", "su_q", "su_s", "sg_s2", "su_s2"]
     args += _weight_args(fs, shared["gate_proj"], "") + _weight_args(fs, shared["up_proj"], "")
     args += [_scalar_f32(shared["gate_proj"][2]), _scalar_f32(shared["up_proj"][2])]
-  names += ["h", "hs"]
-  out_shape = [jax.ShapeDtypeStruct((u, 1 if token else m, inter), x.dtype),
-               jax.ShapeDtypeStruct((m, inter_s), x.dtype)]
+  if sk == 1:
+    names += ["h", "hs"]
+    out_shape = [jax.ShapeDtypeStruct((u, 1 if token else m, inter), x.dtype),
+                 jax.ShapeDtypeStruct((m, inter_s), x.dtype)]
+  else:      # fp32 partial g and u per K slice
+    names += ["hg", "hu", "hsg", "hsu"]
+    out_shape = [jax.ShapeDtypeStruct((sk, u, m, inter), jnp.float32)] * 2 + [
+        jax.ShapeDtypeStruct((sk, m, inter_s), jnp.float32)] * 2
   if route is not None:
     top_k = route[0]
     C.check(u == m * top_k, f"routed: {u=} slots != M * top_k = {m * top_k}")
@@ -564,24 +607,33 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   kernel = functools.partial(
       _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter,
       inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
-      layout=layout, method=method, route=route, token_method=token_method)
+      layout=layout, method=method, route=route, token_method=token_method, split_k=sk)
   tag += "_token" if token else ""
+  n_prog = u * (inter // bn) + inter_s // bn
   res = pl.pallas_call(
-      kernel, grid=(u * (inter // bn) + inter_s // bn,), out_shape=tuple(out_shape),
+      kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_moe_gate_up{tag}_{fe}_{fs}_{method}_bn{bn}_bk{bk}",
+      name=f"flint_moe_gate_up{tag}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
+           + (f"_splitk{sk}" if sk > 1 else ""),
   )(*args)
-  h, hs = res[:2]
-  route_out = None if route is None else MoERoute(*res[2:])
+  n_h = 2 if sk == 1 else 4
+  h_parts = res[:n_h]
+  route_out = None if route is None else MoERoute(*res[n_h:])
 
   # ---- kernel 2: down (+ routing-weighted combine unless split) + shared down
   if route is None:
     dn_names, dn_args = route_names, route_args
   else:   # the gate_up kernel's routing: no top-k here
     dn_names, dn_args = ["route_ids"], [route_out.ids]
-  names = ["h", "h5", "hs", "hs5"] + dn_names + (["coef"] if coef is not None else [])
-  args = [h, NV.x_view(h) if inter % 64 == 0 else h, hs,
-          NV.x_view(hs) if inter_s % 64 == 0 else hs] + dn_args
+  if sk == 1:
+    h, hs = h_parts
+    names = ["h", "h5", "hs", "hs5"]
+    args = [h, NV.x_view(h) if inter % 64 == 0 else h, hs,
+            NV.x_view(hs) if inter_s % 64 == 0 else hs]
+  else:
+    names, args = ["hg", "hu", "hsg", "hsu"], list(h_parts)
+  names += dn_names + (["coef"] if coef is not None else [])
+  args += dn_args
   args += [coef] if coef is not None else []
   if fe == "bf16":
     names += ["dn_w"]
@@ -603,7 +655,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       decode=decode, layout=layout,
       unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
       method=method_down, split=down_split, route_top_k=None if route is None else route[0],
-      token_method=token_method)
+      token_method=token_method, gu_split_k=sk)
   if down_split:
     y = pl.pallas_call(
         kernel, grid=(d // bn_dn, u + 1),
@@ -628,7 +680,8 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
                down_split: bool = True, num_warps: int | None = None,
                num_stages: int | None = None,
                block_k_down: int | None = None, num_warps_down: int | None = None,
-               num_stages_down: int | None = None, interpret: bool = False):
+               num_stages_down: int | None = None, gate_up_split_k: int | None = None,
+               interpret: bool = False):
   """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring.
 
   ``unroll_slots`` (default: when M * top_k <= 12) unrolls the down kernel's loop over slots in
@@ -636,7 +689,10 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
   ``fori_loop`` runs up to the number of (distinct) slots. ``method`` / ``method_down``: the tile
   method of each kernel (``_common.mm_tile``). ``down_split``: one program per (column block,
   slot) writing bf16 expert outputs, combined by one XLA fusion, instead of one program per
-  column block looping over the slots.
+  column block looping over the slots. ``gate_up_split_k`` (bf16 weights; None = 1): the
+  gate_up kernel's K (= D) in that many slices, each a program writing fp32 partial g / u (S x
+  the programs: Flint's M = 1 gate_up has only 64 of them for 132 SMs); the down kernel sums
+  them and applies bf16(silu(g) * u) as it loads each h tile.
   """
   fe, fs, m, d, _, inter, inter_s = _shapes(x, experts, shared)
   C.check(ids.shape == weights.shape and ids.shape[0] == m,
@@ -652,7 +708,7 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
                    unroll_slots=unroll_slots, method=method, method_down=method_down,
                    num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                    block_k_down=block_k_down, num_warps_down=num_warps_down,
-                   num_stages_down=num_stages_down)
+                   num_stages_down=num_stages_down, gate_up_split_k=gate_up_split_k)
   if not down_split:
     return out
   yk = out[:u].astype(jnp.float32)                                      # [U, M, D]
@@ -684,7 +740,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       method_down: str | None = None, num_warps: int | None = None,
                       num_stages: int | None = None,
                       block_k_down: int | None = None, num_warps_down: int | None = None,
-                      num_stages_down: int | None = None, interpret: bool = False):
+                      num_stages_down: int | None = None, gate_up_split_k: int | None = None,
+                      interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls) and the routing.
 
   logits: router logits f32 [M, E] (``moe_router_logits``). Slot u = t * top_k + j is token t's
@@ -715,7 +772,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                  unroll_slots=unroll_slots, method=method, method_down=method_down,
                  num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                  block_k_down=block_k_down, num_warps_down=num_warps_down,
-                 num_stages_down=num_stages_down, slot_rows=slot_rows)
+                 num_stages_down=num_stages_down, slot_rows=slot_rows,
+                 gate_up_split_k=gate_up_split_k)
 
 
 def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, top_k, u, d, dp,

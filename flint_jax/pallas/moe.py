@@ -375,15 +375,21 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
     m_u, mp_u, method_u = 1, C.pad_rows(1), token_method
 
   def parts_dot(name, lead, m_, mp_, w_ref, w_idx, bk_, method_):
-    """K step i of h . W^T with h formed from the gate_up kernel's split-K partials."""
+    """K step i of h . W^T with h formed from the gate_up kernel's split-K partials (at M = 1
+    the one real row, broadcast to the tile's padded rows after the SiLU)."""
+    one_row = m_ == 1 and method_ not in C.CUDA_CORE_M1
+
     def step(i, a):
       cols = pl.ds(pl.multiple_of(i * bk_, bk_), bk_)
+      load = "reduce" if one_row else method_
       g = u = None
       for sk in range(gu_split_k):    # the partials summed in slice order
-        gs = C.load_x(r[name + "g"], (sk, *lead), m_, mp_, cols, method_)
-        us = C.load_x(r[name + "u"], (sk, *lead), m_, mp_, cols, method_)
+        gs = C.load_x(r[name + "g"], (sk, *lead), m_, mp_, cols, load)
+        us = C.load_x(r[name + "u"], (sk, *lead), m_, mp_, cols, load)
         g, u = (gs, us) if g is None else (g + gs, u + us)
       x = C.silu_mul_f32(g, u).astype(w_ref.dtype)
+      if one_row:
+        x = jnp.broadcast_to(x[None, :], (mp_, bk_))
       w = w_ref[(*w_idx, pl.ds(n0, bn), cols)]
       return a + C.mm_tile(x, w, method_)
     return step

@@ -96,7 +96,9 @@ class DecodeOptions:
       against 2.714 ms, 350 against 352 kernels). True / False force it.
     moe_gate_up_split_k: the BF16 routed MoE's gate_up kernel with its K (= D) in this many
       slices (`moe_decode_routed(gate_up_split_k=)`: S x the programs, fp32 partial gate / up
-      summed by the down kernel); None = 1. NVFP4 experts ignore it.
+      summed by the down kernel); None = 1: slower on the H200 (run 44, batch 1 / 1K: 3.006
+      against 2.686 ms; gate_up 11.7 against 13.5 us, but the down kernel's h rebuild 17.8
+      against 7.6). NVFP4 experts ignore it.
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.

@@ -36,6 +36,11 @@ from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, de
 MAX_BATCH = 16
 
 
+# Entries of the gate_up split-K counter (>= the gate_up kernel's programs: 6 * 16 slots x
+# 512 / 16 + 1024 / 16 = 3136 at the smallest tiles and 16 rows).
+GATE_UP_COUNTER = 4096
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
     """Which fused kernels the Pallas step uses (the defaults are the fastest measured).
@@ -95,10 +100,10 @@ class DecodeOptions:
       run 35: 16.3 us per dense layer against 18.9 + 1.4 for XLA's two kernels; step 2.690
       against 2.714 ms, 350 against 352 kernels). True / False force it.
     moe_gate_up_split_k: the BF16 routed MoE's gate_up kernel with its K (= D) in this many
-      slices (`moe_decode_routed(gate_up_split_k=)`: S x the programs, fp32 partial gate / up
-      summed by the down kernel); None = 1: slower on the H200 (run 44, batch 1 / 1K: 3.006
-      against 2.686 ms; gate_up 11.7 against 13.5 us, but the down kernel's h rebuild 17.8
-      against 7.6). NVFP4 experts ignore it.
+      slices (`moe_decode_routed(gate_up_split_k=, gate_up_counter=)`: S x the programs, the
+      last slice of each tile summing the fp32 partials into h); used where the layer end
+      goes into the next q|k|v kernel (`norm_in_qkv`: BF16 at batch 1 by default). None = 1.
+      NVFP4 experts ignore it. (Leaving the sum to the down kernel measured slower: run 44.)
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.
@@ -308,8 +313,11 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method
-        if not moe_quant and (opts.moe_gate_up_split_k or 1) > 1:
-            moe_kw["gate_up_split_k"] = opts.moe_gate_up_split_k
+        # BF16 MoE gate_up in K slices (with the layer end folded into the next q|k|v): one
+        # zeroed counter per step; the kernel returns it zeroed for the next layer
+        gate_up_split = opts.moe_gate_up_split_k or 1
+        gate_up_split = gate_up_split if (not moe_quant and fold and gate_up_split > 1) else 1
+        gcounter = (jnp.zeros((GATE_UP_COUNTER,), jnp.int32) if gate_up_split > 1 else None)
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         if not fold:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
@@ -373,9 +381,15 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 if cfg.is_moe(i) and fold and not last:
                     if router_logits is None:
                         router_logits = moe_router_logits(x, mlp.gate.weight[...])
-                    y, route = moe_decode_routed(x, router_logits, _experts_arg(mlp.experts),
-                                                 _shared_arg(mlp), top_k=top_k,
-                                                 interpret=interpret, **moe_kw)
+                    if gcounter is not None:
+                        y, route, gcounter = moe_decode_routed(
+                            x, router_logits, _experts_arg(mlp.experts), _shared_arg(mlp),
+                            top_k=top_k, gate_up_split_k=gate_up_split,
+                            gate_up_counter=gcounter, interpret=interpret, **moe_kw)
+                    else:
+                        y, route = moe_decode_routed(x, router_logits, _experts_arg(mlp.experts),
+                                                     _shared_arg(mlp), top_k=top_k,
+                                                     interpret=interpret, **moe_kw)
                     pending = (y, route.logits)
                 elif cfg.is_moe(i):
                     h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,

@@ -162,6 +162,10 @@ def test_moe_routed_lowers(fmt, m):
     text = lower(functools.partial(moe_decode_routed, gate_up_split_k=2), S((m, D), BF),
                  S((m, E), F32), experts, shared)
     assert text.count("__gpu$xla.gpu.triton") == 2
+    text = lower(lambda x, lg, ex, sh, c: moe_decode_routed(x, lg, ex, sh, gate_up_split_k=2,
+                                                            gate_up_counter=c),
+                 S((m, D), BF), S((m, E), F32), experts, shared, S((4096,), I32))
+    assert text.count("__gpu$xla.gpu.triton") == 2
   if m > 1:   # the other slot_rows mode (the default at M = 8 is "all" for both formats)
     lower(functools.partial(moe_decode_routed, slot_rows="token"), S((m, D), BF), S((m, E), F32),
           experts, shared)

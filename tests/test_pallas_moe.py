@@ -212,6 +212,30 @@ def test_moe_decode_routed_gate_up_split_k(m, d, split_k, kw):
                what=f"moe_decode split_k={split_k}")
 
 
+@pytest.mark.parametrize("m,d,split_k", [(1, 512, 2), (2, 256, 4)])
+def test_moe_decode_routed_gate_up_finish(m, d, split_k):
+  """gate_up in K slices with a counter: the last slice of each tile finishes h itself. Same
+  outputs as the unsplit kernels (up to the fp32 summation order) and the partials-to-down
+  mode, and the counter comes back zeroed, so it can serve the next call (twice here)."""
+  _, experts, shared, x, _, logits = _routed_case("bf16", m, 16, 3, d, 64, 128, False, "fin")
+  args = dict(top_k=3, interpret=INTERPRET)
+  counter = jnp.zeros((300,), jnp.int32)
+  y1, _ = moe_decode_routed(x, logits, experts, shared, **args)
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=3)
+  for _ in range(2):
+    y, route, counter = moe_decode_routed(x, logits, experts, shared, gate_up_split_k=split_k,
+                                          gate_up_counter=counter, **args)
+    assert_route_is_top_k(route, logits, 3)
+    assert not np.asarray(counter).any(), "the counter must come back zeroed"
+    assert_close(y, ref, what="finish vs reference")
+    assert_close(y, y1, what="finish vs unsplit")
+  y_parts, _ = moe_decode_routed(x, logits, experts, shared, gate_up_split_k=split_k, **args)
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_parts, np.float32))
+  with pytest.raises(ValueError, match="gate_up_counter must be int32 zeros"):
+    moe_decode_routed(x, logits, experts, shared, gate_up_split_k=split_k,
+                      gate_up_counter=jnp.zeros((3,), jnp.int32), **args)
+
+
 def test_moe_gate_up_split_k_rejects_nvfp4_and_bad_slices():
   _, experts, shared, x, _, logits = _routed_case("nvfp4", 1, 16, 2, 128, 64, 64, False, "skb")
   with pytest.raises(ValueError, match="bf16 experts"):

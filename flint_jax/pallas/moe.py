@@ -265,7 +265,8 @@ def _slot_route(l_ref, u, route):
 
 
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
-                    decode, layout, method, route=None, token_method=None, split_k=1):
+                    decode, layout, method, route=None, token_method=None, split_k=1,
+                    finish=False, interpret=False):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
@@ -274,7 +275,11 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   tile method ``token_method`` at M = 1) and writes h [U, 1, I]; otherwise all M rows.
   split_k > 1 (bf16): grid axis 1 is the K slice s; the program writes fp32 partial g and u
   (``hg`` / ``hu`` [S, U, M, I], ``hsg`` / ``hsu`` [S, M, I_s]) instead of h, and the down
-  kernel forms h from them."""
+  kernel forms h from them. finish (with split_k > 1): the partials stay internal; each
+  program then counts itself done on ``counter_out[pid]`` (acq_rel atomic after a CTA
+  barrier) and the last slice's program sums the S partials (volatile loads, slice order),
+  writes h = bf16(silu(g) * u) and resets its counter entry to 0 (the counter returns zeroed, so
+  one zeroed counter serves every layer of a step)."""
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
   ks = pl.program_id(1) if split_k > 1 else 0
@@ -294,13 +299,41 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     ag, au = lax.fori_loop(ks * n_k, (ks + 1) * n_k, body, (z, z))
     return C.finish_acc(ag, method), C.finish_acc(au, method)
 
+  def load_part(ref, lead, n0, m_, mp_, method_):
+    """A partial tile stored by ``C.store_tile`` (volatile: written by other programs)."""
+    rr, rmask = C.row_store_index(m_, mp_)
+    cols = n0 + jnp.arange(bn, dtype=jnp.int32)
+    if method_ in ("dot", "rows"):
+      idx, mask = (*lead, rr[:, None], cols[None, :]), rmask[:, None]
+    elif method_ == "swap":
+      idx, mask = (*lead, rr[None, :], cols[:, None]), rmask[None, :]
+    else:
+      idx, mask = (*lead, 0, cols), None
+    return plgpu.load(ref.at[idx], mask=mask, other=0.0, volatile=True)
+
   def store_h(h_name, lead, ag, au, n0, m_, mp_, method_):
-    """h = bf16(silu(g) * u), or (split_k > 1) the fp32 partials g, u of slice ks."""
+    """h = bf16(silu(g) * u), or (split_k > 1) the fp32 partials g, u of slice ks (finish: and
+    the last slice's program sums them into h)."""
     if split_k == 1:
       C.store_tile(r[h_name], lead, C.silu_mul_f32(ag, au), n0, bn, m_, mp_, method_)
-    else:
-      C.store_tile(r[h_name + "g"], (ks, *lead), ag, n0, bn, m_, mp_, method_)
-      C.store_tile(r[h_name + "u"], (ks, *lead), au, n0, bn, m_, mp_, method_)
+      return
+    C.store_tile(r[h_name + "g"], (ks, *lead), ag, n0, bn, m_, mp_, method_)
+    C.store_tile(r[h_name + "u"], (ks, *lead), au, n0, bn, m_, mp_, method_)
+    if not finish:
+      return
+    if not interpret:   # every thread's stores precede the atomic (no CPU lowering)
+      plgpu.debug_barrier()
+    old = plgpu.atomic_add(r["counter_out"], (pid,), jnp.int32(1))
+
+    @pl.when(old == split_k - 1)
+    def _():
+      g = u = None
+      for sk in range(split_k):
+        gs = load_part(r[h_name + "g"], (sk, *lead), n0, m_, mp_, method_)
+        us = load_part(r[h_name + "u"], (sk, *lead), n0, m_, mp_, method_)
+        g, u = (gs, us) if g is None else (g + gs, u + us)
+      C.store_tile(r[h_name], lead, C.silu_mul_f32(g, u), n0, bn, m_, mp_, method_)
+      plgpu.store(r["counter_out"].at[pid], jnp.int32(0))
 
   def routed():
     u = pid // n_i
@@ -519,13 +552,14 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
-            gate_up_split_k=None):
+            gate_up_split_k=None, gate_up_counter=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
   reads the ids. coef [U, M] only for down_split=False. slot_rows: see ``moe_decode_routed``.
-  gate_up_split_k: see ``moe_decode``.
-  Returns (y [U + 1, M, D] (down_split) or out [M, D], MoERoute or None)."""
+  gate_up_split_k, gate_up_counter: see ``moe_decode_routed``. Returns (y / out, route,
+  counter) (counter None unless ``gate_up_counter`` was given).
+  y [U + 1, M, D] (down_split) or out [M, D]; MoERoute or None."""
   C.check(slot_rows in (None, "all", "token"),
           f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
   C.check(slot_rows != "token" or route is not None, "slot_rows='token' needs the routed path")
@@ -574,6 +608,14 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             f"dividing D={d}")
     bk = min(bk, C.pow2_divisor(d // sk, bk))     # whole K steps in every slice
     C.check(bk >= 16, f"gate_up_split_k={sk} leaves K slices of {d // sk} < 16 values")
+  finish = sk > 1 and gate_up_counter is not None
+  n_prog = u * (inter // bn) + inter_s // bn
+  if gate_up_counter is not None:
+    C.check(sk > 1, "gate_up_counter is only for gate_up_split_k > 1")
+    C.check(gate_up_counter.dtype == jnp.int32 and gate_up_counter.ndim == 1
+            and gate_up_counter.shape[0] >= n_prog,
+            f"gate_up_counter must be int32 zeros [>= {n_prog}] (the gate_up programs), got "
+            f"{gate_up_counter.shape} {gate_up_counter.dtype}")
 
   # ---- kernel 1: gate_up (+ shared gate/up)
   names = ["x", "x5"] + route_names
@@ -600,31 +642,47 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     names += ["h", "hs"]
     out_shape = [jax.ShapeDtypeStruct((u, 1 if token else m, inter), x.dtype),
                  jax.ShapeDtypeStruct((m, inter_s), x.dtype)]
-  else:      # fp32 partial g and u per K slice
+  else:      # fp32 partial g and u per K slice (finish: then h itself, and the counter)
     names += ["hg", "hu", "hsg", "hsu"]
     out_shape = [jax.ShapeDtypeStruct((sk, u, m, inter), jnp.float32)] * 2 + [
         jax.ShapeDtypeStruct((sk, m, inter_s), jnp.float32)] * 2
+    if finish:
+      names += ["h", "hs"]
+      out_shape += [jax.ShapeDtypeStruct((u, m, inter), x.dtype),
+                    jax.ShapeDtypeStruct((m, inter_s), x.dtype)]
   if route is not None:
     top_k = route[0]
     C.check(u == m * top_k, f"routed: {u=} slots != M * top_k = {m * top_k}")
     names += ["route_ids", "route_logits"]
     out_shape += [jax.ShapeDtypeStruct((m, top_k), jnp.int32),
                   jax.ShapeDtypeStruct((m, top_k), jnp.float32)]
+  aliases = {}
+  if finish:   # the counter: an input aliased to the last output
+    names.insert(len(args), "counter")
+    aliases = {len(args): len(out_shape)}
+    args.append(gate_up_counter)
+    names.append("counter_out")
+    out_shape.append(jax.ShapeDtypeStruct(gate_up_counter.shape, jnp.int32))
   kernel = functools.partial(
       _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter,
       inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
-      layout=layout, method=method, route=route, token_method=token_method, split_k=sk)
+      layout=layout, method=method, route=route, token_method=token_method, split_k=sk,
+      finish=finish, interpret=interpret)
   tag += "_token" if token else ""
-  n_prog = u * (inter // bn) + inter_s // bn
   res = pl.pallas_call(
       kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
+      input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_moe_gate_up{tag}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
-           + (f"_splitk{sk}" if sk > 1 else ""),
+           + (f"_splitk{sk}" if sk > 1 else "") + ("_finish" if finish else ""),
   )(*args)
-  n_h = 2 if sk == 1 else 4
-  h_parts = res[:n_h]
+  res = list(res)
+  counter_out = res.pop() if finish else None
+  n_h = 2 if sk == 1 else 6 if finish else 4
+  h_parts = res[:n_h] if not finish else res[4:6]
   route_out = None if route is None else MoERoute(*res[n_h:])
+  if finish:
+    sk = 1    # the down kernel reads the finished h
 
   # ---- kernel 2: down (+ routing-weighted combine unless split) + shared down
   if route is None:
@@ -669,12 +727,12 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
         compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
         name=f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}",
     )(*args)
-    return y.reshape(u + 1, m, d), route_out
+    return y.reshape(u + 1, m, d), route_out, counter_out
   return pl.pallas_call(
       kernel, grid=(d // bn_dn,), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
       compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
       name=f"flint_moe_down_combine_{fe}_{fs}_{method_down}_bn{bn_dn}",
-  )(*args), None
+  )(*args), None, counter_out
 
 
 @functools.partial(jax.jit, static_argnames=("dedupe", "down_split") + _TUNING)
@@ -709,7 +767,7 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
     dedupe = m > 1
   slot_expert, coef, n_slots = moe_slots(ids, weights, dedupe=dedupe)
   u = slot_expert.shape[0]
-  out, _ = _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u,
+  out, _, _ = _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u,
                    ["slot_expert", "n_slots"], [slot_expert, n_slots], route=None,
                    coef=None if down_split else coef, down_split=down_split, block_n=block_n,
                    block_k=block_k, block_n_down=block_n_down, decode=decode, layout=layout,
@@ -749,7 +807,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       num_stages: int | None = None,
                       block_k_down: int | None = None, num_warps_down: int | None = None,
                       num_stages_down: int | None = None, gate_up_split_k: int | None = None,
-                      interpret: bool = False):
+                      gate_up_counter=None, interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls) and the routing.
 
   logits: router logits f32 [M, E] (``moe_router_logits``). Slot u = t * top_k + j is token t's
@@ -769,19 +827,24 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   Weight bytes are the same either way. None: the measured choice, "token" for NVFP4 experts at
   M = 2..4 (H200, Flint sizes, gate_up + down: 37.8 / 52.7 / 74.9 us against 59.5 / 78.9 / 87.7),
   "all" otherwise (NVFP4 M = 8: 133.5 against 192; BF16 M = 8: 86 against 88).
-  Tuning knobs as ``moe_decode`` (split down kernel only).
+  Tuning knobs as ``moe_decode`` (split down kernel only). ``gate_up_counter`` (with
+  ``gate_up_split_k`` > 1): int32 zeros [>= the gate_up kernel's programs]; the gate_up kernel
+  then finishes h itself (the last K slice of each tile sums the partials) and the down kernel
+  loads h as usual; returns (y, route, counter), the counter zeroed again for the next call.
   """
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
   route = (top_k, n_exp, C.next_pow2(n_exp))
-  return _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, ["logits"],
+  y, route_out, counter = _launch(
+      x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, ["logits"],
                  [logits], route=route, coef=None, down_split=True, block_n=block_n,
                  block_k=block_k, block_n_down=block_n_down, decode=decode, layout=layout,
                  unroll_slots=unroll_slots, method=method, method_down=method_down,
                  num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                  block_k_down=block_k_down, num_warps_down=num_warps_down,
                  num_stages_down=num_stages_down, slot_rows=slot_rows,
-                 gate_up_split_k=gate_up_split_k)
+                 gate_up_split_k=gate_up_split_k, gate_up_counter=gate_up_counter)
+  return (y, route_out) if gate_up_counter is None else (y, route_out, counter)
 
 
 def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, top_k, u, d, dp,

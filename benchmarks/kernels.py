@@ -706,7 +706,8 @@ def route_cases(variants):
 
 def gusk_cases(variants):
   """BF16 routed MoE (gate_up + down) with the gate_up kernel's K in 1 / 2 / 4 slices
-  (``gate_up_split_k``): at M = 1 its 64 programs leave half the H200's 132 SMs idle."""
+  (``gate_up_split_k``): at M = 1 its 64 programs leave half the H200's 132 SMs idle. The down
+  kernel sums the partials, or (``fin``) the gate_up kernel's last slice finishes h."""
   if variants:
     return
   router = randn((E, D), jnp.float32, D ** -0.5)
@@ -722,6 +723,12 @@ def gusk_cases(variants):
       yield (f"gusk/bf16/M{m}/sk{sk}", "gusk", lbl, f"routed gate_up_split_k={sk}",
              lambda x, lg, ex, sh, sk=sk: MOE.moe_decode_routed(x, lg, ex, sh,
                                                                 gate_up_split_k=sk)[0],
+             sets, bytes_)
+    for sk in (2, 4):   # h finished by the gate_up kernel (its zeroed counter: one more kernel)
+      yield (f"gusk/bf16/M{m}/fin{sk}", "gusk", lbl, f"gate_up_split_k={sk} + counter (finish)",
+             lambda x, lg, ex, sh, sk=sk: MOE.moe_decode_routed(
+                 x, lg, ex, sh, gate_up_split_k=sk,
+                 gate_up_counter=jnp.zeros((4096,), jnp.int32))[0],
              sets, bytes_)
 
 

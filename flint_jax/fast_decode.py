@@ -7,7 +7,8 @@ gate_up kernel (picks each slot's expert from the router logits, stores the rout
 kernel (shared expert included), one kernel combining the experts with the residual add + next
 RMSNorm; or, for dense layers, gate|up+SiLU and down GEMVs -> fused residual add + next RMSNorm.
 At batch 1 with BF16 weights the layer end goes into the next q|k|v kernel instead
-(`norm_in_qkv`). A split-K NVFP4 o_proj or dense down hands its fp32 partials to the norm kernel,
+(`norm_in_qkv`), and the MoE gate_up kernel runs in two K slices, the second finishing h
+(`moe_gate_up_split_k`). A split-K NVFP4 o_proj or dense down hands its fp32 partials to the norm kernel,
 which sums them (no XLA reduce kernel in between).
 The caches stay layer-stacked: kernels index the layer inside, so nothing is sliced or copied,
 and the cache writes are in place under donation.
@@ -101,9 +102,13 @@ class DecodeOptions:
       against 2.714 ms, 350 against 352 kernels). True / False force it.
     moe_gate_up_split_k: the BF16 routed MoE's gate_up kernel with its K (= D) in this many
       slices (`moe_decode_routed(gate_up_split_k=, gate_up_counter=)`: S x the programs, the
-      last slice of each tile summing the fp32 partials into h); used where the layer end
-      goes into the next q|k|v kernel (`norm_in_qkv`: BF16 at batch 1 by default). None = 1.
-      NVFP4 experts ignore it. (Leaving the sum to the down kernel measured slower: run 44.)
+      last slice of each tile summing the fp32 partials into h, one zeroed counter per step:
+      one kernel more); used where the layer end goes into the next q|k|v kernel
+      (`norm_in_qkv`: BF16 at batch 1 by default). None (default) = 2 at batch 1: H200, BF16
+      1x1K, in-loop 2.604 against 2.646 ms (run 46) and 2.631 against 2.731 (run 45, the paths
+      in the other order), kernel time -24 / -12 us (gate_up 12.9 against 13.4 us per layer),
+      351 against 350 kernels. 1 turns it off. NVFP4 experts ignore it. (Leaving the sum to
+      the down kernel measured slower: run 44.)
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.
@@ -123,6 +128,12 @@ class DecodeOptions:
     nvfp4_m1_method: str | None = None
     bf16_dense_pallas: bool | None = None
     moe_gate_up_split_k: int | None = None
+
+    def moe_gate_up_split_k_at(self, batch: int) -> int:
+        """K slices of the BF16 MoE gate_up kernel at this batch size (where it applies)."""
+        if self.moe_gate_up_split_k is None:
+            return 2 if batch == 1 else 1
+        return self.moe_gate_up_split_k
 
     def qkv_wait_at(self, batch: int) -> bool:
         """Whether the step at this batch size runs ``layer_end_qkv``."""
@@ -315,8 +326,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             moe_kw["method"] = opts.nvfp4_m1_method
         # BF16 MoE gate_up in K slices (with the layer end folded into the next q|k|v): one
         # zeroed counter per step; the kernel returns it zeroed for the next layer
-        gate_up_split = opts.moe_gate_up_split_k or 1
-        gate_up_split = gate_up_split if (not moe_quant and fold and gate_up_split > 1) else 1
+        gate_up_split = opts.moe_gate_up_split_k_at(b) if (not moe_quant and fold) else 1
         gcounter = (jnp.zeros((GATE_UP_COUNTER,), jnp.int32) if gate_up_split > 1 else None)
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         if not fold:

@@ -83,9 +83,18 @@ def test_default_step_batch_one_nvfp4_equals_xla():
     assert_generate_equal("nvfp4", 9, DecodeOptions(), [list(range(30, 100))], 5)
 
 
-@pytest.mark.parametrize("split_k", [2])
+def test_moe_gate_up_split_k_default_is_two_at_batch_one():
+    """The measured choice (runs 45-46): two K slices at batch 1, none above; 1 turns it off."""
+    assert DecodeOptions().moe_gate_up_split_k_at(1) == 2
+    assert DecodeOptions().moe_gate_up_split_k_at(2) == 1
+    assert DecodeOptions(moe_gate_up_split_k=1).moe_gate_up_split_k_at(1) == 1
+    assert DecodeOptions(moe_gate_up_split_k=4).moe_gate_up_split_k_at(8) == 4
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
 def test_moe_gate_up_split_k_batch_one_equals_xla(split_k):
-    """One BF16 row with the MoE gate_up kernel in K slices (partials summed by the down kernel)."""
+    """One BF16 row with the MoE gate_up kernel unsplit / in 4 K slices (the last slice of each
+    tile finishing h; the default's 2 slices run in test_default_step_batch_one_equals_xla)."""
     assert_generate_equal("bf16", 10, DecodeOptions(moe_gate_up_split_k=split_k),
                           [list(range(40, 110))], 5)
 

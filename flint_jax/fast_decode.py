@@ -391,15 +391,13 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 if cfg.is_moe(i) and fold and not last:
                     if router_logits is None:
                         router_logits = moe_router_logits(x, mlp.gate.weight[...])
-                    if gcounter is not None:
-                        y, route, gcounter = moe_decode_routed(
-                            x, router_logits, _experts_arg(mlp.experts), _shared_arg(mlp),
-                            top_k=top_k, gate_up_split_k=gate_up_split,
-                            gate_up_counter=gcounter, interpret=interpret, **moe_kw)
-                    else:
-                        y, route = moe_decode_routed(x, router_logits, _experts_arg(mlp.experts),
-                                                     _shared_arg(mlp), top_k=top_k,
-                                                     interpret=interpret, **moe_kw)
+                    split_kw = (dict(gate_up_split_k=gate_up_split, gate_up_counter=gcounter)
+                                if gcounter is not None else {})
+                    y, route, *counter_out = moe_decode_routed(
+                        x, router_logits, _experts_arg(mlp.experts), _shared_arg(mlp),
+                        top_k=top_k, interpret=interpret, **moe_kw, **split_kw)
+                    if counter_out:
+                        (gcounter,) = counter_out
                     pending = (y, route.logits)
                 elif cfg.is_moe(i):
                     h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,

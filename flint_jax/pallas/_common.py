@@ -139,19 +139,48 @@ def finish_acc(acc, method: str):
   return acc
 
 
+def _tile_rows_cols(n0, bn, m, mp, row0=0):
+  r, rmask = row_store_index(m, mp, row0)
+  return r, rmask, n0 + jnp.arange(bn, dtype=jnp.int32)
+
+
+def _tile_index(lead, r, cols, method, row0):
+  """Index of rows r / columns cols in the ``acc_shape`` layout of ``method``."""
+  if method in ("dot", "rows"):
+    return (*lead, r[:, None], cols[None, :])
+  if method == "swap":
+    return (*lead, r[None, :], cols[:, None])
+  return (*lead, row0, cols)
+
+
+def _tile_mask(rmask, method):
+  """The row mask in the layout of ``_tile_index`` (None: the one-row methods)."""
+  if method in ("dot", "rows"):
+    return rmask[:, None]
+  return rmask[None, :] if method == "swap" else None
+
+
 def store_tile(o_ref, lead, acc, n0, bn, m, mp, method, row0=0):
   """Stores the real rows of an accumulator in ``acc_shape`` layout at
   o_ref[*lead, row0:row0+m, n0:n0+bn] (row0 may be traced); ``lanes`` accumulators must have
   been through ``finish_acc``."""
-  r, rmask = row_store_index(m, mp, row0)
-  cols = n0 + jnp.arange(bn, dtype=jnp.int32)
+  r, rmask, cols = _tile_rows_cols(n0, bn, m, mp, row0)
   acc = acc.astype(o_ref.dtype)
-  if method in ("dot", "rows"):
-    plgpu.store(o_ref.at[(*lead, r[:, None], cols[None, :])], acc, mask=rmask[:, None])
-  elif method == "swap":
-    plgpu.store(o_ref.at[(*lead, r[None, :], cols[:, None])], acc, mask=rmask[None, :])
-  else:
-    plgpu.store(o_ref.at[(*lead, row0, cols)], acc)
+  dst = o_ref.at[_tile_index(lead, r, cols, method, row0)]
+  plgpu.store(dst, acc, mask=_tile_mask(rmask, method))
+
+
+def load_tile(ref, lead, n0, bn, m, mp, method):
+  """The tile ``store_tile`` stored (padded rows 0), volatile: for tiles other programs wrote."""
+  r, rmask, cols = _tile_rows_cols(n0, bn, m, mp)
+  idx, mask = _tile_index(lead, r, cols, method, 0), _tile_mask(rmask, method)
+  return plgpu.load(ref.at[idx], mask=mask, other=0.0, volatile=True)
+
+
+def scalar_f32(v):
+  """A tensor scale as an f32 [1] kernel input (a free reshape of an f32 scalar: no XLA op, unlike
+  stacking several scales into one array)."""
+  return jnp.asarray(v, jnp.float32).reshape(1)
 
 
 def silu_mul_f32(g, u, act_dtype=jnp.bfloat16):
@@ -187,6 +216,7 @@ __all__ = [
     "METHODS", "CUDA_CORE_M1", "NO_LANES", "check_method", "mm_tile", "load_x", "acc_shape",
     "acc_zeros", "finish_method", "finish_acc", "store_tile",
     "MASK_VALUE", "next_pow2", "pad_rows", "is_pow2", "pow2_divisor", "row_load_index",
-    "row_store_index", "dot_nt", "dot_nn", "silu_mul_f32", "compiler_params", "check", "cdiv",
+    "row_store_index", "load_tile", "dot_nt", "dot_nn", "scalar_f32",
+    "silu_mul_f32", "compiler_params", "check", "cdiv",
     "as_index_array",
 ]

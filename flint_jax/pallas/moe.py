@@ -210,12 +210,6 @@ def _factor(fmt, decode):
   return 1.0 if fmt == "bf16" else NV.decode_factor(decode)
 
 
-def _scalar_f32(v):
-  """A tensor scale as an f32 [1] kernel input (a free reshape of an f32 scalar: no XLA op, unlike
-  stacking several scales into one array)."""
-  return jnp.asarray(v, jnp.float32).reshape(1)
-
-
 def _weight_args(fmt, w, name):
   """Kernel inputs for one weight: bf16 -> [w]; nvfp4 -> [codes view, scales view]."""
   if fmt == "bf16":
@@ -299,18 +293,6 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     ag, au = lax.fori_loop(ks * n_k, (ks + 1) * n_k, body, (z, z))
     return C.finish_acc(ag, method), C.finish_acc(au, method)
 
-  def load_part(ref, lead, n0, m_, mp_, method_):
-    """A partial tile stored by ``C.store_tile`` (volatile: written by other programs)."""
-    rr, rmask = C.row_store_index(m_, mp_)
-    cols = n0 + jnp.arange(bn, dtype=jnp.int32)
-    if method_ in ("dot", "rows"):
-      idx, mask = (*lead, rr[:, None], cols[None, :]), rmask[:, None]
-    elif method_ == "swap":
-      idx, mask = (*lead, rr[None, :], cols[:, None]), rmask[None, :]
-    else:
-      idx, mask = (*lead, 0, cols), None
-    return plgpu.load(ref.at[idx], mask=mask, other=0.0, volatile=True)
-
   def store_h(h_name, lead, ag, au, n0, m_, mp_, method_):
     """h = bf16(silu(g) * u), or (split_k > 1) the fp32 partials g, u of slice ks (finish: and
     the last slice's program sums them into h)."""
@@ -329,8 +311,8 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     def _():
       g = u = None
       for sk in range(split_k):
-        gs = load_part(r[h_name + "g"], (sk, *lead), n0, m_, mp_, method_)
-        us = load_part(r[h_name + "u"], (sk, *lead), n0, m_, mp_, method_)
+        gs = C.load_tile(r[h_name + "g"], (sk, *lead), n0, bn, m_, mp_, method_)
+        us = C.load_tile(r[h_name + "u"], (sk, *lead), n0, bn, m_, mp_, method_)
         g, u = (gs, us) if g is None else (g + gs, u + us)
       C.store_tile(r[h_name], lead, C.silu_mul_f32(g, u), n0, bn, m_, mp_, method_)
       plgpu.store(r["counter_out"].at[pid], jnp.int32(0))
@@ -637,7 +619,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   else:
     names += ["sg_q", "sg_s", "su_q", "su_s", "sg_s2", "su_s2"]
     args += _weight_args(fs, shared["gate_proj"], "") + _weight_args(fs, shared["up_proj"], "")
-    args += [_scalar_f32(shared["gate_proj"][2]), _scalar_f32(shared["up_proj"][2])]
+    args += [C.scalar_f32(shared["gate_proj"][2]), C.scalar_f32(shared["up_proj"][2])]
   if sk == 1:
     names += ["h", "hs"]
     out_shape = [jax.ShapeDtypeStruct((u, 1 if token else m, inter), x.dtype),
@@ -678,18 +660,18 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   )(*args)
   res = list(res)
   counter_out = res.pop() if finish else None
-  n_h = 2 if sk == 1 else 6 if finish else 4
-  h_parts = res[:n_h] if not finish else res[4:6]
+  n_h = len(out_shape) - (2 if route is not None else 0) - finish   # the h / partial outputs
   route_out = None if route is None else MoERoute(*res[n_h:])
-  if finish:
-    sk = 1    # the down kernel reads the finished h
+  # what the down kernel reads: h (unsplit, or finished by the last slice) or the partials
+  down_parts = 1 if finish else sk
+  h_parts = res[n_h - 2:n_h] if down_parts == 1 else res[:4]
 
   # ---- kernel 2: down (+ routing-weighted combine unless split) + shared down
   if route is None:
     dn_names, dn_args = route_names, route_args
   else:   # the gate_up kernel's routing: no top-k here
     dn_names, dn_args = ["route_ids"], [route_out.ids]
-  if sk == 1:
+  if down_parts == 1:
     h, hs = h_parts
     names = ["h", "h5", "hs", "hs5"]
     args = [h, NV.x_view(h) if inter % 64 == 0 else h, hs,
@@ -711,7 +693,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     args += [shared["down_proj"]]
   else:
     names += ["sd_q", "sd_s", "sd_s2"]
-    args += _weight_args(fs, shared["down_proj"], "") + [_scalar_f32(shared["down_proj"][2])]
+    args += _weight_args(fs, shared["down_proj"], "") + [C.scalar_f32(shared["down_proj"][2])]
   names += ["out"]
   kernel = functools.partial(
       _down_kernel, names=names, m=m, mp=C.pad_rows(m, method_down), inter=inter,
@@ -719,7 +701,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       decode=decode, layout=layout,
       unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
       method=method_down, split=down_split, route_top_k=None if route is None else route[0],
-      token_method=token_method, gu_split_k=sk)
+      token_method=token_method, gu_split_k=down_parts)
   if down_split:
     y = pl.pallas_call(
         kernel, grid=(d // bn_dn, u + 1),

@@ -262,7 +262,7 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
     args = [NV.x_view(x)]
     for w in weights:
       args += NV.nvfp4_views(w[0], w[1])
-    args += [jnp.asarray(w[2], jnp.float32).reshape(1) for w in weights]
+    args += [C.scalar_f32(w[2]) for w in weights]
     tag = f"nvfp4_{method}_{decode}_{layout}"
   kernel = functools.partial(_multi_gemv_kernel, fmt=fmt, n_mats=n_mats, starts=starts, m=m,
                              mp=mp, bn=block_n, bk=block_k, n_iter=k // block_k, decode=decode,

@@ -92,14 +92,8 @@ def _nvfp4_tile_dot_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layou
   if method == "lanes":   # M == 1, tile layout: two FFMAs per code byte, as nvfp4_tile_dot
     C.check(m == 1 and layout == "tile", "method='lanes' needs M == 1 and layout='tile'")
     ds, blk = slice(None), pl.ds(b0, nb)
-    q = q_ref[pl.ds(n0, bn), blk, ds, ds]                                # [BN, nb, 2, 16]
-    s_lo = s_ref[pl.ds(n0, bn), blk, 0, ds].astype(jnp.float32)[..., None]
-    s_hi = s_ref[pl.ds(n0, bn), blk, 1, ds].astype(jnp.float32)[..., None]
-    w_lo, w_hi = NV._decode_pair(q, s_lo, s_hi, decode)  # pylint: disable=protected-access
-    for half, w in ((0, w_lo), (1, w_hi)):
-      x = xfn((blk, half, ds, ds), 3).astype(jnp.float32)                  # [nb, 2, 16]
-      acc = acc + w.astype(jnp.float32) * x[None]
-    return acc
+    w_lo, w_hi = NV.decode_tile(q_ref, s_ref, (), n0, bn, b0, nb, decode)
+    return NV.lanes_fma(acc, w_lo, w_hi, lambda h: xfn((blk, h, ds, ds), 3))
   return acc + _nvfp4_part_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, decode=decode,
                              layout=layout, method=method)
 
@@ -117,10 +111,7 @@ def _nvfp4_part_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layout, m
 
   if layout == "tile":
     blk = pl.ds(b0, nb)
-    q = q_ref[nrow, blk, ds, ds]                                         # [BN, nb, 2, 16]
-    s_lo = s_ref[nrow, blk, 0, ds].astype(jnp.float32)[..., None]       # [BN, nb, 2, 1]
-    s_hi = s_ref[nrow, blk, 1, ds].astype(jnp.float32)[..., None]
-    w_lo, w_hi = NV._decode_pair(q, s_lo, s_hi, decode)  # pylint: disable=protected-access
+    w_lo, w_hi = NV.decode_tile(q_ref, s_ref, (), n0, bn, b0, nb, decode)
     if method == "reduce":
       acc = None
       for half, w in ((0, w_lo), (1, w_hi)):
@@ -323,7 +314,7 @@ def layer_end_inputs(h, y, top_logits, w_norm, weights, mode, top_k, fmt):
     args += list(NV.nvfp4_views(w[0], w[1]))
   for i, w in enumerate(weights):
     names.append(f"s2_{i}")
-    args.append(MOE._scalar_f32(w[2]))  # pylint: disable=protected-access
+    args.append(C.scalar_f32(w[2]))
   return names, args, u
 
 

@@ -198,6 +198,25 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
   return part if acc is None or method == "lanes" else acc + part
 
 
+def decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode):
+  """(w_lo, w_hi) bf16 [BN, nb, 2, 16]: weight rows n0 .. n0+bn, 64-value blocks b0 .. b0+nb of
+  the ``nvfp4_views`` (tile layout), decoded with their block scales."""
+  ds, nrow, blk = slice(None), pl.ds(n0, bn), pl.ds(b0, nb)
+  q = q_ref[(*w_idx, nrow, blk, ds, ds)]                                  # [BN, nb, 2, 16]
+  s_lo = s_ref[(*w_idx, nrow, blk, 0, ds)].astype(jnp.float32)[..., None]  # [BN, nb, 2, 1]
+  s_hi = s_ref[(*w_idx, nrow, blk, 1, ds)].astype(jnp.float32)[..., None]
+  return _decode_pair(q, s_lo, s_hi, decode)
+
+
+def lanes_fma(acc, w_lo, w_hi, x_half):
+  """The ``lanes`` K step: acc [BN, nb, 2, 16] + w_lo * x_half(0) + w_hi * x_half(1), two
+  separate adds (FFMAs, no FMUL + FADD); ``x_half(h)`` is x's [nb, 2, 16] half h."""
+  for half, w in enumerate((w_lo, w_hi)):
+    x = x_half(half).astype(jnp.float32)                                  # [nb, 2, 16]
+    acc = acc + w.astype(jnp.float32) * x[None]
+  return acc
+
+
 def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
                     layout, method, acc):
   ds = slice(None)
@@ -205,16 +224,10 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
   rows = C.row_load_index(m, mp)
   if layout == "tile":
     blk = pl.ds(b0, nb)
-    q = q_ref[(*w_idx, nrow, blk, ds, ds)]                                # [BN, nb, 2, 16]
-    s_lo = s_ref[(*w_idx, nrow, blk, 0, ds)].astype(jnp.float32)[..., None]  # [BN, nb, 2, 1]
-    s_hi = s_ref[(*w_idx, nrow, blk, 1, ds)].astype(jnp.float32)[..., None]
-    w_lo, w_hi = _decode_pair(q, s_lo, s_hi, decode)
+    w_lo, w_hi = decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode)
     if method == "lanes":
       C.check(acc is not None, "method='lanes' accumulates into acc: pass acc=")
-      for half, w in enumerate((w_lo, w_hi)):    # two separate adds: FFMAs, no FMUL + FADD
-        x = x_ref[(*x_idx, 0, blk, half, ds, ds)].astype(jnp.float32)     # [nb, 2, 16]
-        acc = acc + w.astype(jnp.float32) * x[None]
-      return acc
+      return lanes_fma(acc, w_lo, w_hi, lambda h: x_ref[(*x_idx, 0, blk, h, ds, ds)])
     if method in ("reduce", "rows"):
       wf = (w_lo.astype(jnp.float32), w_hi.astype(jnp.float32))
 
@@ -385,7 +398,7 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   mp = C.pad_rows(m, method)
   nb = block_k // 64
   q4, s4 = nvfp4_views(qweight, weight_scale)
-  s2 = jnp.asarray(weight_scale_2, jnp.float32).reshape(1)
+  s2 = C.scalar_f32(weight_scale_2)
   kernel = functools.partial(_nvfp4_gemv_kernel, m=m, mp=mp, bn=block_n, nb=nb,
                              n_iter=k // block_k // split_k, split_k=split_k, decode=decode,
                              layout=layout, method=method)
@@ -478,10 +491,8 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   nb = block_k // 64
   qg, sg = nvfp4_views(gate.qweight, gate.weight_scale)
   qu, su = nvfp4_views(up.qweight, up.weight_scale)
-  # the two tensor scales as separate [1] inputs (free reshapes): a jnp.stack would be one
-  # more XLA launch per call
-  s2g = jnp.asarray(gate.weight_scale_2, jnp.float32).reshape(1)
-  s2u = jnp.asarray(up.weight_scale_2, jnp.float32).reshape(1)
+  # the two tensor scales as separate [1] inputs: a jnp.stack would be one more XLA launch
+  s2g, s2u = C.scalar_f32(gate.weight_scale_2), C.scalar_f32(up.weight_scale_2)
   kernel = functools.partial(_nvfp4_silu_mul_kernel, m=m, mp=mp, bn=block_n, nb=nb,
                              n_iter=k // block_k, decode=decode, layout=layout, method=method)
   return pl.pallas_call(

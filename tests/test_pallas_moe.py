@@ -204,8 +204,7 @@ def test_moe_decode_routed_gate_up_split_k(m, d, split_k, kw):
   assert_close(y, ref, what=f"split_k={split_k} vs reference")
   assert_close(y, y1, what=f"split_k={split_k} vs unsplit")
   # the unrouted kernels (moe_decode) with the same split, on the same routing
-  sig = jax.nn.sigmoid(route.logits)
-  w = sig / jnp.sum(sig, axis=1, keepdims=True)
+  w = moe_route_weights(route.logits)
   out = moe_decode(x, route.ids, w, experts, shared, gate_up_split_k=split_k,
                    interpret=INTERPRET, **kw)
   assert_close(out, moe_decode_reference(x, route.ids, w, experts, shared),

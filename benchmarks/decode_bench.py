@@ -224,7 +224,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     (`router_in_norm` forced on: add + norm + router GEMV in one kernel; the default at batch 1
     only), "pallas_norin" (forced off), "pallas_xgu" (`bf16_dense_pallas=False`: the BF16 dense
     gate|up on XLA at batch 1 too), "pallas_gusk2" / "pallas_gusk4" (`moe_gate_up_split_k`: the
-    BF16 MoE gate_up kernel's K in 2 / 4 slices)."""
+    BF16 MoE gate_up kernel's K in 2 / 4 slices), "pallas_qsk1/2/4" (`qkv_split_k`: the
+    `norm_qkv` kernel's K in 1 / 2 / 4 slices, its partials summed by the attention kernel)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -248,7 +249,10 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "lanes": DecodeOptions(nvfp4_m1_method="lanes"),
                "reduce": DecodeOptions(nvfp4_m1_method="reduce"),
                "gusk2": DecodeOptions(moe_gate_up_split_k=2),
-               "gusk4": DecodeOptions(moe_gate_up_split_k=4)}[variant]
+               "gusk4": DecodeOptions(moe_gate_up_split_k=4),
+               "qsk1": DecodeOptions(qkv_split_k=1),
+               "qsk2": DecodeOptions(qkv_split_k=2),
+               "qsk4": DecodeOptions(qkv_split_k=4)}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

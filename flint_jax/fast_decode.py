@@ -109,6 +109,11 @@ class DecodeOptions:
       in the other order), kernel time -24 / -12 us (gate_up 12.9 against 13.4 us per layer),
       351 against 350 kernels. 1 turns it off. NVFP4 experts ignore it. (Leaving the sum to
       the down kernel measured slower: run 44.)
+    qkv_split_k: (where the layer end goes into the next q|k|v kernel, `norm_in_qkv`, and the
+      attention is "fused" / "fused_atomic") the `norm_qkv` kernel's K in this many slices,
+      its fp32 partials summed by the attention kernel as it loads q / k / v (`norm_qkv(...,
+      split_k=S, sum_splits=False)`): S x the programs (a BF16 q|k|v at batch 1 has 80 tiles
+      for 132 SMs), no kernel more. None (default) = 1 (off; not yet measured as a default).
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.
@@ -128,6 +133,11 @@ class DecodeOptions:
     nvfp4_m1_method: str | None = None
     bf16_dense_pallas: bool | None = None
     moe_gate_up_split_k: int | None = None
+    qkv_split_k: int | None = None
+
+    def qkv_split_k_at(self, batch: int) -> int:
+        """K slices of the `norm_qkv` kernel at this batch size (where it applies)."""
+        return 1 if self.qkv_split_k is None else self.qkv_split_k
 
     def moe_gate_up_split_k_at(self, batch: int) -> int:
         """K slices of the BF16 MoE gate_up kernel at this batch size (where it applies)."""
@@ -175,6 +185,13 @@ class DecodeOptions:
         if self.nvfp4_m1_method not in (None, "reduce", "lanes"):
             raise ValueError("DecodeOptions.nvfp4_m1_method must be None|'reduce'|'lanes', got "
                              f"{self.nvfp4_m1_method!r}")
+        if self.qkv_split_k is not None and (self.qkv_split_k < 1 or
+                                             self.qkv_split_k & (self.qkv_split_k - 1)):
+            raise ValueError("DecodeOptions.qkv_split_k must be a power of two >= 1, got "
+                             f"{self.qkv_split_k!r}")
+        if (self.qkv_split_k or 1) > 1 and self.attention == "split":
+            raise ValueError("DecodeOptions.qkv_split_k > 1 needs attention='fused' or "
+                             "'fused_atomic' (the fused attention kernel sums the partials)")
         if self.moe not in ("routed", "slots", "xla", "v1"):
             raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
         if self.router_in_norm and self.moe != "routed":
@@ -329,6 +346,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         gate_up_split = opts.moe_gate_up_split_k_at(b) if (not moe_quant and fold) else 1
         gcounter = (jnp.zeros((GATE_UP_COUNTER,), jnp.int32) if gate_up_split > 1 else None)
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
+        qkv_split = opts.qkv_split_k_at(b) if fold and not wait else 1
         if not fold:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
         for i, layer in enumerate(layers):
@@ -344,12 +362,15 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         block_n=opts.qkv_wait_block_n, preload=opts.qkv_wait_preload,
                         interpret=interpret)
                 elif fold:
+                    # with qkv_split > 1: fp32 partials [S, B, N], summed by the attention kernel
                     h, (q, k, v) = norm_qkv(h, _qkv_weights(attn), layer.input_layernorm.weight[...],
                                             y=pending[0], top_logits=pending[1], eps=eps,
+                                            split_k=qkv_split, sum_splits=False,
                                             interpret=interpret)
                 else:
                     q, k, v = _qkv(attn, x, opts.fused_qkv, interpret, nv_method)
-                q, k, v = q.reshape(b, h_, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
+                q = q.reshape(*q.shape[:-1], h_, hd)
+                k, v = k.reshape(*k.shape[:-1], kvh, hd), v.reshape(*v.shape[:-1], kvh, hd)
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)
                 window = cfg.sliding_window if sliding else None
                 splits = opts.ring_splits if sliding else None

@@ -107,6 +107,17 @@ def test_default_step_batch_one_equals_xla(bf16_dense_pallas):
     assert_generate_equal("bf16", 6, opts, [list(range(20, 90))], 5)
 
 
+@pytest.mark.parametrize("fmt,options", [
+    ("bf16", DecodeOptions(qkv_split_k=2)),
+    ("nvfp4", DecodeOptions(qkv_split_k=2, norm_in_qkv=True, attention="fused_atomic"))])
+def test_qkv_split_k_equals_xla(fmt, options):
+    """norm_qkv in K slices, its partials summed by the attention kernel: one BF16 row (the
+    default norm_in_qkv route) and two NVFP4 rows (norm_in_qkv forced, atomic merge)."""
+    assert options.qkv_split_k_at(1) == options.qkv_split_k
+    rows = [list(range(12, 82))] if fmt == "bf16" else [list(range(12, 82)), list(range(3, 9))]
+    assert_generate_equal(fmt, 12, options, rows, 5)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_qkv_wait_batch_one_equals_xla(fmt):
     """The default qkv_wait limit (batch 1): one row runs layer_end_qkv, and equals XLA."""
@@ -159,6 +170,8 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(ring_splits=0), "power of two"),
     (dict(moe_slot_rows="tokens"), "moe_slot_rows"),
     (dict(nvfp4_m1_method="rows"), "nvfp4_m1_method"),
+    (dict(qkv_split_k=3), "qkv_split_k"),
+    (dict(qkv_split_k=2, attention="split"), "qkv_split_k > 1 needs"),
 ])
 def test_decode_options_reject_inconsistent_choices(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -143,6 +143,34 @@ def test_counter_threads_through_layers():
   np.testing.assert_array_equal(np.asarray(counter), np.full((3, b, kvh), 4, np.int32))
 
 
+@pytest.mark.parametrize("ring,merge,splits", [(True, "kernel", 2), (False, "atomic", 3)])
+def test_split_k_partials(ring, merge, splits):
+  """q / k / v as fp32 split-K partials [S, ...] (norm_qkv(split_k=S, sum_splits=False)): the
+  kernel sums and rounds them to the caches' dtype itself. Bit-identical (out and caches) to
+  the kernel given the summed bf16 q / k / v, and close to the reference."""
+  b, h, kvh, s_len = 2, 32, 4, 576
+  positions, window = ([511, 1000], 513) if ring else ([0, 575], None)
+  args = list(inputs(b, h, kvh, s_len, positions, ring=ring, window=window, garbage=True,
+                     stacked=True))
+  gen = rng("partials", ring, splits)
+  parts = [jnp.asarray(gen.standard_normal((splits, *a.shape)) * (1.5 / splits), jnp.float32)
+           for a in args[:3]]
+  summed = [jnp.sum(p, axis=0).astype(jnp.bfloat16) for p in parts]
+  counter = jnp.zeros((3, b, kvh), jnp.int32) if merge == "atomic" else None
+  opts = dict(rope=ring, ring=ring, window=window, merge=merge)
+  got = qk_norm_rope_attention(*parts, *args[3:], counter, interpret=INTERPRET, **opts)
+  want = qk_norm_rope_attention(*summed, *args[3:], counter, interpret=INTERPRET, **opts)
+  for g, w, name in zip(got, want, ("out", "k_cache", "v_cache", "counter")):
+    assert g.shape == w.shape and g.dtype == w.dtype, name
+    g, w = np.asarray(g), np.asarray(w)
+    if g.dtype == jnp.bfloat16:
+      g, w = g.view(np.uint16), w.view(np.uint16)
+    np.testing.assert_array_equal(g, w, err_msg=f"{name}: partials vs summed bf16 inputs")
+  check(got, qk_norm_rope_attention_reference(*parts, *args[3:], counter, **opts), merge)
+  with pytest.raises(ValueError, match="split-K partials"):
+    qk_norm_rope_attention(parts[0], *summed[1:], *args[3:], counter, interpret=True, **opts)
+
+
 def test_validation():
   q, k, v, wq, wk, pos, kc, vc, sinks, layer = inputs(1, 8, 2, 64, [3], ring=False, window=None,
                                                       garbage=False, stacked=False)

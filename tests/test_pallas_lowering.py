@@ -316,6 +316,30 @@ def test_norm_qkv_lowers(fmt, decode, m, mode):
     assert f"stablehlo.{op} " not in text and f"chlo.{op} " not in text, op
 
 
+@pytest.mark.parametrize("fmt,decode", [("bf16", None), ("nvfp4", "asm")])
+@pytest.mark.parametrize("ring", [False, True])
+def test_norm_qkv_split_k_into_attention_lowers(fmt, decode, ring):
+  """norm_qkv's K in 2 slices at M = 1, its fp32 partials into the fused attention kernel
+  (which sums them): the two Triton kernels and the merge kernel, no XLA op between them."""
+  from flint_jax.pallas.norm_qkv import norm_qkv   # pylint: disable=g-import-not-at-top
+  ws = tuple(S((n, D), BF) if fmt == "bf16" else nv(n, D) for n in QKV)
+  kw = {} if decode is None else dict(decode=decode)
+  layers, s_len = (35, 576) if ring else (14, 131072)
+
+  def fn(h, ws, w, y, lg, wq, wk, pos, kc, vc, sinks, layer):
+    _, (q, k, v) = norm_qkv(h, ws, w, y=y, top_logits=lg, split_k=2, sum_splits=False, **kw)
+    q, k, v = q.reshape(2, 1, H, DH), k.reshape(2, 1, KVH, DH), v.reshape(2, 1, KVH, DH)
+    return qk_norm_rope_attention(q, k, v, wq, wk, pos, kc, vc, sinks, layer, rope=ring,
+                                  ring=ring, window=513 if ring else None)
+
+  cache = S((layers, 1, KVH, s_len, DH), BF)
+  text = lower(fn, S((1, D), BF), ws, S((D,), BF), S((7, 1, D), BF), S((1, 6), F32),
+               S((DH,), BF), S((DH,), BF), S((1,), I32), cache, cache, S((H,), F32), S((), I32))
+  assert text.count("__gpu$xla.gpu.triton") == 3
+  for op in ("reduce", "add", "convert"):
+    assert f"stablehlo.{op} " not in text, op
+
+
 @pytest.mark.parametrize("fmt,m,method,layout", [
     (f, m, meth, "tile") for f in ("bf16", "nvfp4")
     for m, meth in ((1, "reduce"), (1, "dot"), (8, "swap"))] + [("nvfp4", 8, "dot", "chunk")])

@@ -22,6 +22,7 @@ import pytest
 
 from flint_jax.pallas import (add_rms_norm, moe_combine_add_rms_norm, moe_topk_route, multi_gemv,
                               norm_qkv, norm_qkv_reference, rms_norm)
+from flint_jax.pallas.norm_qkv import _k_slice
 from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng, tie_logits
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -107,6 +108,48 @@ def test_norm_qkv(fmt, mode, m, d, e, top_k, ns, ties, kw):
     assert_close(o, r, what=f"out[{i}] vs reference")
 
 
+SPLIT_CASES = [
+    # fmt, mode, m, d, split_k, kw
+    ("bf16", "moe", 1, 256, 2, dict(block_k=64)),                                  # swap
+    ("bf16", "dense", 3, 512, 4, dict(block_k=64, block_d=128)),                   # dot
+    ("bf16", "norm", 1, 256, 2, dict(block_k=128, method="reduce")),
+    ("nvfp4", "moe", 1, 256, 2, dict(block_k=64)),                                 # lanes
+    ("nvfp4", "dense", 2, 256, 2, dict(block_k=64)),                               # rows
+]
+
+
+@pytest.mark.parametrize("fmt,mode,m,d,split_k,kw", SPLIT_CASES)
+def test_norm_qkv_split_k(fmt, mode, m, d, split_k, kw):
+  """split_k programs per tile: fp32 partials, each equal to multi_gemv on its K slice of the
+  kernel's x and the weights (same tiles); summed by XLA with sum_splits."""
+  h, ws, w, ykw = make_case(fmt, mode, m, d, 16, 6 if mode == "moe" else 0, QKV_SMALL, False,
+                            split_k)
+  s, parts, x = norm_qkv(h, ws, w, **ykw, decode=DECODE, return_x=True, split_k=split_k,
+                         sum_splits=False, interpret=INTERPRET, **kw)
+  s_k, x_k = unfused(mode, h, w, ykw)
+  assert_equal(s, s_k, "s vs unfused kernel")
+  assert_equal(x, x_k, "x vs unfused kernel")
+  _, parts_ref = norm_qkv_reference(h, ws, w, **ykw, split_k=split_k, sum_splits=False)
+  c = d // split_k
+  gemv_kw = {k: v for k, v in kw.items() if k != "block_d"}
+  for j in range(split_k):
+    ws_j = tuple(_k_slice(wi, j * c, (j + 1) * c) for wi in ws)
+    want = multi_gemv(x_k[:, j * c:(j + 1) * c], ws_j, out_dtype=jnp.float32, decode=DECODE,
+                      interpret=INTERPRET, **gemv_kw)
+    for i, (p, wr) in enumerate(zip(parts, want)):
+      assert p.shape == (split_k, m, QKV_SMALL[i]) and p.dtype == jnp.float32
+      # equal up to an fp32 ulp (interpret mode: XLA:CPU may compile the slice's loop, whose
+      # bounds are traced here and static there, with a different association)
+      assert_close(p[j], wr, atol=1e-6, rtol=1e-6,
+                   what=f"partial {j} of out[{i}] vs multi_gemv on the K slice")
+  for i, (p, r) in enumerate(zip(parts, parts_ref)):
+    # bf16 tolerance: the reference's x may differ from the kernel's by a bf16 ulp (docstring)
+    assert_close(p, r, dtype=jnp.bfloat16, what=f"partials of out[{i}] vs reference")
+  _, summed = norm_qkv(h, ws, w, **ykw, decode=DECODE, split_k=split_k, interpret=INTERPRET, **kw)
+  for i, (o, p) in enumerate(zip(summed, parts)):
+    assert_equal(o, jnp.sum(p, axis=0).astype(jnp.bfloat16), f"summed out[{i}]")
+
+
 def test_norm_qkv_f32_out():
   """out_dtype f32, without return_x (the production kernel)."""
   h, ws, w, ykw = make_case("bf16", "moe", 3, 128, 16, 4, (64, 32), False)
@@ -150,6 +193,8 @@ def test_norm_qkv_bad_inputs():
       (dict(block_d=96), "block_d"),
       (dict(block_k=48), "block_k"),
       (dict(method="reduce"), "reduce"),
+      (dict(split_k=3), "split_k"),
+      (dict(split_k=2, block_k=128), "split_k"),
   ]
   for kw, msg in bad:
     with pytest.raises(ValueError, match=msg):

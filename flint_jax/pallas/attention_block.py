@@ -71,7 +71,7 @@ from flint_jax.pallas.decode_attention import _validate as _attn_validate
 from flint_jax.pallas.decode_attention import (decode_attention_reference,
                                                default_attention_blocks, merge_splits,
                                                valid_slots)
-from flint_jax.pallas.qk_norm_rope import _norm_rope_rows
+from flint_jax.pallas.qk_norm_rope import _norm_rope_rows, load_rows
 from flint_jax.pallas.qk_norm_rope import _validate as _norm_validate
 from flint_jax.pallas.qk_norm_rope import qk_norm_rope_reference, rope_inv_freq
 
@@ -110,11 +110,15 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
     ang = p.astype(f32) * invf_ref[...]                               # [Dh/2]
     cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
   ld = lambda ref, c: ref[pl.ds(c, half)].astype(f32)               # noqa: E731
+  dt = kc_in.dtype                  # q / k / v (or their summed split-K partials) dtype
   q1, q2 = _norm_rope_rows(q_ref, b, g, gp, half, ld(wq_ref, 0), ld(wq_ref, half), eps,
-                           rope, cos, sin, offset=kv * g)
+                           rope, cos, sin, offset=kv * g, dt=dt)
   k1, k2 = _norm_rope_rows(k_ref, b, 1, gp, half, ld(wk_ref, 0), ld(wk_ref, half), eps,
-                           rope, cos, sin, offset=kv)
-  v_new = v_ref[b, C.row_load_index(1, gp, kv), :]                    # [Gp, Dh], rows equal
+                           rope, cos, sin, offset=kv, dt=dt)
+  if len(v_ref.shape) == 3:
+    v_new = v_ref[b, C.row_load_index(1, gp, kv), :]                  # [Gp, Dh], rows equal
+  else:
+    v_new = load_rows(v_ref, b, C.row_load_index(1, gp, kv), slice(None), dt).astype(dt)
 
   # 3. Program 0 writes the new k / v (one real row) into the slot.
   slot = p % s_len if ring else p
@@ -206,6 +210,23 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
                 (acc / den[:, None]).astype(out_ref.dtype), mask=omask[:, None])
 
 
+def _logical_qkv(q, k, v, dtype):
+  """(q, k, v) as the kernel sees them: the arrays, or for fp32 split-K partials [S, ...] the
+  [...]-shaped ``dtype`` values they sum to (ShapeDtypeStructs, for validation)."""
+  if q.ndim != 4:
+    return q, k, v
+  n = q.shape[0]
+  for name, a in (("q", q), ("k", k), ("v", v)):
+    C.check(a.ndim == 4 and a.shape[0] == n and a.dtype == jnp.float32,
+            f"split-K partials: q, k and v must all be f32 [S={n}, B, N, Dh], got {name} "
+            f"{a.shape} {a.dtype}")
+  return tuple(jax.ShapeDtypeStruct(a.shape[1:], dtype) for a in (q, k, v))
+
+
+def _sum_partials(a, dtype):
+  return jnp.sum(a, axis=0).astype(dtype) if a.ndim == 4 else a
+
+
 def _blocks(b, kvh, s_len, block_k, num_splits):
   dbk, dns = default_attention_blocks(b, kvh, s_len)
   return block_k or dbk, num_splits or dns
@@ -223,11 +244,17 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
                            interpret: bool = False):
   """qk_norm_rope + decode_attention in one split kernel; see the module docstring.
 
+  q / k / v may also be fp32 split-K partials [S, B, H, Dh] / [S, B, KVH, Dh] (``norm_qkv(...,
+  split_k=S, sum_splits=False)``): every program sums them in fp32 and rounds to the caches'
+  dtype, what the unsplit projection would have stored.
+
   Returns ``(out [B, H, Dh], k_cache, v_cache)``, and the counter as a 4th output with
   ``merge="atomic"`` (unchanged when ``num_splits == 1``).
   """
-  b, h, kvh, dh = _norm_validate(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer)
-  _, _, _, s_len, _ = _attn_validate(q, k_cache, v_cache, positions, sinks, layer)
+  qs, ks, vs = _logical_qkv(q, k, v, k_cache.dtype)
+  b, h, kvh, dh = _norm_validate(qs, ks, vs, q_norm_w, k_norm_w, positions, k_cache, v_cache,
+                                 layer)
+  _, _, _, s_len, _ = _attn_validate(qs, k_cache, v_cache, positions, sinks, layer)
   C.check(merge in MERGES, f"merge must be one of {MERGES}, got {merge=}")
   if ring:
     C.check(window is not None and 1 <= window <= s_len,
@@ -264,7 +291,7 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
                                  "counter_layer"))
   n_in = len(args)
   args += [k_cache, v_cache]
-  out_t = jax.ShapeDtypeStruct((b, h, dh), q.dtype)
+  out_t = jax.ShapeDtypeStruct((b, h, dh), qs.dtype)
   parts = (jax.ShapeDtypeStruct((b, kvh, num_splits, g, dh), f32),
            jax.ShapeDtypeStruct((b, kvh, num_splits, g), f32),
            jax.ShapeDtypeStruct((b, kvh, num_splits, g), f32))
@@ -293,7 +320,7 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
     out, kc, vc = res
   elif mode == "kernel":
     o, m, l, kc, vc = res
-    out = merge_splits(o, m, l, sinks, q.dtype, interpret=interpret)
+    out = merge_splits(o, m, l, sinks, qs.dtype, interpret=interpret)
   else:
     out, _, _, _, kc, vc, counter = res
   return (out, kc, vc) if merge == "kernel" else (out, kc, vc, counter)
@@ -307,8 +334,10 @@ def qk_norm_rope_attention_reference(q, k, v, q_norm_w, k_norm_w, positions, k_c
                                      block_k: int | None = None, num_splits: int | None = None,
                                      **unused_tuning):
   """qk_norm_rope_reference then decode_attention_reference. With ``merge="atomic"`` also the
-  counter after the kernel: entry (counter_layer or layer, b, kv) incremented by NS (if NS > 1)."""
+  counter after the kernel: entry (counter_layer or layer, b, kv) incremented by NS (if NS > 1).
+  Split-K partials (4-D f32 q / k / v) are summed and rounded to the caches' dtype first."""
   del unused_tuning
+  q, k, v = (_sum_partials(a, k_cache.dtype) for a in (q, k, v))
   q2, kc, vc = qk_norm_rope_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache,
                                           v_cache, layer, rope=rope, ring=ring, theta=theta,
                                           eps=eps)

@@ -141,12 +141,15 @@ def _nvfp4_part_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layout, m
 
 
 def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, bd, eps,
-                     top_k, u, decode, layout, method, return_x):
+                     top_k, u, decode, layout, method, return_x, split_k):
   """refs by ``names``: h [M, D], y (dense [M, D] / MoE [(U+1) * M, D]), top_logits [M, top_k],
   w_norm [D], (NVFP4: hv, yv, wv views [.., D/64, 2, 2, 16]), per matrix w (bf16) or (q, s)
-  views and s2 f32 [1] (NVFP4), outputs o_0..o_{n-1}, s (unless mode norm), x (return_x)."""
+  views and s2 f32 [1] (NVFP4), outputs o_0..o_{n-1} ([M, N_i], or f32 [split_k, M, N_i]
+  partials), s (unless mode norm), x (return_x)."""
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
+  ks = pl.program_id(1) if split_k > 1 else 0           # this program's K slice
+  first = (pid == 0) & (ks == 0) if split_k > 1 else pid == 0
   one = m == 1
   rows = 0 if one else C.row_load_index(m, mp)          # row index (int or [Mp] vector)
   dt = r["h"].dtype
@@ -199,7 +202,7 @@ def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, 
     k0 = pl.multiple_of(i * bd, bd)
     s = s_chunk(r["h"], r.get("y"), (pl.ds(k0, bd),), 1)
     if mode != "norm":
-      pl.when(pid == 0)(lambda: store_rows(r["s"], s, k0))
+      pl.when(first)(lambda: store_rows(r["s"], s, k0))
     s32 = s.astype(jnp.float32)
     return acc + s32 * s32
 
@@ -212,7 +215,7 @@ def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, 
       k0 = pl.multiple_of(i * bd, bd)
       store_rows(r["x"], x_chunk(r["h"], r.get("y"), r["w"], (pl.ds(k0, bd),), 1, inv), k0)
       return carry
-    @pl.when(pid == 0)
+    @pl.when(first)
     def _():
       lax.fori_loop(0, d // bd, x_body, 0)
 
@@ -245,11 +248,12 @@ def _norm_qkv_kernel(*refs, names, mode, fmt, n_mats, starts, m, mp, d, bn, bk, 
                                  layout=layout, method=method, acc=acc)
       lanes = NV.lanes_shape(bk)
 
-    acc = lax.fori_loop(0, d // bk, body, C.acc_zeros(mp, bn, method, lanes))
+    n_k = d // bk // split_k                               # K steps of this slice
+    acc = lax.fori_loop(ks * n_k, (ks + 1) * n_k, body, C.acc_zeros(mp, bn, method, lanes))
     acc = C.finish_acc(acc, method)
     if fmt == "nvfp4":
       acc = acc * (r[f"s2_{i}"][0] * NV.decode_factor(decode))
-    C.store_tile(o_refs[i], (), acc, n0, bn, m, mp, method)
+    C.store_tile(o_refs[i], (ks,) if split_k > 1 else (), acc, n0, bn, m, mp, method)
 
   MG.run_matrix_branches(pid, starts, matrix)
 
@@ -320,12 +324,13 @@ def layer_end_inputs(h, y, top_logits, w_norm, weights, mode, top_k, fmt):
 
 @functools.partial(jax.jit, static_argnames=(
     "eps", "out_dtype", "block_n", "block_k", "block_d", "method", "decode", "layout",
-    "num_warps", "num_stages", "return_x", "interpret"))
+    "num_warps", "num_stages", "return_x", "split_k", "sum_splits", "interpret"))
 def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
              out_dtype=jnp.bfloat16, block_n: int | None = None, block_k: int | None = None,
              block_d: int | None = None, method: str | None = None, decode: str = "asm",
              layout: str = "tile", num_warps: int | None = None, num_stages: int | None = None,
-             return_x: bool = False, interpret: bool = False):
+             return_x: bool = False, split_k: int = 1, sum_splits: bool = True,
+             interpret: bool = False):
   """(s, outs): residual update + RMSNorm + ``multi_gemv`` in one pallas_call (module docstring).
 
   Mode from the arguments: ``y`` [M*top_k+1, M, D] + ``top_logits`` [M, top_k] f32
@@ -334,6 +339,13 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   (``block_n``, ``block_k``, ``method``, ``decode``, ``layout``, ``num_warps``, ``num_stages``)
   and their defaults are ``multi_gemv``'s; ``block_d`` (default ``default_block_d``) is the chunk
   of the statistic pass. ``return_x``: also return the kernel's normalised x [M, D] (tests).
+
+  ``split_k`` > 1: ``split_k`` programs per output tile, program s running the K steps of the
+  contiguous range [s D/split_k, (s+1) D/split_k) (every program still forms the whole row's
+  statistic) and storing fp32 partials [split_k, M, N_i] (NVFP4: times the tensor scale). Why:
+  at M = 1 a bf16 q|k|v has 80 tiles for 132 SMs. ``sum_splits`` (default) sums them in XLA and
+  casts to ``out_dtype``; ``sum_splits=False`` returns the partials, for a consumer that sums
+  them itself (``qk_norm_rope_attention`` takes them).
   """
   mode, top_k = _mode(h, y, top_logits, w_norm)
   fmt = MG._format(weights)  # pylint: disable=protected-access
@@ -341,6 +353,9 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   ns = tuple(MG._n_rows(w, fmt) for w in weights)  # pylint: disable=protected-access
   method, decode = MG.resolve_method(fmt, m, method, layout, decode, interpret)
   dbn, dbk, dwarps = MG.default_multi_gemv_blocks(ns, d, m=m, fmt=fmt, method=method)
+  if block_k is None and split_k > 1:        # the default K step, shrunk to fit a slice
+    while dbk > (16 if fmt == "bf16" else 64) and d % (dbk * split_k):
+      dbk //= 2
   block_n, block_k = block_n or dbn, block_k or dbk
   block_d = block_d or default_block_d(d, m, block_k)
   num_warps = num_warps or dwarps
@@ -348,6 +363,8 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   # 10.11 with 5; block_k 512 with 4 stages exceeds the shared memory)
   num_stages = num_stages or (4 if fmt == "bf16" and m == 1 else 3)
   MG._validate(jax.ShapeDtypeStruct((m, d), h.dtype), weights, fmt, block_n, block_k)  # pylint: disable=protected-access
+  C.check(split_k >= 1 and d % (block_k * split_k) == 0,
+          f"split_k must be >= 1 with block_k * split_k dividing D: {split_k=} {block_k=} {d=}")
   C.check(C.is_pow2(block_d) and block_d >= 16 and d % block_d == 0,
           f"block_d must be a power of two >= 16 dividing D: {block_d=} {d=}")
   mp = C.pad_rows(m, method)
@@ -367,7 +384,8 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
     names.append("wv")
     args.append(w_norm.reshape(d // 64, 2, 2, 16))
     tag = f"nvfp4_{method}_{decode}_{layout}"
-  out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns]
+  out_shape = [jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split_k > 1
+               else jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns]
   names += [f"o{i}" for i in range(n_mats)]
   if mode != "norm":
     out_shape.append(jax.ShapeDtypeStruct((m, d), h.dtype))
@@ -378,13 +396,17 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   kernel = functools.partial(
       _norm_qkv_kernel, names=tuple(names), mode=mode, fmt=fmt, n_mats=n_mats, starts=starts,
       m=m, mp=mp, d=d, bn=block_n, bk=block_k, bd=block_d, eps=eps, top_k=top_k, u=u,
-      decode=decode, layout=layout, method=method, return_x=return_x)
+      decode=decode, layout=layout, method=method, return_x=return_x, split_k=split_k)
+  grid = (starts[-1], split_k) if split_k > 1 else (starts[-1],)
   res = pl.pallas_call(
-      kernel, out_shape=tuple(out_shape), grid=(starts[-1],),
+      kernel, out_shape=tuple(out_shape), grid=grid,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_norm_qkv{n_mats}_{mode}_{tag}_bn{block_n}_bk{block_k}_bd{block_d}",
+      name=(f"flint_norm_qkv{n_mats}_{mode}_{tag}_bn{block_n}_bk{block_k}_bd{block_d}"
+            f"{f'_splitk{split_k}' if split_k > 1 else ''}"),
   )(*args)
   outs = tuple(res[:n_mats])
+  if split_k > 1 and sum_splits:
+    outs = tuple(jnp.sum(o, axis=0).astype(out_dtype) for o in outs)
   rest = list(res[n_mats:])
   s = h if mode == "norm" else rest.pop(0)
   if return_x:
@@ -393,9 +415,12 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
 
 
 def norm_qkv_reference(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
-                       out_dtype=jnp.bfloat16, **unused_tuning):
+                       out_dtype=jnp.bfloat16, split_k: int = 1, sum_splits: bool = True,
+                       **unused_tuning):
   """Plain jnp: ``moe_combine_add_rms_norm_reference`` / ``add_rms_norm_reference`` /
-  ``rms_norm_reference`` (by mode), then ``multi_gemv_reference``; returns (s, outs)."""
+  ``rms_norm_reference`` (by mode), then ``multi_gemv_reference``; returns (s, outs). With
+  ``split_k`` > 1 and ``sum_splits=False``: fp32 partials [split_k, M, N_i], one
+  ``multi_gemv_reference`` per contiguous K range of x and the weights."""
   del unused_tuning
   mode, _ = _mode(h, y, top_logits, w_norm)
   if mode == "norm":
@@ -404,4 +429,19 @@ def norm_qkv_reference(h, weights, w_norm, *, y=None, top_logits=None, eps: floa
     s, x = ARN.add_rms_norm_reference(h, y, w_norm, eps=eps)
   else:
     s, x = MOE.moe_combine_add_rms_norm_reference(h, y, top_logits, w_norm, eps=eps)
-  return s, MG.multi_gemv_reference(x, weights, out_dtype=out_dtype)
+  if split_k == 1 or sum_splits:
+    return s, MG.multi_gemv_reference(x, weights, out_dtype=out_dtype)
+  d = x.shape[1]
+  c = d // split_k
+  parts = [MG.multi_gemv_reference(x[:, j * c:(j + 1) * c],
+                                   tuple(_k_slice(w, j * c, (j + 1) * c) for w in weights),
+                                   out_dtype=jnp.float32) for j in range(split_k)]
+  return s, tuple(jnp.stack([p[i] for p in parts]) for i in range(len(weights)))
+
+
+def _k_slice(w, k0, k1):
+  """Columns [k0, k1) of a bf16 [N, K] weight or an ``NVFP4Weight`` (packed K/2, scales K/16)."""
+  if isinstance(w, tuple):                               # NVFP4Weight or a (q, s, s2) tuple
+    q, sc, s2 = w
+    return NV.NVFP4Weight(q[:, k0 // 2:k1 // 2], sc[:, k0 // 16:k1 // 16], s2)
+  return w[:, k0:k1]

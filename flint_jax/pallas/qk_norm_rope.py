@@ -44,15 +44,28 @@ def rope_inv_freq(head_dim: int, theta: float):
   return jnp.asarray(layers.rope_inv_freq(head_dim, theta))
 
 
-def _norm_rope_rows(ref, b, n, np_, half, w1, w2, eps, rope, cos, sin, offset=0):
-  """Loads rows offset..offset+n-1 of ref[b] (padded to np_ by repeating the last) as two halves,
-  RMSNorm (rounded), optional RoPE -> halves in ref.dtype."""
+def load_rows(ref, b, rows, cols, dt):
+  """ref[b, rows, cols] as f32; ``ref`` [B, N, Dh], or fp32 split-K partials [S, B, N, Dh]
+  summed in fp32 (s = 0, 1, ... in order) and rounded to ``dt`` (the projection's output
+  rounding: what the unsplit GEMV would have stored)."""
+  if len(ref.shape) == 3:
+    return ref[b, rows, cols].astype(jnp.float32)
+  tot = ref[0, b, rows, cols]
+  for part in range(1, ref.shape[0]):
+    tot = tot + ref[part, b, rows, cols]
+  return tot.astype(dt).astype(jnp.float32)
+
+
+def _norm_rope_rows(ref, b, n, np_, half, w1, w2, eps, rope, cos, sin, offset=0, dt=None):
+  """Loads rows offset..offset+n-1 of ref[b] (padded to np_ by repeating the last) as two halves
+  (``load_rows``: split-K partials are summed and rounded to ``dt``), RMSNorm (rounded), optional
+  RoPE -> halves in ``dt`` (default ref.dtype)."""
+  dt = dt or ref.dtype
   rows = C.row_load_index(n, np_, offset)
-  x1 = ref[b, rows, pl.ds(0, half)].astype(jnp.float32)        # [Np, Dh/2]
-  x2 = ref[b, rows, pl.ds(half, half)].astype(jnp.float32)
+  x1 = load_rows(ref, b, rows, pl.ds(0, half), dt)              # [Np, Dh/2]
+  x2 = load_rows(ref, b, rows, pl.ds(half, half), dt)
   ms = (jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * half)
   r = jax.lax.rsqrt(ms + eps)[:, None]                          # [Np, 1]
-  dt = ref.dtype
   n1 = (w1[None, :] * (x1 * r)).astype(dt).astype(jnp.float32)
   n2 = (w2[None, :] * (x2 * r)).astype(dt).astype(jnp.float32)
   if rope:

@@ -196,17 +196,32 @@ def kernel_stats(trace, steps: int, top: int = 40) -> dict:
     by_name: dict[str, list] = {}
     n = 0
     total = 0.0
+    spans = []
     for ev in events:
         if ev.get("ph") == "X" and (ev.get("pid"), ev.get("tid")) in stream_tids:
             n += 1
             dur = float(ev.get("dur", 0.0))
             total += dur
+            spans.append((float(ev.get("ts", 0.0)), dur))
             rec = by_name.setdefault(str(ev.get("name", "?")), [0, 0.0])
             rec[0] += 1
             rec[1] += dur
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"kernels": n / steps, "kernel_us": total / steps,
+    return {"kernels": n / steps, "kernel_us": total / steps, "busy_us": busy_time(spans) / steps,
             "by_kernel": [[name, c / steps, round(d / steps, 2)] for name, (c, d) in ranked]}
+
+
+def busy_time(spans) -> float:
+    """Length of the union of (start, duration) intervals: the time some kernel was on the GPU.
+    Unlike the sum of durations it does not count twice a kernel launched early by programmatic
+    dependent launch, whose CTAs sit at their entry wait while their predecessor runs."""
+    busy, end = 0.0, float("-inf")
+    for start, dur in sorted(spans):
+        stop = start + dur
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
 
 
 def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
@@ -225,9 +240,19 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     only), "pallas_norin" (forced off), "pallas_xgu" (`bf16_dense_pallas=False`: the BF16 dense
     gate|up on XLA at batch 1 too), "pallas_gusk2" / "pallas_gusk4" (`moe_gate_up_split_k`: the
     BF16 MoE gate_up kernel's K in 2 / 4 slices), "pallas_qsk1/2/4" (`qkv_split_k`: the
-    `norm_qkv` kernel's K in 1 / 2 / 4 slices, its partials summed by the attention kernel)."""
+    `norm_qkv` kernel's K in 1 / 2 / 4 slices, its partials summed by the attention kernel),
+    "pallas_notrig" (the default step without the kernels' early PDL trigger, `pallas.pdl`)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
+    from flint_jax.pallas import pdl
     kernels, _, variant = path.partition("_")
+    # The early PDL trigger is read when the kernels are traced: a change drops the caches, and
+    # holds until the next handle is made (run_case finishes each path before the next).
+    trigger = variant != "notrig"
+    if pdl.EARLY_TRIGGER != trigger:
+        pdl.EARLY_TRIGGER = trigger
+        jax.clear_caches()
+    if variant == "notrig":
+        variant = ""
     if variant.startswith("rs"):
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(ring_splits=int(variant[2:])))
@@ -289,6 +314,7 @@ def run_case(cfg, graphdef, state, quant, batch, context, paths, steps, trace, l
                 if stats:
                     row[f"{path}_kernels"] = stats["kernels"]
                     row[f"{path}_kernel_us"] = stats["kernel_us"]
+                    row[f"{path}_busy_us"] = stats["busy_us"]
                     row[f"{path}_by_kernel"] = stats["by_kernel"]
             # Same inputs for every path: the logits of one step from the same cache contents.
             del cache, logits

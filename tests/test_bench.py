@@ -29,6 +29,14 @@ def test_kernel_stats_counts_stream_kernels_only():
     assert stats["by_kernel"] == [["attn", 1.0, 11.0], ["gemv", 1.5, 7.5]]
 
 
+def test_busy_time_counts_overlaps_once():
+    """Kernels launched early (PDL) overlap their predecessors: the union, not the sum."""
+    assert decode_bench.busy_time([]) == 0.0
+    assert decode_bench.busy_time([(0.0, 4.0), (10.0, 2.0)]) == 6.0            # a gap
+    assert decode_bench.busy_time([(0.0, 4.0), (3.0, 5.0), (3.5, 1.0)]) == 8.0  # overlaps
+    assert decode_bench.busy_time([(5.0, 1.0), (0.0, 10.0)]) == 10.0           # unsorted, nested
+
+
 def test_run_case_tiny_on_cpu():
     cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=())   # two MoE layers
     graphdef, state = decode_bench.build_state(cfg, quant=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 # A large finite negative logit: masked scores never produce inf - inf = NaN
@@ -192,6 +193,13 @@ def silu_mul_f32(g, u, act_dtype=jnp.bfloat16):
   return g / (1.0 + jnp.exp(-g)) * u
 
 
+def pallas_call(kernel, **kw):
+  """``pl.pallas_call`` for every flint_jax Triton kernel: with ``pdl.EARLY_TRIGGER`` (default)
+  the kernel first lets the next kernel launch (``pdl`` module docstring)."""
+  from flint_jax.pallas import pdl   # pylint: disable=g-import-not-at-top
+  return pl.pallas_call(pdl.with_early_trigger(kernel) if pdl.EARLY_TRIGGER else kernel, **kw)
+
+
 def compiler_params(num_warps: int, num_stages: int):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -217,6 +225,6 @@ __all__ = [
     "acc_zeros", "finish_method", "finish_acc", "store_tile",
     "MASK_VALUE", "next_pow2", "pad_rows", "is_pow2", "pow2_divisor", "row_load_index",
     "row_store_index", "load_tile", "dot_nt", "dot_nn", "scalar_f32",
-    "silu_mul_f32", "compiler_params", "check", "cdiv",
+    "silu_mul_f32", "compiler_params", "pallas_call", "check", "cdiv",
     "as_index_array",
 ]

@@ -139,7 +139,7 @@ def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None,
   parts = f"_splits{y.shape[0]}" if y.ndim == 3 else ""
   kernel = functools.partial(_add_rms_norm_kernel, d=d, dp=dp, eps=eps)
   out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype))
-  return pl.pallas_call(
+  return C.pallas_call(
       kernel, out_shape=out_shape, grid=(m,),
       compiler_params=C.compiler_params(num_warps or _num_warps(dp), 1),
       interpret=interpret, name=f"flint_add_rms_norm{parts}_d{d}",
@@ -171,7 +171,7 @@ def rms_norm(x, w, *, eps: float = 1e-6, num_warps: int | None = None,
   m, d = x.shape
   dp = C.next_pow2(d)
   kernel = functools.partial(_rms_norm_kernel, d=d, dp=dp, eps=eps)
-  return pl.pallas_call(
+  return C.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(m,),
       compiler_params=C.compiler_params(num_warps or _num_warps(dp), 1),
       interpret=interpret, name=f"flint_rms_norm_d{d}",

@@ -172,7 +172,7 @@ def add_rms_norm_router(h, a, w_norm, router_w, *, eps: float = 1e-6, block_e: i
   out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype),
                jax.ShapeDtypeStruct((m, n_exp), jnp.float32))
   parts = f"_splits{a.shape[0]}" if a.ndim == 3 else ""
-  return pl.pallas_call(
+  return C.pallas_call(
       kernel, out_shape=out_shape, grid=(C.cdiv(n_exp, block_e),),
       compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,
       name=f"flint_add_rms_norm_router{parts}_d{d}_e{n_exp}_be{block_e}_bd{block_d}",

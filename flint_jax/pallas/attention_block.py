@@ -310,7 +310,7 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
       window=window or s_len, ring=ring, rope=rope, eps=eps, scale=scale,
       stacked=layer is not None, counter_stacked=counter_stacked, mode=mode,
       interpret=interpret)
-  res = pl.pallas_call(
+  res = C.pallas_call(
       kernel, out_shape=out_shape, grid=(b, kvh, num_splits), input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=(f"flint_qk_norm{'_rope' if rope else ''}_attn_{'ring' if ring else 'full'}"

@@ -177,7 +177,7 @@ def decode_attention(q, k_cache, v_cache, positions, sinks, layer=None, *, ring:
   kernel = functools.partial(_split_kernel, g=g, gp=gp, bk=block_k, ns=num_splits,
                              window=window or s_len, ring=ring, stacked=stacked, scale=scale)
   f32 = jnp.float32
-  o, m, l = pl.pallas_call(
+  o, m, l = C.pallas_call(
       kernel, grid=(b, kvh, num_splits),
       out_shape=(jax.ShapeDtypeStruct((b, kvh, num_splits, g, dh), f32),
                  jax.ShapeDtypeStruct((b, kvh, num_splits, g), f32),
@@ -193,7 +193,7 @@ def merge_splits(o, m, l, sinks, dtype, *, interpret: bool = False):
   -> [B, H, Dh] dtype (also used by ``attention_block``)."""
   b, kvh, ns, g, dh = o.shape
   merge = functools.partial(_merge_kernel, g=g, ns=ns)
-  return pl.pallas_call(
+  return C.pallas_call(
       merge, grid=(b, kvh * g), out_shape=jax.ShapeDtypeStruct((b, kvh * g, dh), dtype),
       compiler_params=C.compiler_params(4 if ns * dh >= 4096 else 1, 1),
       interpret=interpret, name=f"flint_decode_attn_merge_ns{ns}",

@@ -140,7 +140,7 @@ def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
   else:
     out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
     grid = (n // block_n,)
-  y = pl.pallas_call(
+  y = C.pallas_call(
       kernel, out_shape=out_shape, grid=grid,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_gemv_{method}_bn{block_n}_bk{block_k}_sk{split_k}",
@@ -198,7 +198,7 @@ def gemv_silu_mul(x, w_gate, w_up, *, block_n: int | None = None, block_k: int |
   mp = C.pad_rows(m, method)
   kernel = functools.partial(_gemv_silu_mul_kernel, m=m, mp=mp, bn=block_n, bk=block_k,
                              k_len=k, method=method)
-  return pl.pallas_call(
+  return C.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(n // block_n,),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_gemv_silu_mul_{method}_bn{block_n}_bk{block_k}",

@@ -215,7 +215,7 @@ def layer_end_qkv(h, weights, w_norm, counter, *, y=None, top_logits=None, count
       _kernel, names=tuple(names), mode=mode, fmt=fmt, starts=starts, m=m, mp=mp, d=d, dp=dp,
       bn=block_n, bk=block_k, eps=eps, top_k=top_k, u=u, decode=decode, method=method,
       stacked=stacked, preload=preload, interpret=interpret)
-  res = pl.pallas_call(
+  res = C.pallas_call(
       kernel, out_shape=tuple(out_shape), grid=(m + starts[-1],),
       input_output_aliases={n_in: len(out_shape) - 1},
       compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,

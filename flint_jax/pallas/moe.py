@@ -651,7 +651,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       layout=layout, method=method, route=route, token_method=token_method, split_k=sk,
       finish=finish, interpret=interpret)
   tag += "_token" if token else ""
-  res = pl.pallas_call(
+  res = C.pallas_call(
       kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
       input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
@@ -703,14 +703,14 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       method=method_down, split=down_split, route_top_k=None if route is None else route[0],
       token_method=token_method, gu_split_k=down_parts)
   if down_split:
-    y = pl.pallas_call(
+    y = C.pallas_call(
         kernel, grid=(d // bn_dn, u + 1),
         out_shape=jax.ShapeDtypeStruct(((u + 1) * m, d), x.dtype),
         compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
         name=f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}",
     )(*args)
     return y.reshape(u + 1, m, d), route_out, counter_out
-  return pl.pallas_call(
+  return C.pallas_call(
       kernel, grid=(d // bn_dn,), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
       compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
       name=f"flint_moe_down_combine_{fe}_{fs}_{method_down}_bn{bn_dn}",
@@ -883,7 +883,7 @@ def moe_combine_add_rms_norm(h, y, top_logits, w_norm, *, eps: float = 1e-6,
   dp = C.next_pow2(d)
   kernel = functools.partial(_combine_add_rms_norm_kernel, top_k=top_k, u=u, d=d, dp=dp, eps=eps)
   out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype))
-  return pl.pallas_call(
+  return C.pallas_call(
       kernel, out_shape=out_shape, grid=(m,),
       compiler_params=C.compiler_params(num_warps or ARN._num_warps(dp), 1),
       interpret=interpret, name=f"flint_moe_combine_add_rms_norm_d{d}_k{top_k}",

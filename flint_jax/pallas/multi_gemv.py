@@ -268,7 +268,7 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
                              mp=mp, bn=block_n, bk=block_k, n_iter=k // block_k, decode=decode,
                              layout=layout, method=method)
   out_shape = tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns)
-  return tuple(pl.pallas_call(
+  return tuple(C.pallas_call(
       kernel, out_shape=out_shape, grid=(starts[-1],),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_multi_gemv{n_mats}_{tag}_bn{block_n}_bk{block_k}",

@@ -398,7 +398,7 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
       m=m, mp=mp, d=d, bn=block_n, bk=block_k, bd=block_d, eps=eps, top_k=top_k, u=u,
       decode=decode, layout=layout, method=method, return_x=return_x, split_k=split_k)
   grid = (starts[-1], split_k) if split_k > 1 else (starts[-1],)
-  res = pl.pallas_call(
+  res = C.pallas_call(
       kernel, out_shape=tuple(out_shape), grid=grid,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=(f"flint_norm_qkv{n_mats}_{mode}_{tag}_bn{block_n}_bk{block_k}_bd{block_d}"

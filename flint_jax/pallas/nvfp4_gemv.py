@@ -406,7 +406,7 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
     out_shape, grid = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32), (n // block_n, split_k)
   else:
     out_shape, grid = jax.ShapeDtypeStruct((m, n), out_dtype), (n // block_n,)
-  y = pl.pallas_call(
+  y = C.pallas_call(
       kernel, out_shape=out_shape, grid=grid,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_nvfp4_gemv_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}",
@@ -495,7 +495,7 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   s2g, s2u = C.scalar_f32(gate.weight_scale_2), C.scalar_f32(up.weight_scale_2)
   kernel = functools.partial(_nvfp4_silu_mul_kernel, m=m, mp=mp, bn=block_n, nb=nb,
                              n_iter=k // block_k, decode=decode, layout=layout, method=method)
-  return pl.pallas_call(
+  return C.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(n // block_n,),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_nvfp4_silu_mul_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}",

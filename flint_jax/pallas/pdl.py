@@ -1,47 +1,78 @@
 """Programmatic dependent launch (PDL) from inside Pallas Triton kernels: ``griddepcontrol``.
 
-A kernel launched with programmatic stream serialization (XLA launches its kernels that way on
-Hopper, ``--xla_gpu_enable_pdl``) may start before its predecessor has finished: as soon as
-every CTA of the predecessor has executed ``griddepcontrol.launch_dependents`` (or exited).
-Before it reads anything an earlier kernel wrote, it must execute ``griddepcontrol.wait``,
-which blocks until the predecessor grids have completed and their writes are visible.
+On Hopper, XLA launches every kernel it compiles -- its own fusions and the Triton kernels of
+``pl.pallas_call`` alike -- with programmatic stream serialization (programmatic edges in a
+command buffer), and inserts ``griddepcontrol.wait`` at the *entry* of each of them
+(``--xla_gpu_enable_pdl``, on by default; XLA's InsertPDL pass). So a kernel may be launched
+before its predecessor has finished -- as soon as every CTA of the predecessor has executed
+``griddepcontrol.launch_dependents`` or exited -- and then waits at its entry until the
+predecessor has completed and its writes are visible. Measured on the H200 (run 47,
+``benchmarks/pdl_triton_probe.py``): a kernel's first instruction after that wait runs
+0.6-0.8 us after its predecessor's last one, with or without an early trigger; a Pallas kernel
+cannot run anything (e.g. its weight loads) before the wait XLA puts in front of it.
 
-- ``grid_dependency_wait()``: ``griddepcontrol.wait``. Everything a kernel does before it must
-  depend only on data no kernel of the same step writes (weights, constants, the KV cache
-  slots of earlier steps).
-- ``launch_dependents()``: ``griddepcontrol.launch_dependents``: lets the next kernel's CTAs
-  start (and run up to their own wait) while this one works. Call it only *after*
-  ``grid_dependency_wait()``: then at most one kernel ahead is resident and waiting, so a
-  chain of kernels cannot fill the GPU with waiting CTAs (a deadlock for a predecessor with
-  CTAs still to place).
+What is left to a kernel is to *trigger early*: ``launch_dependents()`` at its start lets the
+next kernel's CTAs be placed and reach their entry wait while this one works (a chain of
+norm -> GEMV kernels: -0.1 us per kernel, run 47). ``pallas_call`` here does that for every
+flint_jax kernel (``EARLY_TRIGGER``, env ``FLINT_JAX_PDL_TRIGGER=0`` turns it off). It is
+safe because every kernel XLA launches with PDL waits at its entry before touching memory, and
+a kernel launched without PDL (a memset, a library GEMM) starts after its predecessor ends
+anyway; and because the trigger comes after the entry wait, at most one kernel ahead is placed
+and waiting (no chain of waiting CTAs can crowd out a predecessor's unplaced CTAs).
+``tests/test_pallas_pdl.py`` checks the entry wait on the GPU: a consumer that does not wait
+itself still reads what its triggering producer wrote last.
+
+- ``launch_dependents()``: ``griddepcontrol.launch_dependents``.
+- ``grid_dependency_wait()``: ``griddepcontrol.wait`` (redundant after XLA's entry wait; for
+  probes, and for a jaxlib that stops inserting it).
 - ``global_timer_lo()``: the low 32 bits of ``%globaltimer`` (ns), for probes.
 
-Both griddepcontrol ops are no-ops in a kernel launched without PDL. Each returns an int32 zero
-*token*: use it (e.g. add it to a scalar index) so that jax's dead-code elimination keeps the op
-in the kernel jaxpr; the ops are lowered as side-effecting inline asm with a memory clobber, so
-neither LLVM nor Triton moves loads or stores across them. In interpret mode (CPU) they are
-zeros and the timer is 0.
+The griddepcontrol ops are side-effecting jaxpr primitives (kept by dead-code elimination) lowered
+to non-pure inline asm with a memory clobber, so neither LLVM nor Triton moves memory accesses
+across them; each returns an int32 zero. All three are no-ops (zeros) in interpret mode.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import numpy as np
 
 import jax.numpy as jnp
 from jax._src import core as jax_core
+from jax._src import effects
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.lib.triton import dialect as tt_dialect
 
-__all__ = ["grid_dependency_wait", "launch_dependents", "global_timer_lo"]
+__all__ = ["grid_dependency_wait", "launch_dependents", "global_timer_lo", "with_early_trigger",
+           "EARLY_TRIGGER"]
+
+#: Whether ``_common.pallas_call`` makes every flint_jax kernel trigger its dependents at its
+#: start (read when a kernel is traced).
+EARLY_TRIGGER = os.environ.get("FLINT_JAX_PDL_TRIGGER", "1") != "0"
+
+
+class GridDependencyEffect(effects.Effect):
+  """griddepcontrol / timer reads: not pure, so jaxpr dead-code elimination keeps them."""
+
+  def __str__(self):
+    return "GridDependency"
+
+
+_EFFECT = GridDependencyEffect()
+for _allowed in (effects.lowerable_effects, effects.control_flow_allowed_effects,
+                 effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects):
+  _allowed.add_type(GridDependencyEffect)
 
 
 def _asm_primitive(name: str, asm: str, constraints: str):
-  """A nullary primitive -> int32 scalar, lowered for Triton to non-pure inline asm."""
+  """A nullary effectful primitive -> int32 scalar, lowered for Triton to non-pure inline asm."""
   prim = jax_core.Primitive(name)
   prim.def_impl(lambda: np.int32(0))
-  prim.def_abstract_eval(lambda: jax_core.ShapedArray((), jnp.int32))
+  prim.def_effectful_abstract_eval(lambda: (jax_core.ShapedArray((), jnp.int32), {_EFFECT}))
   # interpret mode / any non-Triton lowering: a constant zero
   mlir.register_lowering(prim, lambda ctx: [mlir.ir_constant(np.int32(0))])
 
@@ -63,14 +94,24 @@ _timer_p = _asm_primitive("flint_globaltimer_lo", "mov.u32 $0, %globaltimer_lo;"
 
 
 def grid_dependency_wait():
-  """``griddepcontrol.wait`` in a Pallas Triton kernel; returns an int32 0 token (use it)."""
+  """``griddepcontrol.wait`` in a Pallas Triton kernel; returns an int32 0."""
   return _wait_p.bind()
 
 
 def launch_dependents():
-  """``griddepcontrol.launch_dependents``; returns an int32 0 token (use it). Call after
-  ``grid_dependency_wait`` (module docstring)."""
+  """``griddepcontrol.launch_dependents`` in a Pallas Triton kernel; returns an int32 0."""
   return _launch_p.bind()
+
+
+def with_early_trigger(kernel):
+  """``kernel`` (a Pallas kernel body) that first executes ``launch_dependents``."""
+
+  @functools.wraps(kernel)
+  def body(*refs, **kw):
+    launch_dependents()
+    return kernel(*refs, **kw)
+
+  return body
 
 
 def global_timer_lo():

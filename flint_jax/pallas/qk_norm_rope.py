@@ -155,7 +155,7 @@ def qk_norm_rope(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer
   out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
-  return pl.pallas_call(
+  return C.pallas_call(
       kernel, out_shape=out_shape, grid=(b,),
       input_output_aliases={n_in: 1, n_in + 1: 2},
       compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,

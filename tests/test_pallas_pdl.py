@@ -1,0 +1,107 @@
+"""Programmatic dependent launch from the Pallas kernels (flint_jax.pallas.pdl).
+
+CPU: every flint_jax kernel triggers its dependents first (the Triton IR of a few kernels has
+``griddepcontrol.launch_dependents`` as its first side effect), not when ``EARLY_TRIGGER`` is
+off; the griddepcontrol ops survive dead-code elimination; interpret mode runs them as no-ops.
+GPU: the assumption the early trigger rests on -- XLA makes every Triton kernel wait at its entry
+for its predecessor -- holds: a consumer that does not wait itself still reads what a producer
+that triggered early wrote last.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax.pallas import add_rms_norm, gemv, pdl, qk_norm_rope_attention
+from flint_jax.pallas import _common as C
+from flint_jax.pallas.testing import triton_modules
+
+S = jax.ShapeDtypeStruct
+BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+ON_GPU = jax.default_backend() == "gpu"
+TRIGGER = "griddepcontrol.launch_dependents"
+
+
+def kernels_ir(fn, *args):
+  mods = triton_modules(fn, *args)
+  assert mods, "no pallas_call captured"
+  return [m["asm"] for m in mods]
+
+
+def _attention(q, k, v, wq, wk, pos, kc, vc, sinks):
+  return qk_norm_rope_attention(q, k, v, wq, wk, pos, kc, vc, sinks, rope=True, ring=True,
+                                window=33)
+
+
+CASES = [
+    ("add_rms_norm", lambda h, y, w: add_rms_norm(h, y, w), (S((2, 256), BF),) * 2 + (S((256,), BF),)),
+    ("gemv", lambda x, w: gemv(x, w), (S((1, 256), BF), S((128, 256), BF))),
+    ("attention", lambda *a: _attention(*a),
+     (S((1, 8, 64), BF), S((1, 2, 64), BF), S((1, 2, 64), BF), S((64,), BF), S((64,), BF),
+      S((1,), I32), S((1, 2, 64, 64), BF), S((1, 2, 64, 64), BF), S((8,), F32))),
+]
+
+
+@pytest.mark.parametrize("name,fn,args", CASES, ids=[c[0] for c in CASES])
+def test_kernels_trigger_first(name, fn, args, monkeypatch):
+  irs = kernels_ir(lambda *a: fn(*a), *args)
+  for ir in irs:
+    assert TRIGGER in ir, f"{name}: no early trigger"
+    first_effect = min(i for i in (ir.find("tt.load"), ir.find("tt.store"), ir.find(TRIGGER))
+                       if i >= 0)
+    assert ir.find(TRIGGER) == first_effect, f"{name}: the trigger is not the first memory op"
+  monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)
+  jax.clear_caches()
+  try:
+    assert all(TRIGGER not in ir for ir in kernels_ir(lambda *a: fn(*a), *args))
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_ops_survive_dce_and_interpret_as_noops():
+  """Unused results: the ops stay in the IR (effectful); interpret mode computes zeros."""
+  def kernel(x_ref, o_ref):
+    pdl.grid_dependency_wait()
+    pdl.launch_dependents()
+    o_ref[...] = x_ref[...] + pdl.global_timer_lo().astype(jnp.float32)
+
+  call = functools.partial(C.pallas_call, kernel, out_shape=S((16,), F32), name="pdl_ops")
+  (ir,) = kernels_ir(lambda x: call()(x), S((16,), F32))
+  assert ir.count(TRIGGER) == 2 and "griddepcontrol.wait" in ir and "%globaltimer_lo" in ir
+  x = jnp.arange(16, dtype=F32)
+  np.testing.assert_array_equal(np.asarray(call(interpret=True)(x)), np.asarray(x))
+
+
+def _producer(k_ref, flag_ref, *, spin_ns):
+  t0 = pdl.global_timer_lo()
+  jax.lax.while_loop(lambda t: (t - t0) < spin_ns, lambda _: pdl.global_timer_lo(), t0)
+  flag_ref[0] = k_ref[0]
+
+
+def _consumer(flag_ref, o_ref):
+  o_ref[0] = flag_ref[0]                      # no wait of its own
+
+
+@pytest.mark.skipif(not ON_GPU, reason="launch order needs the GPU")
+def test_xla_waits_at_kernel_entry():
+  """Producer triggers at its start (C.pallas_call) and writes k after spinning 20 us; the
+  consumer (no wait, also triggering) reads it at once. Four pairs per call (a command buffer)
+  and one (stream launches); every read must see this call's k."""
+  assert pdl.EARLY_TRIGGER
+
+  def pair(k):
+    flag = C.pallas_call(functools.partial(_producer, spin_ns=20000), out_shape=S((1,), I32),
+                         compiler_params=C.compiler_params(1, 1), name="pdl_test_producer")(k)
+    return C.pallas_call(_consumer, out_shape=S((1,), I32),
+                         compiler_params=C.compiler_params(1, 1), name="pdl_test_consumer")(flag)
+
+  for pairs in (1, 4):
+    run = jax.jit(lambda k, pairs=pairs: [pair(k + i) for i in range(pairs)])
+    for call in range(20):
+      k = 1000 * (call + 1)
+      got = [int(np.asarray(o)[0]) for o in run(jnp.array([k], I32))]
+      assert got == [k + i for i in range(pairs)], (pairs, call, got)

@@ -241,18 +241,10 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     gate|up on XLA at batch 1 too), "pallas_gusk2" / "pallas_gusk4" (`moe_gate_up_split_k`: the
     BF16 MoE gate_up kernel's K in 2 / 4 slices), "pallas_qsk1/2/4" (`qkv_split_k`: the
     `norm_qkv` kernel's K in 1 / 2 / 4 slices, its partials summed by the attention kernel),
-    "pallas_notrig" (the default step without the kernels' early PDL trigger, `pallas.pdl`)."""
+    "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
+    trigger, `pallas.pdl`)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
-    from flint_jax.pallas import pdl
     kernels, _, variant = path.partition("_")
-    # The early PDL trigger is read when the kernels are traced: a change drops the caches, and
-    # holds until the next handle is made (run_case finishes each path before the next).
-    trigger = variant != "notrig"
-    if pdl.EARLY_TRIGGER != trigger:
-        pdl.EARLY_TRIGGER = trigger
-        jax.clear_caches()
-    if variant == "notrig":
-        variant = ""
     if variant.startswith("rs"):
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(ring_splits=int(variant[2:])))
@@ -277,7 +269,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "gusk4": DecodeOptions(moe_gate_up_split_k=4),
                "qsk1": DecodeOptions(qkv_split_k=1),
                "qsk2": DecodeOptions(qkv_split_k=2),
-               "qsk4": DecodeOptions(qkv_split_k=4)}[variant]
+               "qsk4": DecodeOptions(qkv_split_k=4),
+               "trig": DecodeOptions(early_trigger=True),
+               "notrig": DecodeOptions(early_trigger=False)}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

@@ -176,3 +176,23 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
 def test_decode_options_reject_inconsistent_choices(kw, match):
     with pytest.raises(ValueError, match=match):
         DecodeOptions(**kw)
+
+
+@pytest.mark.parametrize("quant,options,want", [
+    (False, DecodeOptions(), True), (True, DecodeOptions(), False),
+    (True, DecodeOptions(early_trigger=True), True), (False, DecodeOptions(early_trigger=False), False)])
+def test_early_trigger_per_format(quant, options, want):
+    """The measured default (run 50): BF16 steps' kernels trigger their dependents early, NVFP4
+    steps' do not; forced either way. Checked in the Triton IR of the step lowered for an H200."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    assert options.early_trigger_for(quant) == want
+    cfg = flint_jax.preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=quant, rngs=nnx.Rngs(0)))
+    step = fast_decode.make_decode_step(graphdef, cfg, options=options)
+    mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
+                          jax.ShapeDtypeStruct((1,), jnp.int32))
+    assert len(mods) > 5
+    assert all(("griddepcontrol.launch_dependents" in m["asm"]) == want for m in mods)

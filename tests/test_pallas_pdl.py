@@ -1,8 +1,8 @@
 """Programmatic dependent launch from the Pallas kernels (flint_jax.pallas.pdl).
 
 CPU: every flint_jax kernel triggers its dependents first (the Triton IR of a few kernels has
-``griddepcontrol.launch_dependents`` as its first side effect), not when ``EARLY_TRIGGER`` is
-off; the griddepcontrol ops survive dead-code elimination; interpret mode runs them as no-ops.
+``griddepcontrol.launch_dependents`` as its first side effect), not under
+``pdl.early_trigger(False)``; the griddepcontrol ops survive dead-code elimination; interpret mode runs them as no-ops.
 GPU: the assumption the early trigger rests on -- XLA makes every Triton kernel wait at its entry
 for its predecessor -- holds: a consumer that does not wait itself still reads what a producer
 that triggered early wrote last.
@@ -46,20 +46,16 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,fn,args", CASES, ids=[c[0] for c in CASES])
-def test_kernels_trigger_first(name, fn, args, monkeypatch):
+def test_kernels_trigger_first(name, fn, args):
   irs = kernels_ir(lambda *a: fn(*a), *args)
   for ir in irs:
     assert TRIGGER in ir, f"{name}: no early trigger"
     first_effect = min(i for i in (ir.find("tt.load"), ir.find("tt.store"), ir.find(TRIGGER))
                        if i >= 0)
     assert ir.find(TRIGGER) == first_effect, f"{name}: the trigger is not the first memory op"
-  monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)
-  jax.clear_caches()
-  try:
+  with pdl.early_trigger(False):     # part of the trace context: no stale cached kernel
     assert all(TRIGGER not in ir for ir in kernels_ir(lambda *a: fn(*a), *args))
-  finally:
-    monkeypatch.undo()
-    jax.clear_caches()
+  assert all(TRIGGER in ir for ir in kernels_ir(lambda *a: fn(*a), *args))
 
 
 def test_ops_survive_dce_and_interpret_as_noops():
@@ -91,7 +87,7 @@ def test_xla_waits_at_kernel_entry():
   """Producer triggers at its start (C.pallas_call) and writes k after spinning 20 us; the
   consumer (no wait, also triggering) reads it at once. Four pairs per call (a command buffer)
   and one (stream launches); every read must see this call's k."""
-  assert pdl.EARLY_TRIGGER
+  assert pdl.early_trigger.value
 
   def pair(k):
     flag = C.pallas_call(functools.partial(_producer, spin_ns=20000), out_shape=S((1,), I32),

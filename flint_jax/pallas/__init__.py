@@ -20,6 +20,8 @@ numerical contract of the kernel and the XLA fallback):
 | ``add_rms_norm`` | ``add_rms_norm``, ``rms_norm`` |
 | ``add_rms_norm_router`` | ``add_rms_norm_router``: residual add + RMSNorm + fp32 router GEMV; |
 | | ``moe_block_from_attention``: attention output -> next block's input, 4 launches |
+| ``pdl`` | ``launch_dependents``, ``grid_dependency_wait``: programmatic dependent launch |
+| | from inside a kernel; ``early_trigger``: every kernel lets the next one launch first |
 | ``mosaic_gemv`` | ``mosaic_gemv``: bf16 GEMV on Mosaic GPU (TMA + wgmma) with an optional |
 | | programmatic-dependent-launch wait; a probe, not used by the decode step (docs/kernels.md) |
 
@@ -50,6 +52,7 @@ from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, dequantize_nvfp4_reference
                                          nvfp4_gemv_reference, nvfp4_gemv_silu_mul,
                                          nvfp4_gemv_silu_mul_reference)
 from flint_jax.pallas.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from flint_jax.pallas import pdl  # noqa: E402  (griddepcontrol primitives, early_trigger)
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference",

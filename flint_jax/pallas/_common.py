@@ -194,10 +194,11 @@ def silu_mul_f32(g, u, act_dtype=jnp.bfloat16):
 
 
 def pallas_call(kernel, **kw):
-  """``pl.pallas_call`` for every flint_jax Triton kernel: with ``pdl.EARLY_TRIGGER`` (default)
-  the kernel first lets the next kernel launch (``pdl`` module docstring)."""
+  """``pl.pallas_call`` for every flint_jax Triton kernel: under ``pdl.early_trigger`` (on by
+  default) the kernel first lets the next kernel launch (``pdl`` module docstring)."""
   from flint_jax.pallas import pdl   # pylint: disable=g-import-not-at-top
-  return pl.pallas_call(pdl.with_early_trigger(kernel) if pdl.EARLY_TRIGGER else kernel, **kw)
+  return pl.pallas_call(pdl.with_early_trigger(kernel) if pdl.early_trigger.value else kernel,
+                        **kw)
 
 
 def compiler_params(num_warps: int, num_stages: int):

@@ -13,8 +13,9 @@ cannot run anything (e.g. its weight loads) before the wait XLA puts in front of
 
 What is left to a kernel is to *trigger early*: ``launch_dependents()`` at its start lets the
 next kernel's CTAs be placed and reach their entry wait while this one works (a chain of
-norm -> GEMV kernels: -0.1 us per kernel, run 47). ``pallas_call`` here does that for every
-flint_jax kernel (``EARLY_TRIGGER``, env ``FLINT_JAX_PDL_TRIGGER=0`` turns it off). It is
+norm -> GEMV kernels: -0.1 us per kernel, run 47). ``_common.pallas_call`` does that for every
+flint_jax kernel traced under ``early_trigger`` (on by default; the decode step sets it per
+format, ``DecodeOptions.early_trigger``). It is
 safe because every kernel XLA launches with PDL waits at its entry before touching memory, and
 a kernel launched without PDL (a memset, a library GEMM) starts after its predecessor ends
 anyway; and because the trigger comes after the entry wait, at most one kernel ahead is placed
@@ -35,11 +36,11 @@ across them; each returns an int32 zero. All three are no-ops (zeros) in interpr
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 
 import jax.numpy as jnp
+from jax._src import config
 from jax._src import core as jax_core
 from jax._src import effects
 from jax._src.interpreters import mlir
@@ -48,11 +49,15 @@ from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.lib.triton import dialect as tt_dialect
 
 __all__ = ["grid_dependency_wait", "launch_dependents", "global_timer_lo", "with_early_trigger",
-           "EARLY_TRIGGER"]
+           "early_trigger"]
 
-#: Whether ``_common.pallas_call`` makes every flint_jax kernel trigger its dependents at its
-#: start (read when a kernel is traced).
-EARLY_TRIGGER = os.environ.get("FLINT_JAX_PDL_TRIGGER", "1") != "0"
+#: Whether ``_common.pallas_call`` makes a flint_jax kernel trigger its dependents at its start:
+#: ``with pdl.early_trigger(False): ...`` around the code that traces the kernels (part of jax's
+#: trace context, so jitted kernel wrappers traced under either value are cached apart); the
+#: default comes from the env var ``FLINT_JAX_PDL_EARLY_TRIGGER`` (on).
+early_trigger = config.bool_state(
+    "flint_jax_pdl_early_trigger", default=True, include_in_trace_context=True,
+    help="flint_jax Pallas kernels execute griddepcontrol.launch_dependents at their start")
 
 
 class GridDependencyEffect(effects.Effect):

@@ -125,7 +125,8 @@ def random_cache(cfg: FlintConfig, batch: int, length: int, context: int, seed: 
         # Drawn directly in bf16: an fp32 temporary of a 100K-token batch-8 cache is 30 GB.
         arrs = [jax.random.normal(kk, s.shape, s.dtype) * jnp.asarray(0.5, s.dtype)
                 for kk, s in zip(keys, (shapes.full_k, shapes.full_v, shapes.ring_k, shapes.ring_v))]
-        return KVCache(*arrs, lengths=jnp.full((batch,), context, jnp.int32))
+        return KVCache(*arrs, lengths=jnp.full((batch,), context, jnp.int32),
+                       counters=jnp.zeros(shapes.counters.shape, jnp.int32))
 
     return make()
 

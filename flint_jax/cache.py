@@ -1,8 +1,10 @@
 """The KV cache: full layers hold every position, sliding layers a ring of the last window.
 
 Layout (docs/design.md): `full_k/full_v [L_full, B, KVH, S, Dh]`, `ring_k/ring_v
-[L_slide, B, KVH, R, Dh]` with `R = round_up(window, 64)`, and `lengths [B]`, the tokens already
-written per row. A decode kernel for KV head `g` reads one contiguous `[S, Dh]` slab, shared by the
+[L_slide, B, KVH, R, Dh]` with `R = round_up(window, 64)`, `lengths [B]`, the tokens already
+written per row, and `counters [COUNTER_ENTRIES]` int32, zeros between decode steps: the
+device-side counters of the Pallas decode step's kernels (each kernel that counts on an entry
+returns it to zero), kept here so that no step has to zero them first (one kernel fewer). A decode kernel for KV head `g` reads one contiguous `[S, Dh]` slab, shared by the
 query heads of its group: no transposes on the hot path.
 """
 
@@ -18,6 +20,11 @@ from flax import struct
 from flint_jax.config import FlintConfig, human_bytes, kv_cache_bytes
 
 
+#: Entries of `KVCache.counters` (>= the programs of the largest counting kernel: the BF16 MoE
+#: gate_up in K slices, 6 * 16 slots x 512 / 16 + 1024 / 16 = 3136 at its smallest tiles).
+COUNTER_ENTRIES = 4096
+
+
 class CacheTooLargeError(MemoryError):
     """The requested KV cache does not fit in the device's free memory."""
 
@@ -29,6 +36,7 @@ class KVCache:
     ring_k: jax.Array  # [L_slide, B, KVH, R, Dh]
     ring_v: jax.Array  # [L_slide, B, KVH, R, Dh]
     lengths: jax.Array  # [B] int32: tokens written per row (= next position)
+    counters: jax.Array  # [COUNTER_ENTRIES] int32, zeros between steps (module docstring)
 
     @property
     def batch(self) -> int:
@@ -50,7 +58,8 @@ def cache_shapes(cfg: FlintConfig, batch: int, length: int, dtype=jnp.bfloat16) 
     full = jax.ShapeDtypeStruct((len(cfg.full_layers), batch, kvh, length, hd), dtype)
     ring = jax.ShapeDtypeStruct((len(cfg.sliding_layers), batch, kvh, cfg.ring_size, hd), dtype)
     return KVCache(full_k=full, full_v=full, ring_k=ring, ring_v=ring,
-                   lengths=jax.ShapeDtypeStruct((batch,), jnp.int32))
+                   lengths=jax.ShapeDtypeStruct((batch,), jnp.int32),
+                   counters=jax.ShapeDtypeStruct((COUNTER_ENTRIES,), jnp.int32))
 
 
 def device_free_bytes(device: jax.Device | None = None) -> int | None:

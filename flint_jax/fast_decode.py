@@ -8,7 +8,7 @@ kernel (shared expert included), one kernel combining the experts with the resid
 RMSNorm; or, for dense layers, gate|up+SiLU and down GEMVs -> fused residual add + next RMSNorm.
 At batch 1 with BF16 weights the layer end goes into the next q|k|v kernel instead
 (`norm_in_qkv`), and the MoE gate_up kernel runs in two K slices, the second finishing h
-(`moe_gate_up_split_k`). A split-K NVFP4 o_proj or dense down hands its fp32 partials to the norm kernel,
+(`moe_gate_up_split_k`; its counters live in the cache, `KVCache.counters`, zeros between steps). A split-K NVFP4 o_proj or dense down hands its fp32 partials to the norm kernel,
 which sums them (no XLA reduce kernel in between).
 The caches stay layer-stacked: kernels index the layer inside, so nothing is sliced or copied,
 and the cache writes are in place under donation.
@@ -36,10 +36,6 @@ from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, de
 
 MAX_BATCH = 16
 
-
-# Entries of the gate_up split-K counter (>= the gate_up kernel's programs: 6 * 16 slots x
-# 512 / 16 + 1024 / 16 = 3136 at the smallest tiles and 16 rows).
-GATE_UP_COUNTER = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +98,13 @@ class DecodeOptions:
       against 2.714 ms, 350 against 352 kernels). True / False force it.
     moe_gate_up_split_k: the BF16 routed MoE's gate_up kernel with its K (= D) in this many
       slices (`moe_decode_routed(gate_up_split_k=, gate_up_counter=)`: S x the programs, the
-      last slice of each tile summing the fp32 partials into h, one zeroed counter per step:
-      one kernel more); used where the layer end goes into the next q|k|v kernel
-      (`norm_in_qkv`: BF16 at batch 1 by default). None (default) = 2 at batch 1: H200, BF16
-      1x1K, in-loop 2.604 against 2.646 ms (run 46) and 2.631 against 2.731 (run 45, the paths
-      in the other order), kernel time -24 / -12 us (gate_up 12.9 against 13.4 us per layer),
-      351 against 350 kernels. 1 turns it off. NVFP4 experts ignore it. (Leaving the sum to
+      last slice of each tile summing the fp32 partials into h and returning its counter entry
+      to zero; the counters are `KVCache.counters`, so no kernel zeroes them); used where the
+      layer end goes into the next q|k|v kernel (`norm_in_qkv`: BF16 at batch 1 by default).
+      None (default) = 2 at batch 1: H200, BF16 1x1K, in-loop 2.604 against 2.646 ms (run 46)
+      and 2.631 against 2.731 (run 45, the paths in the other order), kernel time -24 / -12 us
+      (gate_up 12.9 against 13.4 us per layer); 351 against 350 kernels while the step zeroed
+      the counters itself (until session 9). 1 turns it off. NVFP4 experts ignore it. (Leaving the sum to
       the down kernel measured slower: run 44.)
     qkv_split_k: (where the layer end goes into the next q|k|v kernel, `norm_in_qkv`, and the
       attention is "fused" / "fused_atomic") the `norm_qkv` kernel's K in this many slices,
@@ -359,10 +356,10 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method
-        # BF16 MoE gate_up in K slices (with the layer end folded into the next q|k|v): one
-        # zeroed counter per step; the kernel returns it zeroed for the next layer
+        # BF16 MoE gate_up in K slices (with the layer end folded into the next q|k|v): the
+        # cache's counters (zeros between steps; each kernel returns its entries to zero)
         gate_up_split = opts.moe_gate_up_split_k_at(b) if (not moe_quant and fold) else 1
-        gcounter = (jnp.zeros((GATE_UP_COUNTER,), jnp.int32) if gate_up_split > 1 else None)
+        gcounter = cache.counters if gate_up_split > 1 else None
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         qkv_split = opts.qkv_split_k_at(b) if fold and not wait else 1
         if not fold:
@@ -452,7 +449,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)
         logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32, method=nv_method)
         new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
-                            lengths=pos + 1)
+                            lengths=pos + 1,
+                            counters=cache.counters if gcounter is None else gcounter)
         return logits, new_cache
 
     return step

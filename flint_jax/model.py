@@ -413,7 +413,7 @@ class FlintForCausalLM(nnx.Module):
             if "hidden_states" in captures:
                 captures["hidden_states"].append(h)
         new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
-                            lengths=info.lengths_after)
+                            lengths=info.lengths_after, counters=cache.counters)
         out = None
         if logits != "none":
             if logits == "last":

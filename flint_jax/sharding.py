@@ -78,10 +78,12 @@ def param_sharding(name: str, shape, mesh: Mesh, rules: ShardingRules) -> NamedS
 
 
 def cache_shardings(cache_shapes, mesh: Mesh, rules: ShardingRules):
-    """KVCache of NamedShardings: [L, B, KVH, S, Dh] over (None, batch, kv_heads, None, None)."""
+    """KVCache of NamedShardings: [L, B, KVH, S, Dh] over (None, batch, kv_heads, None, None),
+    lengths [B] over batch, the step counters replicated."""
     def one(s):
         if len(s.shape) == 1:
             return NamedSharding(mesh, spec_for(s.shape, ("batch",), mesh, rules))
         return NamedSharding(mesh, spec_for(s.shape, (None, "batch", "kv_heads", None, None),
                                             mesh, rules))
-    return jax.tree.map(one, cache_shapes)
+    out = jax.tree.map(one, cache_shapes)
+    return dataclasses.replace(out, counters=NamedSharding(mesh, P()))

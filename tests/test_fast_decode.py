@@ -196,3 +196,27 @@ def test_early_trigger_per_format(quant, options, want):
                           jax.ShapeDtypeStruct((1,), jnp.int32))
     assert len(mods) > 5
     assert all(("griddepcontrol.launch_dependents" in m["asm"]) == want for m in mods)
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_cache_counters_stay_zero_between_steps(split_k):
+    """The gate_up kernel's K-slice counters live in the cache (no kernel zeroes them per step):
+    every step must hand them back as zeros, with its logits equal to the unsplit step's."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import COUNTER_ENTRIES, init_cache
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=False, rngs=nnx.Rngs(4)))
+    split = jax.jit(fast_decode.make_decode_step(
+        graphdef, cfg, interpret=True, options=DecodeOptions(moe_gate_up_split_k=split_k)))
+    plain = jax.jit(fast_decode.make_decode_step(
+        graphdef, cfg, interpret=True, options=DecodeOptions(moe_gate_up_split_k=1)))
+    c1 = c2 = init_cache(cfg, 1, 64)
+    assert c1.counters.shape == (COUNTER_ENTRIES,)
+    for t in (5, 17, 3):
+        tokens = jnp.array([t], jnp.int32)
+        l1, c1 = split(state, c1, tokens)
+        l2, c2 = plain(state, c2, tokens)
+        assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
+        np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=2e-2, atol=2e-2)
+        assert np.asarray(l1).argmax() == np.asarray(l2).argmax()

@@ -21,7 +21,7 @@ from flint_jax.pallas.testing import triton_modules
 
 S = jax.ShapeDtypeStruct
 BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
-ON_GPU = jax.default_backend() == "gpu"
+ON_GPU = jax.default_backend() not in ("cpu", "tpu")
 TRIGGER = "griddepcontrol.launch_dependents"
 
 

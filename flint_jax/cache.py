@@ -1,11 +1,12 @@
 """The KV cache: full layers hold every position, sliding layers a ring of the last window.
 
-Layout (docs/design.md): `full_k/full_v [L_full, B, KVH, S, Dh]`, `ring_k/ring_v
-[L_slide, B, KVH, R, Dh]` with `R = round_up(window, 64)`, `lengths [B]`, the tokens already
-written per row, and `counters [COUNTER_ENTRIES]` int32, zeros between decode steps: the
-device-side counters of the Pallas decode step's kernels (each kernel that counts on an entry
-returns it to zero), kept here so that no step has to zero them first (one kernel fewer). A decode kernel for KV head `g` reads one contiguous `[S, Dh]` slab, shared by the
-query heads of its group: no transposes on the hot path.
+Layout (docs/design.md): `full_k/full_v [L_full, B, KVH, S, Dh]`, `ring_k/ring_v [L_slide, B, KVH,
+R, Dh]` with `R = round_up(window, 64)`, `lengths [B]`, the tokens already written per row, and
+`counters [COUNTER_ENTRIES]` int32, zeros between decode steps: the device-side counters of the
+Pallas decode step's kernels (each kernel that counts on an entry returns it to zero), kept here
+so that no step has to zero them first (one kernel fewer). A decode kernel for KV head `g` reads
+one contiguous `[S, Dh]` slab, shared by the query heads of its group: no transposes on the hot
+path.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ kernel (shared expert included), one kernel combining the experts with the resid
 RMSNorm; or, for dense layers, gate|up+SiLU and down GEMVs -> fused residual add + next RMSNorm.
 At batch 1 with BF16 weights the layer end goes into the next q|k|v kernel instead
 (`norm_in_qkv`), and the MoE gate_up kernel runs in two K slices, the second finishing h
-(`moe_gate_up_split_k`; its counters live in the cache, `KVCache.counters`, zeros between steps). A split-K NVFP4 o_proj or dense down hands its fp32 partials to the norm kernel,
-which sums them (no XLA reduce kernel in between).
+(`moe_gate_up_split_k`; its counters live in the cache, `KVCache.counters`, zeros between
+steps). A split-K NVFP4 o_proj or dense down hands its fp32 partials to the norm kernel, which
+sums them (no XLA reduce kernel in between). With BF16 weights every kernel lets the next one
+launch as soon as it starts (`early_trigger`, `pallas.pdl`).
 The caches stay layer-stacked: kernels index the layer inside, so nothing is sliced or copied,
 and the cache writes are in place under donation.
 
@@ -35,7 +37,6 @@ from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, de
                               qk_norm_rope_attention, rms_norm)
 
 MAX_BATCH = 16
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,19 +105,22 @@ class DecodeOptions:
       None (default) = 2 at batch 1: H200, BF16 1x1K, in-loop 2.604 against 2.646 ms (run 46)
       and 2.631 against 2.731 (run 45, the paths in the other order), kernel time -24 / -12 us
       (gate_up 12.9 against 13.4 us per layer); 351 against 350 kernels while the step zeroed
-      the counters itself (until session 9). 1 turns it off. NVFP4 experts ignore it. (Leaving the sum to
-      the down kernel measured slower: run 44.)
+      the counters itself (until session 9). 1 turns it off. NVFP4 experts ignore it.
+      (Leaving the sum to the down kernel measured slower: run 44.)
     qkv_split_k: (where the layer end goes into the next q|k|v kernel, `norm_in_qkv`, and the
       attention is "fused" / "fused_atomic") the `norm_qkv` kernel's K in this many slices,
       its fp32 partials summed by the attention kernel as it loads q / k / v (`norm_qkv(...,
       split_k=S, sum_splits=False)`): S x the programs (a BF16 q|k|v at batch 1 has 80 tiles
-      for 132 SMs), no kernel more. None (default) = 1 (off; not yet measured as a default).
+      for 132 SMs), no kernel more. None (default) = 1: measured slower (H200 run 48, BF16
+      1x1K: `norm_qkv` 13.4 us at S = 2 against 10.4, every program repeating the statistic
+      pass; in-loop 2.78 against 2.62 ms).
     early_trigger: every Pallas kernel of the step executes griddepcontrol.launch_dependents at
       its start, so the next kernel's CTAs are placed and wait at their entry while it runs
       (`pallas.pdl`). None (default) = the measured choice: on for BF16 weights, off for NVFP4
       (H200, batch 1 / 1K, three runs in alternating order, run 50: BF16 in-loop 2.543-2.592
       against 2.632-2.653 ms, kernel busy time -65 us; NVFP4 2.438-2.558 against 2.389-2.408,
-      +30 us). True / False force it.
+      +30 us; run 51, every batch / context: busy time BF16 -20 to -65 us, NVFP4 +28 to +160).
+      True / False force it.
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.

@@ -2,7 +2,8 @@
 
 CPU: every flint_jax kernel triggers its dependents first (the Triton IR of a few kernels has
 ``griddepcontrol.launch_dependents`` as its first side effect), not under
-``pdl.early_trigger(False)``; the griddepcontrol ops survive dead-code elimination; interpret mode runs them as no-ops.
+``pdl.early_trigger(False)``; the griddepcontrol ops survive dead-code elimination; interpret mode
+runs them as no-ops.
 GPU: the assumption the early trigger rests on -- XLA makes every Triton kernel wait at its entry
 for its predecessor -- holds: a consumer that does not wait itself still reads what a producer
 that triggered early wrote last.

@@ -19,7 +19,8 @@ Grid ``(B, KVH, NS)`` like ``decode_attention``'s split kernel. Program (b, kv, 
    repeating the last; fp32 split-K partials of q / k / v, ``norm_qkv(split_k=S,
    sum_splits=False)``, are summed and rounded to the cache dtype on the way) and applies
    per-head RMSNorm (rounded to bf16) and, for ``rope=True``, NeoX RoPE at p (rounded to bf16):
-   the very code of ``qk_norm_rope`` (``_norm_rope_rows``), in two halves of Dh/2. QK^T is two K = Dh/2 dots against half-width loads of the K block (no concat).
+   the very code of ``qk_norm_rope`` (``_norm_rope_rows``), in two halves of Dh/2. QK^T is two
+   K = Dh/2 dots against half-width loads of the K block (no concat).
 2. Computes this KV head's new k the same way (every one of the Gp rows holds it) and loads the
    raw v.
 3. Program j == 0 writes the new k / v into the cache slot (``p % S`` for a ring, ``p`` for a full

@@ -243,7 +243,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     BF16 MoE gate_up kernel's K in 2 / 4 slices), "pallas_qsk1/2/4" (`qkv_split_k`: the
     `norm_qkv` kernel's K in 1 / 2 / 4 slices, its partials summed by the attention kernel),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
-    trigger, `pallas.pdl`)."""
+    trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
+    the weight-streaming kernels trigger)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -272,7 +273,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "qsk2": DecodeOptions(qkv_split_k=2),
                "qsk4": DecodeOptions(qkv_split_k=4),
                "trig": DecodeOptions(early_trigger=True),
-               "notrig": DecodeOptions(early_trigger=False)}[variant]
+               "notrig": DecodeOptions(early_trigger=False),
+               "triglat": DecodeOptions(early_trigger="latency"),
+               "trigstr": DecodeOptions(early_trigger="streams")}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

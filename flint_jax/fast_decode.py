@@ -120,7 +120,8 @@ class DecodeOptions:
       (H200, batch 1 / 1K, three runs in alternating order, run 50: BF16 in-loop 2.543-2.592
       against 2.632-2.653 ms, kernel busy time -65 us; NVFP4 2.438-2.558 against 2.389-2.408,
       +30 us; run 51, every batch / context: busy time BF16 -20 to -65 us, NVFP4 +28 to +160).
-      True / False force it.
+      True / False force it; "latency" / "streams": only the latency-bound kernels (attention,
+      merge, norms, MoE combine) / only the weight-streaming ones trigger (`pdl.triggers`).
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.
@@ -141,11 +142,16 @@ class DecodeOptions:
     bf16_dense_pallas: bool | None = None
     moe_gate_up_split_k: int | None = None
     qkv_split_k: int | None = None
-    early_trigger: bool | None = None
+    early_trigger: bool | str | None = None
 
-    def early_trigger_for(self, quant: bool) -> bool:
-        """Whether the step's kernels trigger early, for NVFP4 (quant) or BF16 weights."""
-        return (not quant) if self.early_trigger is None else self.early_trigger
+    def early_trigger_for(self, quant: bool) -> tuple[bool, str]:
+        """(whether the step's kernels trigger early, which: "all" / "latency" / "streams"), for
+        NVFP4 (quant) or BF16 weights."""
+        if self.early_trigger is None:
+            return not quant, "all"
+        if isinstance(self.early_trigger, str):
+            return True, self.early_trigger
+        return self.early_trigger, "all"
 
     def qkv_split_k_at(self, batch: int) -> int:
         """K slices of the `norm_qkv` kernel at this batch size (where it applies)."""
@@ -197,6 +203,9 @@ class DecodeOptions:
         if self.nvfp4_m1_method not in (None, "reduce", "lanes"):
             raise ValueError("DecodeOptions.nvfp4_m1_method must be None|'reduce'|'lanes', got "
                              f"{self.nvfp4_m1_method!r}")
+        if self.early_trigger not in (None, True, False, "all", "latency", "streams"):
+            raise ValueError("DecodeOptions.early_trigger must be None, a bool or "
+                             f"'all'|'latency'|'streams', got {self.early_trigger!r}")
         if self.qkv_split_k is not None and (self.qkv_split_k < 1 or
                                              self.qkv_split_k & (self.qkv_split_k - 1)):
             raise ValueError("DecodeOptions.qkv_split_k must be a power of two >= 1, got "
@@ -332,7 +341,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         m = nnx.merge(graphdef, state)
         quant = m.model.layers[0].self_attn.q_proj.quant
         # read when the kernels are traced (part of the trace context: cached per value)
-        with pdl.early_trigger(opts.early_trigger_for(quant)):
+        trigger, kinds = opts.early_trigger_for(quant)
+        with pdl.early_trigger(trigger), pdl.early_trigger_kernels(kinds):
             return pallas_step(m, cache, tokens)
 
     def pallas_step(m, cache: KVCache, tokens):

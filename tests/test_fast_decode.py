@@ -171,6 +171,7 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(moe_slot_rows="tokens"), "moe_slot_rows"),
     (dict(nvfp4_m1_method="rows"), "nvfp4_m1_method"),
     (dict(qkv_split_k=3), "qkv_split_k"),
+    (dict(early_trigger="some"), "early_trigger"),
     (dict(qkv_split_k=2, attention="split"), "qkv_split_k > 1 needs"),
 ])
 def test_decode_options_reject_inconsistent_choices(kw, match):
@@ -188,7 +189,7 @@ def test_early_trigger_per_format(quant, options, want):
     import jax.numpy as jnp
     from flint_jax.cache import cache_shapes
     from flint_jax.pallas.testing import triton_modules
-    assert options.early_trigger_for(quant) == want
+    assert options.early_trigger_for(quant) == (want, "all")
     cfg = flint_jax.preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
     graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=quant, rngs=nnx.Rngs(0)))
     step = fast_decode.make_decode_step(graphdef, cfg, options=options)

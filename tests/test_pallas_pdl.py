@@ -59,6 +59,22 @@ def test_kernels_trigger_first(name, fn, args):
   assert all(TRIGGER in ir for ir in kernels_ir(lambda *a: fn(*a), *args))
 
 
+@pytest.mark.parametrize("kinds,latency,streams", [("all", True, True), ("latency", True, False),
+                                                   ("streams", False, True)])
+def test_trigger_kinds(kinds, latency, streams):
+  """early_trigger_kernels picks the latency-bound kernels (by name) or the others."""
+  with pdl.early_trigger_kernels(kinds):
+    assert pdl.triggers("flint_decode_attn_merge_ns16") == latency
+    assert pdl.triggers("flint_add_rms_norm_router_d2048") == latency
+    assert pdl.triggers("flint_moe_gate_up_routed_bf16") == streams
+    assert pdl.triggers("flint_nvfp4_gemv_reduce") == streams
+    (ir,) = kernels_ir(lambda h, y, w: add_rms_norm(h, y, w), S((2, 256), BF), S((2, 256), BF),
+                       S((256,), BF))
+    assert (TRIGGER in ir) == latency
+    with pdl.early_trigger(False):
+      assert not pdl.triggers("flint_decode_attn_merge_ns16")
+
+
 def test_ops_survive_dce_and_interpret_as_noops():
   """Unused results: the ops stay in the IR (effectful); interpret mode computes zeros."""
   def kernel(x_ref, o_ref):

@@ -197,8 +197,8 @@ def pallas_call(kernel, **kw):
   """``pl.pallas_call`` for every flint_jax Triton kernel: under ``pdl.early_trigger`` (on by
   default) the kernel first lets the next kernel launch (``pdl`` module docstring)."""
   from flint_jax.pallas import pdl   # pylint: disable=g-import-not-at-top
-  return pl.pallas_call(pdl.with_early_trigger(kernel) if pdl.early_trigger.value else kernel,
-                        **kw)
+  early = pdl.triggers(kw.get("name") or "")
+  return pl.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
 
 
 def compiler_params(num_warps: int, num_stages: int):

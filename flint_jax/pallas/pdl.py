@@ -49,7 +49,7 @@ from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.lib.triton import dialect as tt_dialect
 
 __all__ = ["grid_dependency_wait", "launch_dependents", "global_timer_lo", "with_early_trigger",
-           "early_trigger"]
+           "early_trigger", "early_trigger_kernels", "triggers"]
 
 #: Whether ``_common.pallas_call`` makes a flint_jax kernel trigger its dependents at its start:
 #: ``with pdl.early_trigger(False): ...`` around the code that traces the kernels (part of jax's
@@ -58,6 +58,26 @@ __all__ = ["grid_dependency_wait", "launch_dependents", "global_timer_lo", "with
 early_trigger = config.bool_state(
     "flint_jax_pdl_early_trigger", default=True, include_in_trace_context=True,
     help="flint_jax Pallas kernels execute griddepcontrol.launch_dependents at their start")
+
+#: Which kernels trigger under ``early_trigger``: "all", "latency" (the latency-bound ones:
+#: attention, merge, norms, MoE combine -- ``LATENCY_KERNELS``) or "streams" (the others: the
+#: weight-streaming GEMV / MoE kernels). For measurements (``DecodeOptions.early_trigger``).
+early_trigger_kernels = config.enum_state(
+    "flint_jax_pdl_early_trigger_kernels", ["all", "latency", "streams"], default="all",
+    include_in_trace_context=True, help="which flint_jax kernels trigger early")
+
+#: Name prefixes of the latency-bound kernels (the ``name`` of their ``pallas_call``).
+LATENCY_KERNELS = ("flint_qk_norm", "flint_decode_attn", "flint_add_rms_norm", "flint_rms_norm",
+                   "flint_moe_combine")
+
+
+def triggers(name: str) -> bool:
+  """Whether a kernel called ``name`` triggers early under the current ``early_trigger`` /
+  ``early_trigger_kernels`` (read when the kernel is traced)."""
+  if not early_trigger.value:
+    return False
+  kinds = early_trigger_kernels.value
+  return kinds == "all" or (kinds == "latency") == name.startswith(LATENCY_KERNELS)
 
 
 class GridDependencyEffect(effects.Effect):

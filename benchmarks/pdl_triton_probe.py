@@ -28,9 +28,7 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -43,6 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
 from flint_jax.pallas import pdl
+from pdl_probe import time_chain  # benchmarks/pdl_probe.py: median wall time of a jitted chain
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -186,18 +185,6 @@ def make_chain(variant: str):
   return chain
 
 
-def time_chain(fn, ws, y0, windows: int = 7, calls: int = 20):
-  out = fn(ws, y0).block_until_ready()
-  per = []
-  for _ in range(windows):
-    t = time.perf_counter()
-    for _ in range(calls):
-      o = fn(ws, y0)
-    o.block_until_ready()
-    per.append((time.perf_counter() - t) / calls)
-  return statistics.median(per), out
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default=None, help="directory for pdl_triton.jsonl")
@@ -233,7 +220,7 @@ def main(argv=None):
       ref = None
       for variant in a.variants.split(","):
         try:
-          sec, out = time_chain(make_chain(variant), ws, y0)
+          sec, out = time_chain(make_chain(variant), ws, y0, windows=7)
           ref = out if ref is None else ref
           err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
           emit(dict(part="chain", n=n, variant=variant, layers=a.layers,

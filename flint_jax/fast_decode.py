@@ -193,10 +193,11 @@ class DecodeOptions:
         if self.attention not in ("split", "fused", "fused_atomic"):
             raise ValueError("DecodeOptions.attention must be split|fused|fused_atomic, got "
                              f"{self.attention!r}")
-        if self.ring_splits is not None and (self.ring_splits < 1 or
-                                             self.ring_splits & (self.ring_splits - 1)):
-            raise ValueError("DecodeOptions.ring_splits must be a power of two >= 1, got "
-                             f"{self.ring_splits!r}")
+        for name in ("ring_splits", "qkv_split_k"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or value & (value - 1)):
+                raise ValueError(f"DecodeOptions.{name} must be a power of two >= 1, got "
+                                 f"{value!r}")
         if self.moe_slot_rows not in (None, "all", "token"):
             raise ValueError("DecodeOptions.moe_slot_rows must be None|'all'|'token', got "
                              f"{self.moe_slot_rows!r}")
@@ -206,10 +207,6 @@ class DecodeOptions:
         if self.early_trigger not in (None, True, False, "all", "latency", "streams"):
             raise ValueError("DecodeOptions.early_trigger must be None, a bool or "
                              f"'all'|'latency'|'streams', got {self.early_trigger!r}")
-        if self.qkv_split_k is not None and (self.qkv_split_k < 1 or
-                                             self.qkv_split_k & (self.qkv_split_k - 1)):
-            raise ValueError("DecodeOptions.qkv_split_k must be a power of two >= 1, got "
-                             f"{self.qkv_split_k!r}")
         if (self.qkv_split_k or 1) > 1 and self.attention == "split":
             raise ValueError("DecodeOptions.qkv_split_k > 1 needs attention='fused' or "
                              "'fused_atomic' (the fused attention kernel sums the partials)")
@@ -343,9 +340,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # read when the kernels are traced (part of the trace context: cached per value)
         trigger, kinds = opts.early_trigger_for(quant)
         with pdl.early_trigger(trigger), pdl.early_trigger_kernels(kinds):
-            return pallas_step(m, cache, tokens)
+            return pallas_step(m, cache, tokens, quant)
 
-    def pallas_step(m, cache: KVCache, tokens):
+    def pallas_step(m, cache: KVCache, tokens, quant: bool):
         b = tokens.shape[0]
         layers = m.model.layers
         pos = cache.lengths
@@ -360,7 +357,6 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         counter = (jnp.zeros((len(layers), b, kvh), jnp.int32)
                    if opts.attention == "fused_atomic" else None)
         # qkv_wait: one zeroed (ticket, ready) counter pair per layer for every step.
-        quant = layers[0].self_attn.q_proj.quant
         wait, fold = opts.qkv_wait_at(b), opts.fold_layer_end(b, quant)
         # tile method of the NVFP4 GEMVs (the BF16 ones ignore it); the MoE gets it below, for
         # NVFP4 experts only

@@ -244,7 +244,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     `norm_qkv` kernel's K in 1 / 2 / 4 slices, its partials summed by the attention kernel),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
-    the weight-streaming kernels trigger)."""
+    the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'
+    weights fetched into the L2 by the attention, router and MoE down kernels),
+    "pallas_pfa" / "pallas_pfr" / "pallas_pfd" / "pallas_pfad" (only those sites)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -275,7 +277,12 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "trig": DecodeOptions(early_trigger=True),
                "notrig": DecodeOptions(early_trigger=False),
                "triglat": DecodeOptions(early_trigger="latency"),
-               "trigstr": DecodeOptions(early_trigger="streams")}[variant]
+               "trigstr": DecodeOptions(early_trigger="streams"),
+               "pf": DecodeOptions(l2_prefetch=True),
+               "pfa": DecodeOptions(l2_prefetch="attn"),
+               "pfr": DecodeOptions(l2_prefetch="router"),
+               "pfd": DecodeOptions(l2_prefetch="down"),
+               "pfad": DecodeOptions(l2_prefetch="attn,down")}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

@@ -125,6 +125,11 @@ class DecodeOptions:
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.
+    l2_prefetch: kernels that ask the L2 to fetch a later kernel's weights while they run
+      (``pallas.l2_prefetch``: cp.async.bulk.prefetch.L2, one instruction per chunk): a
+      comma-separated subset of "attn" (the attention kernel fetches the o_proj), "router"
+      (the add + norm + router kernel fetches the shared expert's gate / up), "down" (the MoE
+      down kernel fetches the next layer's q|k|v); True = all three, False / "" = none.
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -143,6 +148,17 @@ class DecodeOptions:
     moe_gate_up_split_k: int | None = None
     qkv_split_k: int | None = None
     early_trigger: bool | str | None = None
+    l2_prefetch: bool | str = False
+
+    PREFETCH_SITES = ("attn", "router", "down")
+
+    def prefetch_sites(self) -> frozenset:
+        """The ``l2_prefetch`` sites as a set of names."""
+        if self.l2_prefetch is True:
+            return frozenset(self.PREFETCH_SITES)
+        if not self.l2_prefetch:
+            return frozenset()
+        return frozenset(t.strip() for t in self.l2_prefetch.split(",") if t.strip())
 
     def early_trigger_for(self, quant: bool) -> tuple[bool, str]:
         """(whether the step's kernels trigger early, which: "all" / "latency" / "streams"), for
@@ -210,6 +226,10 @@ class DecodeOptions:
         if (self.qkv_split_k or 1) > 1 and self.attention == "split":
             raise ValueError("DecodeOptions.qkv_split_k > 1 needs attention='fused' or "
                              "'fused_atomic' (the fused attention kernel sums the partials)")
+        if not isinstance(self.l2_prefetch, (bool, str)) or not self.prefetch_sites() <= set(
+                self.PREFETCH_SITES):
+            raise ValueError("DecodeOptions.l2_prefetch must be a bool or a comma-separated "
+                             f"subset of {self.PREFETCH_SITES}, got {self.l2_prefetch!r}")
         if self.moe not in ("routed", "slots", "xla", "v1"):
             raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
         if self.router_in_norm and self.moe != "routed":
@@ -279,6 +299,11 @@ def _qkv(attn, x, fused, interpret, method=None):
                       interpret=interpret)
 
 
+def _qkv_lins(layer):
+    a = layer.self_attn
+    return a.q_proj, a.k_proj, a.v_proj
+
+
 def _shared_arg(mlp):
     return {n: _lin_arg(getattr(mlp.shared_expert, n)) for n in ("gate_proj", "up_proj", "down_proj")}
 
@@ -303,6 +328,13 @@ def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_
     else:
         y = mlp(x[:, None, :])[:, 0]  # the XLA path: gathered experts, einsums
     return add_rms_norm(h, y, w_next, eps=eps, interpret=interpret)
+
+
+def _weight_arrays(*lins):
+    """The arrays a GEMV streams (BF16: the weight; NVFP4: codes and block scales), for
+    ``l2_prefetch``."""
+    return tuple(a for lin in lins for a in (
+        (lin.qweight[...], lin.weight_scale[...]) if lin.quant else (lin.weight[...],)))
 
 
 def _lin_arg(lin):
@@ -372,6 +404,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         gcounter = cache.counters if gate_up_split > 1 else None
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         qkv_split = opts.qkv_split_k_at(b) if fold and not wait else 1
+        pf = opts.prefetch_sites()
         if not fold:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
         for i, layer in enumerate(layers):
@@ -413,6 +446,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc,
                         attn.sinks[...], j, rope=sliding, ring=sliding, window=window,
                         theta=cfg.rope_theta, eps=eps, num_splits=splits, interpret=interpret,
+                        prefetch=_weight_arrays(attn.o_proj) if "attn" in pf else (),
                         **atomic)
                     o, kc, vc = res[:3]
                     if counter is not None:
@@ -429,11 +463,17 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 post_ln = layer.post_attention_layernorm.weight[...]
                 router_logits = None
                 if router_in_norm:
+                    shared = mlp.shared_expert
                     h, x, router_logits = add_rms_norm_router(
-                        h, a, post_ln, mlp.gate.weight[...], eps=eps, interpret=interpret)
+                        h, a, post_ln, mlp.gate.weight[...], eps=eps, interpret=interpret,
+                        prefetch=(_weight_arrays(shared.gate_proj, shared.up_proj)
+                                  if "router" in pf else ()))
                 else:
                     h, x = add_rms_norm(h, a, post_ln, eps=eps, interpret=interpret)
                 nxt = layers[i + 1].input_layernorm.weight[...] if not last else m.model.norm.weight[...]
+                # the MoE down kernel fetches the next layer's q|k|v weights into the L2
+                down_pf = (dict(down_prefetch=_weight_arrays(*_qkv_lins(layers[i + 1])))
+                           if "down" in pf and not last else {})
                 if cfg.is_moe(i) and fold and not last:
                     if router_logits is None:
                         router_logits = moe_router_logits(x, mlp.gate.weight[...])
@@ -441,13 +481,13 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                 if gcounter is not None else {})
                     y, route, *counter_out = moe_decode_routed(
                         x, router_logits, _experts_arg(mlp.experts), _shared_arg(mlp),
-                        top_k=top_k, interpret=interpret, **moe_kw, **split_kw)
+                        top_k=top_k, interpret=interpret, **moe_kw, **split_kw, **down_pf)
                     if counter_out:
                         (gcounter,) = counter_out
                     pending = (y, route.logits)
                 elif cfg.is_moe(i):
                     h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
-                                             router_logits, moe_kw)
+                                             router_logits, {**moe_kw, **down_pf})
                 else:
                     hid = _silu_mul(mlp, x, interpret, nv_method, bf16_dense_pallas)
                     # partials only for add_rms_norm (norm_qkv / layer_end_qkv take [M, D])

@@ -172,6 +172,8 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(nvfp4_m1_method="rows"), "nvfp4_m1_method"),
     (dict(qkv_split_k=3), "qkv_split_k"),
     (dict(early_trigger="some"), "early_trigger"),
+    (dict(l2_prefetch="attn,qkv"), "l2_prefetch"),
+    (dict(l2_prefetch=1), "l2_prefetch"),
     (dict(qkv_split_k=2, attention="split"), "qkv_split_k > 1 needs"),
 ])
 def test_decode_options_reject_inconsistent_choices(kw, match):
@@ -221,3 +223,41 @@ def test_cache_counters_stay_zero_between_steps(split_k):
         assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
         np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=2e-2, atol=2e-2)
         assert np.asarray(l1).argmax() == np.asarray(l2).argmax()
+
+
+@pytest.mark.parametrize("fmt,rows", [("bf16", 1), ("nvfp4", 1), ("bf16", 2)])
+def test_l2_prefetch_step_equals_xla(fmt, rows):
+    """Every L2 prefetch site on (attention -> o_proj, router kernel -> shared expert, MoE down
+    -> next q|k|v): the prefetch changes no result (interpret mode runs it as a no-op; the GPU
+    tests compare the compiled kernels)."""
+    opts = DecodeOptions(l2_prefetch=True)
+    assert opts.prefetch_sites() == {"attn", "router", "down"}
+    assert DecodeOptions(l2_prefetch="attn, down").prefetch_sites() == {"attn", "down"}
+    assert DecodeOptions().prefetch_sites() == frozenset()
+    data = [list(range(21, 91)), list(range(4, 12))][:rows]
+    assert_generate_equal(fmt, 13, opts, data, 4)
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_l2_prefetch_sites_in_triton_ir(quant):
+    """Lowered for an H200: with every site on, the attention, router and MoE down kernels (and
+    no other) carry cp.async.bulk.prefetch.L2; with none, no kernel does."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    cfg = flint_jax.preset("tiny", num_hidden_layers=3, mlp_only_layers=(0,))
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=quant, rngs=nnx.Rngs(0)))
+    for opts, want in ((DecodeOptions(l2_prefetch=True), True), (DecodeOptions(), False)):
+        step = fast_decode.make_decode_step(graphdef, cfg, options=opts)
+        mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
+                              jax.ShapeDtypeStruct((1,), jnp.int32))
+        with_pf = {m["name"].split("_pf")[0] for m in mods
+                   if "cp.async.bulk.prefetch.L2" in m["asm"]}
+        if not want:
+            assert not with_pf
+            continue
+        assert all(m["name"].endswith("_pf") == ("cp.async.bulk.prefetch.L2" in m["asm"])
+                   for m in mods)
+        kinds = {n.split("_")[1] + "_" + n.split("_")[2] for n in with_pf}
+        assert kinds == {"qk_norm", "add_rms", "moe_down"}, with_pf

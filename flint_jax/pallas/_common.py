@@ -16,6 +16,8 @@ Rules these helpers encode (measured or read in jax 0.11.2, see ``shared/NOTES_P
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -193,12 +195,40 @@ def silu_mul_f32(g, u, act_dtype=jnp.bfloat16):
   return g / (1.0 + jnp.exp(-g)) * u
 
 
-def pallas_call(kernel, **kw):
+def pallas_call(kernel, *, prefetch: int = 0, **kw):
   """``pl.pallas_call`` for every flint_jax Triton kernel: under ``pdl.early_trigger`` (on by
-  default) the kernel first lets the next kernel launch (``pdl`` module docstring)."""
+  default) the kernel first lets the next kernel launch (``pdl`` module docstring).
+
+  ``prefetch`` > 0: the call takes that many more arrays after its inputs (the weights of a
+  later kernel); each program first asks for its share of them to be brought into the L2
+  (``l2_prefetch.prefetch_slice``) and the kernel body never sees them. They come after the
+  inputs, so ``input_output_aliases`` indices are unchanged."""
   from flint_jax.pallas import pdl   # pylint: disable=g-import-not-at-top
   early = pdl.triggers(kw.get("name") or "")
-  return pl.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
+  if not prefetch:
+    return pl.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
+  grid = kw.get("grid") or ()
+  grid = grid if isinstance(grid, tuple) else (grid,)
+  if kw.get("in_specs") is not None:   # the prefetched arrays are whole (never loaded)
+    kw["in_specs"] = (*kw["in_specs"], *([pl.no_block_spec] * prefetch))
+
+  def call(*args):
+    n_in = len(args) - prefetch
+    check(n_in >= 0, f"{prefetch=} arrays to prefetch, but only {len(args)} arguments")
+
+    def body(*refs, **params):
+      from flint_jax.pallas import l2_prefetch   # pylint: disable=g-import-not-at-top
+      pid, parts = 0, 1
+      for axis, size in enumerate(grid):
+        pid, parts = pid * size + pl.program_id(axis), parts * size
+      for ref in refs[n_in:n_in + prefetch]:
+        l2_prefetch.prefetch_slice(ref, pid, parts)
+      return kernel(*refs[:n_in], *refs[n_in + prefetch:], **params)
+
+    body = functools.wraps(kernel)(body)
+    return pl.pallas_call(pdl.with_early_trigger(body) if early else body, **kw)(*args)
+
+  return call
 
 
 def compiler_params(num_warps: int, num_stages: int):

@@ -243,8 +243,11 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
                            eps: float = 1e-6, scale: float | None = None,
                            block_k: int | None = None, num_splits: int | None = None,
                            merge: str = "kernel", num_warps: int = 4, num_stages: int = 2,
-                           interpret: bool = False):
+                           prefetch=(), interpret: bool = False):
   """qk_norm_rope + decode_attention in one split kernel; see the module docstring.
+
+  ``prefetch``: arrays (a later kernel's weights) whose bytes the programs ask the L2 to fetch
+  while they work (``_common.pallas_call``); results do not depend on them.
 
   q / k / v may also be fp32 split-K partials [S, B, H, Dh] / [S, B, KVH, Dh] (``norm_qkv(...,
   split_k=S, sum_splits=False)``): every program sums them in fp32 and rounds to the caches'
@@ -312,12 +315,15 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
       window=window or s_len, ring=ring, rope=rope, eps=eps, scale=scale,
       stacked=layer is not None, counter_stacked=counter_stacked, mode=mode,
       interpret=interpret)
+  prefetch = tuple(prefetch)
   res = C.pallas_call(
       kernel, out_shape=out_shape, grid=(b, kvh, num_splits), input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      prefetch=len(prefetch),
       name=(f"flint_qk_norm{'_rope' if rope else ''}_attn_{'ring' if ring else 'full'}"
-            f"_bk{block_k}_ns{num_splits}{'' if mode == 'kernel' else '_' + mode}"),
-  )(*args)
+            f"_bk{block_k}_ns{num_splits}{'' if mode == 'kernel' else '_' + mode}"
+            f"{'_pf' if prefetch else ''}"),
+  )(*args, *prefetch)
   if mode == "direct":
     out, kc, vc = res
   elif mode == "kernel":

@@ -534,7 +534,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
-            gate_up_split_k=None, gate_up_counter=None):
+            gate_up_split_k=None, gate_up_counter=None, down_prefetch=()):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -703,12 +703,15 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       method=method_down, split=down_split, route_top_k=None if route is None else route[0],
       token_method=token_method, gu_split_k=down_parts)
   if down_split:
+    down_prefetch = tuple(down_prefetch)
     y = C.pallas_call(
         kernel, grid=(d // bn_dn, u + 1),
         out_shape=jax.ShapeDtypeStruct(((u + 1) * m, d), x.dtype),
         compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
-        name=f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}",
-    )(*args)
+        prefetch=len(down_prefetch),
+        name=(f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}"
+              f"{'_pf' if down_prefetch else ''}"),
+    )(*args, *down_prefetch)
     return y.reshape(u + 1, m, d), route_out, counter_out
   return C.pallas_call(
       kernel, grid=(d // bn_dn,), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
@@ -789,7 +792,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       num_stages: int | None = None,
                       block_k_down: int | None = None, num_warps_down: int | None = None,
                       num_stages_down: int | None = None, gate_up_split_k: int | None = None,
-                      gate_up_counter=None, interpret: bool = False):
+                      gate_up_counter=None, down_prefetch=(), interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls) and the routing.
 
   logits: router logits f32 [M, E] (``moe_router_logits``). Slot u = t * top_k + j is token t's
@@ -813,6 +816,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   ``gate_up_split_k`` > 1): int32 zeros [>= the gate_up kernel's programs]; the gate_up kernel
   then finishes h itself (the last K slice of each tile sums the partials) and the down kernel
   loads h as usual; returns (y, route, counter), the counter zeroed again for the next call.
+  ``down_prefetch``: arrays (a later kernel's weights, e.g. the next layer's q|k|v) the down
+  kernel's programs ask the L2 to fetch while they work (``_common.pallas_call``).
   """
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
@@ -825,7 +830,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                  num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                  block_k_down=block_k_down, num_warps_down=num_warps_down,
                  num_stages_down=num_stages_down, slot_rows=slot_rows,
-                 gate_up_split_k=gate_up_split_k, gate_up_counter=gate_up_counter)
+                 gate_up_split_k=gate_up_split_k, gate_up_counter=gate_up_counter,
+                 down_prefetch=down_prefetch)
   return (y, route_out) if gate_up_counter is None else (y, route_out, counter)
 
 

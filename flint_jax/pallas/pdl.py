@@ -87,7 +87,7 @@ class GridDependencyEffect(effects.Effect):
     return "GridDependency"
 
 
-_EFFECT = GridDependencyEffect()
+EFFECT = _EFFECT = GridDependencyEffect()
 for _allowed in (effects.lowerable_effects, effects.control_flow_allowed_effects,
                  effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects):
   _allowed.add_type(GridDependencyEffect)

@@ -7,7 +7,6 @@ no-op), and the PTX request is in the kernel lowered for an H200. On the GPU
 last requests are shortened, give the same results.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -34,7 +34,8 @@ from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, de
                               gemv_silu_mul, layer_end_qkv, moe_block, moe_combine_add_rms_norm,
                               moe_decode_routed, moe_router_logits, multi_gemv, norm_qkv,
                               nvfp4_gemv, nvfp4_gemv_silu_mul, pdl, qk_norm_rope,
-                              qk_norm_rope_attention, rms_norm)
+                              qk_norm_rope_attention, rms_norm, router_logits)
+from flint_jax.pallas.gemv import gemv
 
 MAX_BATCH = 16
 
@@ -125,6 +126,14 @@ class DecodeOptions:
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.
+    router_pallas: where the MoE router GEMV is its own op (batch > 1: at batch 1 the router
+      is in ``add_rms_norm_router``), the Pallas ``router_logits`` kernel instead of XLA's dot
+      (at batch 8 a split-K GEMM + reduce, 7.1 + 1.3 us per MoE layer on the H200, run 51).
+      None (default) = the measured choice (docs/performance.md, perf log 45).
+    bf16_o_proj_pallas: at batch > 1, the BF16 o_proj (and dense down) on the Pallas ``gemv``
+      with its split-K fp32 partials summed by the ``add_rms_norm`` kernel, instead of XLA's
+      dot (at batch 8 a split-K GEMM + reduce, 7.3 + 1.6 us per layer, run 51). None (default)
+      = the measured choice (perf log 45).
     l2_prefetch: kernels that ask the L2 to fetch a later kernel's weights while they run
       (``pallas.l2_prefetch``: cp.async.bulk.prefetch.L2, one instruction per chunk): a
       comma-separated subset of "attn" (the attention kernel fetches the o_proj), "router"
@@ -149,8 +158,19 @@ class DecodeOptions:
     qkv_split_k: int | None = None
     early_trigger: bool | str | None = None
     l2_prefetch: bool | str = False
+    router_pallas: bool | None = None
+    bf16_o_proj_pallas: bool | None = None
 
     PREFETCH_SITES = ("attn", "router", "down")
+
+    def router_pallas_at(self, batch: int) -> bool:
+        """Whether a separate MoE router GEMV at this batch size runs on `router_logits`."""
+        return batch > 1 if self.router_pallas is None else self.router_pallas
+
+    def bf16_o_proj_pallas_at(self, batch: int) -> bool:
+        """Whether the BF16 o_proj / dense down at this batch size run on the Pallas gemv."""
+        return False if self.bf16_o_proj_pallas is None else (
+            self.bf16_o_proj_pallas and batch > 1)
 
     def prefetch_sites(self) -> frozenset:
         """The ``l2_prefetch`` sites as a set of names."""
@@ -256,17 +276,33 @@ FUSED_OPTIONS = DecodeOptions(router_in_norm=True, norm_in_qkv=True, attention="
 # - Attention, Q/K-norm + RoPE + cache write, residual add + RMSNorm: Pallas (1.1-30x).
 
 
-def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None, sum_splits=True):
+def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None, sum_splits=True,
+            bf16_pallas=False):
     """x [M, K] -> [M, N]; ``method``: the NVFP4 kernel's tile method (None: its default).
 
-    ``sum_splits=False``: a split-K NVFP4 GEMV returns its fp32 partials [S, M, N] unsummed, for
+    ``sum_splits=False``: a split-K Pallas GEMV returns its fp32 partials [S, M, N] unsummed, for
     `add_rms_norm` to sum (one launch less); only pass it where the result goes there.
+    ``bf16_pallas``: BF16 weights on the Pallas `gemv` (K in 4 slices where it divides) instead
+    of XLA's dot.
     """
     if lin.quant:
         return nvfp4_gemv(x, lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...],
                           out_dtype=out_dtype, method=method, interpret=interpret,
                           sum_splits=sum_splits)
-    return layers.matmul_t(x, lin.weight[...]).astype(out_dtype)
+    w = lin.weight[...]
+    if bf16_pallas:
+        k = w.shape[1]
+        split = 4 if k % (4 * 256) == 0 else None
+        return gemv(x, w, out_dtype=out_dtype, split_k=split, interpret=interpret,
+                    sum_splits=sum_splits)
+    return layers.matmul_t(x, w).astype(out_dtype)
+
+
+def _router_logits(x, router_w, pallas: bool, interpret: bool):
+    """f32 router logits [M, E]: the Pallas `router_logits` kernel or XLA's dot."""
+    if pallas:
+        return router_logits(x, router_w, interpret=interpret)
+    return moe_router_logits(x, router_w)
 
 
 def _silu_mul(mlp, x, interpret, method=None, bf16_pallas=False):
@@ -308,16 +344,18 @@ def _shared_arg(mlp):
     return {n: _lin_arg(getattr(mlp.shared_expert, n)) for n in ("gate_proj", "up_proj", "down_proj")}
 
 
-def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_kw=None):
+def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_kw=None,
+                      router_pallas=False):
     """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). `logits`: the router's,
-    when already computed (routed mode); `moe_kw`: `moe_decode_routed`'s options."""
+    when already computed (routed mode); `moe_kw`: `moe_decode_routed`'s options;
+    `router_pallas`: the router GEMV on the Pallas kernel (routed mode)."""
     eps = cfg.rms_norm_eps
     k = cfg.num_experts_per_tok
     if mode == "v1":
         mode = "slots" if mlp.experts.quant else "xla"
     if mode == "routed":
         if logits is None:
-            logits = moe_router_logits(x, mlp.gate.weight[...])
+            logits = _router_logits(x, mlp.gate.weight[...], router_pallas, interpret)
         y, route = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp),
                                      top_k=k, interpret=interpret, **(moe_kw or {}))
         return moe_combine_add_rms_norm(h, y, route.logits, w_next, eps=eps,
@@ -458,7 +496,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 router_in_norm = opts.router_in_norm_at(b) and cfg.is_moe(i)
                 # add_rms_norm (or add_rms_norm_router) sums the o_proj's split-K partials
                 a = _linear(attn.o_proj, o.reshape(b, h_ * hd), interpret, method=nv_method,
-                            sum_splits=False)
+                            sum_splits=False, bf16_pallas=opts.bf16_o_proj_pallas_at(b))
                 mlp = layer.mlp
                 post_ln = layer.post_attention_layernorm.weight[...]
                 router_logits = None
@@ -476,7 +514,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                            if "down" in pf and not last else {})
                 if cfg.is_moe(i) and fold and not last:
                     if router_logits is None:
-                        router_logits = moe_router_logits(x, mlp.gate.weight[...])
+                        router_logits = _router_logits(x, mlp.gate.weight[...],
+                                                       opts.router_pallas_at(b), interpret)
                     split_kw = (dict(gate_up_split_k=gate_up_split, gate_up_counter=gcounter)
                                 if gcounter is not None else {})
                     y, route, *counter_out = moe_decode_routed(
@@ -487,7 +526,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     pending = (y, route.logits)
                 elif cfg.is_moe(i):
                     h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
-                                             router_logits, {**moe_kw, **down_pf})
+                                             router_logits, {**moe_kw, **down_pf},
+                                             router_pallas=opts.router_pallas_at(b))
                 else:
                     hid = _silu_mul(mlp, x, interpret, nv_method, bf16_dense_pallas)
                     # partials only for add_rms_norm (norm_qkv / layer_end_qkv take [M, D])

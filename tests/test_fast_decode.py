@@ -261,3 +261,25 @@ def test_l2_prefetch_sites_in_triton_ir(quant):
                    for m in mods)
         kinds = {n.split("_")[1] + "_" + n.split("_")[2] for n in with_pf}
         assert kinds == {"qk_norm", "add_rms", "moe_down"}, with_pf
+
+
+def test_router_and_o_proj_defaults():
+    """router_pallas: the Pallas router GEMV wherever the router is its own op (batch > 1) by
+    default; bf16_o_proj_pallas: off by default, batch > 1 only when on."""
+    opts = DecodeOptions()
+    assert opts.router_pallas_at(2) and opts.router_pallas_at(8)
+    assert not DecodeOptions(router_pallas=False).router_pallas_at(8)
+    assert not opts.bf16_o_proj_pallas_at(8)
+    on = DecodeOptions(bf16_o_proj_pallas=True)
+    assert on.bf16_o_proj_pallas_at(8) and not on.bf16_o_proj_pallas_at(1)
+
+
+@pytest.mark.parametrize("fmt,options", [
+    ("bf16", DecodeOptions(router_pallas=True, bf16_o_proj_pallas=True)),
+    ("nvfp4", DecodeOptions(router_pallas=True)),
+    ("bf16", DecodeOptions(router_pallas=False, bf16_o_proj_pallas=False))])
+def test_router_kernel_and_pallas_o_proj_equal_xla(fmt, options):
+    """Two rows: the router GEMV on the Pallas kernel (or XLA's dot), the BF16 o_proj on the
+    Pallas gemv with its split-K partials summed by add_rms_norm."""
+    rows = [list(range(30, 95)), list(range(2, 11))]
+    assert_generate_equal(fmt, 14, options, rows, 5)

@@ -20,6 +20,9 @@ numerical contract of the kernel and the XLA fallback):
 | ``add_rms_norm`` | ``add_rms_norm``, ``rms_norm`` |
 | ``add_rms_norm_router`` | ``add_rms_norm_router``: residual add + RMSNorm + fp32 router GEMV; |
 | | ``moe_block_from_attention``: attention output -> next block's input, 4 launches |
+| ``router`` | ``router_logits``: the fp32 MoE router GEMV for a few tokens (batch > 1) |
+| ``l2_prefetch`` | ``prefetch_l2``: a later kernel's weights into the L2 (cp.async.bulk; |
+| | measured no gain, off: docs/performance.md perf log 44) |
 | ``pdl`` | ``launch_dependents``, ``grid_dependency_wait``: programmatic dependent launch |
 | | from inside a kernel; ``early_trigger``: every kernel lets the next one launch first |
 | ``mosaic_gemv`` | ``mosaic_gemv``: bf16 GEMV on Mosaic GPU (TMA + wgmma) with an optional |
@@ -52,6 +55,7 @@ from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, dequantize_nvfp4_reference
                                          nvfp4_gemv_reference, nvfp4_gemv_silu_mul,
                                          nvfp4_gemv_silu_mul_reference)
 from flint_jax.pallas.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from flint_jax.pallas.router import router_logits, router_logits_reference
 from flint_jax.pallas import pdl  # noqa: E402  (griddepcontrol primitives, early_trigger)
 
 __all__ = [
@@ -72,4 +76,5 @@ __all__ = [
     "nvfp4_gemv_silu_mul", "nvfp4_gemv_silu_mul_reference",
     "qk_norm_rope", "qk_norm_rope_reference",
     "qk_norm_rope_attention", "qk_norm_rope_attention_reference",
+    "router_logits", "router_logits_reference",
 ]

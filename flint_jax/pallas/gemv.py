@@ -112,14 +112,18 @@ def _gemv_kernel(x_ref, w_ref, o_ref, *, m, mp, bn, bk, k_len, split_k, method):
 
 @functools.partial(jax.jit, static_argnames=(
     "out_dtype", "block_n", "block_k", "split_k", "method", "num_warps", "num_stages",
-    "interpret"))
+    "interpret", "sum_splits"))
 def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
          block_k: int | None = None, split_k: int | None = None, method: str | None = None,
-         num_warps: int | None = None, num_stages: int = 3, interpret: bool = False):
+         num_warps: int | None = None, num_stages: int = 3, interpret: bool = False,
+         sum_splits: bool = True):
   """y[M, N] = x[M, K] @ w[N, K]^T, fp32 accumulation, rounded once to ``out_dtype``.
 
   ``method``: "dot" (x . w^T, M padded to 16), "swap" (w . x^T, swap-AB) or "reduce" (M == 1,
   CUDA-core multiply + row sum); see ``_common.mm_tile``. Default: see ``default_method``.
+  With split-K (given or the default) and ``sum_splits=False`` the fp32 partials
+  [split_k, M, N] come back unsummed (``nvfp4_gemv``'s contract: e.g. ``add_rms_norm`` sums
+  them, one launch less); otherwise they are summed by XLA and rounded to ``out_dtype``.
   """
   n, k = w.shape
   dbn, dbk, dsplit, dwarps = default_gemv_blocks(n, k, m=x.shape[0])
@@ -145,7 +149,7 @@ def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_gemv_{method}_bn{block_n}_bk{block_k}_sk{split_k}",
   )(x, w)
-  if split_k > 1:
+  if split_k > 1 and sum_splits:
     y = jnp.sum(y, axis=0).astype(out_dtype)
   return y
 

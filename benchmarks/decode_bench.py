@@ -249,7 +249,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "pallas_pfa" / "pallas_pfr" / "pallas_pfd" / "pallas_pfad" (only those sites),
     "pallas_xrouter" / "pallas_prouter" (`router_pallas` forced off / on: the batch > 1 router
     GEMV on XLA / the Pallas kernel), "pallas_po" / "pallas_xo" (`bf16_o_proj_pallas` on / off:
-    the BF16 o_proj at batch > 1 on the Pallas gemv, partials summed by the norm kernel)."""
+    the BF16 o_proj at batch > 1 on the Pallas gemv, partials summed by the norm kernel),
+    "pallas_sc1" / "pallas_sc2" (`moe_down_shared_cols`: the shared expert's down columns over 1
+    / 2 programs per block)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -289,7 +291,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "xrouter": DecodeOptions(router_pallas=False),
                "prouter": DecodeOptions(router_pallas=True),
                "po": DecodeOptions(bf16_o_proj_pallas=True),
-               "xo": DecodeOptions(bf16_o_proj_pallas=False)}[variant]
+               "xo": DecodeOptions(bf16_o_proj_pallas=False),
+               "sc1": DecodeOptions(moe_down_shared_cols=1),
+               "sc2": DecodeOptions(moe_down_shared_cols=2)}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

@@ -1022,12 +1022,32 @@ def arnr_cases(variants):
              functools.partial(ARNR.add_rms_norm_router, **kw), sets, bytes_)
 
 
+ROUTER = importlib.import_module("flint_jax.pallas.router")
+
+
+def router_cases(variants):
+  """The fp32 router GEMV at M = 2, 4, 8: XLA's dot (the step's op at batch > 1) against
+  ``router_logits`` (default and other tilings)."""
+  if variants:
+    return
+  routers = [randn((E, D), jnp.float32, D ** -0.5) for _ in range(8)]
+  for m in (2, 4, 8):
+    sets = [(randn((m, D)), r) for r in routers]
+    lbl, bytes_ = f"router M={m}", E * D * 4 + m * D * 2
+    yield (f"router/M{m}/xla", "router", lbl, "xla", jax.jit(MOE.moe_router_logits), sets,
+           bytes_)
+    for kw in [dict(), dict(block_e=2), dict(block_e=1), dict(block_e=2, num_warps=8),
+               dict(block_e=4, block_k=128), dict(block_e=8, block_k=128)]:
+      yield (f"router/M{m}/{_tag(kw)}", "router", lbl, _tag(kw) or "default",
+             functools.partial(ROUTER.router_logits, **kw), sets, bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
           "nqtune": nqtune_cases, "slotrows": slotrows_cases, "rows": rows_cases,
           "rows2": rows2_cases, "lanes": lanes_cases, "arnr": arnr_cases,
-          "nqlanes": nqlanes_cases, "gusk": gusk_cases}
+          "nqlanes": nqlanes_cases, "gusk": gusk_cases, "router": router_cases}
 
 
 # ------------------------------------------------------------------------------------------

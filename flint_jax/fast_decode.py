@@ -126,6 +126,9 @@ class DecodeOptions:
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.
+    moe_down_shared_cols: the routed MoE down kernel's ``down_shared_cols`` (the shared
+      expert's columns of each block over that many programs, its K being 2x a routed
+      expert's); None = the kernel's default (2 for a BF16 shared expert, else 1).
     router_pallas: where the MoE router GEMV is its own op (batch > 1: at batch 1 the router
       is in ``add_rms_norm_router``), the Pallas ``router_logits`` kernel instead of XLA's dot
       (at batch 8 a split-K GEMM + reduce, 7.1 + 1.3 us per MoE layer on the H200, run 51).
@@ -159,6 +162,7 @@ class DecodeOptions:
     early_trigger: bool | str | None = None
     l2_prefetch: bool | str = False
     router_pallas: bool | None = None
+    moe_down_shared_cols: int | None = None
     bf16_o_proj_pallas: bool | None = None
 
     PREFETCH_SITES = ("attn", "router", "down")
@@ -432,7 +436,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # NVFP4 experts only
         nv_method = opts.nvfp4_m1_method if b == 1 else ("rows" if opts.nvfp4_rows else None)
         bf16_dense_pallas = opts.bf16_dense_pallas_at(b)
-        moe_kw = dict(slot_rows=opts.moe_slot_rows if b > 1 else None)
+        moe_kw = dict(slot_rows=opts.moe_slot_rows if b > 1 else None,
+                      down_shared_cols=opts.moe_down_shared_cols)
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method

@@ -18,7 +18,8 @@ from flint_jax.pallas import (MoERoute, add_rms_norm_reference, moe_block,
                               moe_route_weights, moe_router_logits, moe_topk_route)
 from flint_jax.pallas import _common as C
 from flint_jax.pallas.moe import moe_route, moe_slots
-from flint_jax.pallas.testing import assert_close, randn, random_moe_weights, rng, tie_logits
+from flint_jax.pallas.testing import (assert_close, lower_for_h200, randn, random_moe_weights, rng,
+                                     tie_logits)
 
 INTERPRET = jax.default_backend() == "cpu"
 DECODE = "fp8" if INTERPRET else "asm"
@@ -404,3 +405,23 @@ def test_moe_block_add_rms_norm_flint_size(fmt, m):
   s_ref, xn_ref = moe_block_add_rms_norm_reference(x, h, router, experts, shared, w)
   assert_close(s, s_ref, what=f"s {fmt}")
   assert_close(xn, xn_ref, what=f"x_next {fmt}")
+
+
+@pytest.mark.parametrize("m,shared_cols", [(1, 1), (1, 2), (1, 4), (3, 2)])
+def test_moe_decode_routed_down_shared_cols(m, shared_cols):
+  """The shared expert's down columns cut over 1 / 2 / 4 programs per block (its K is 2x a routed
+  expert's here): the same outputs as the reference; the default cuts it in I_s / I = 2 for a
+  BF16 shared expert; a cut below 16 columns is refused."""
+  _, experts, shared, x, _, logits = _routed_case("bf16", m, 16, 3, 256, 64, 128, False, "sc")
+  args = dict(top_k=3, interpret=INTERPRET)
+  y, _ = moe_decode_routed(x, logits, experts, shared, down_shared_cols=shared_cols, **args)
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=3)
+  assert_close(y, ref, what=f"down_shared_cols={shared_cols}")
+  with pytest.raises(ValueError, match="down_shared_cols"):
+    moe_decode_routed(x, logits, experts, shared, down_shared_cols=8, **args)
+  s = jax.ShapeDtypeStruct
+  text = lower_for_h200(functools.partial(moe_decode_routed, top_k=3),
+                        s(x.shape, x.dtype), s(logits.shape, logits.dtype),
+                        jax.tree.map(lambda a: s(a.shape, a.dtype), experts),
+                        jax.tree.map(lambda a: s(a.shape, a.dtype), shared)).as_text()
+  assert "_sc2" in text   # the default for this BF16 shared expert

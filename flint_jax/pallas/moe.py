@@ -369,7 +369,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
 
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
                  decode, layout, unroll, method, split, route_top_k=None, token_method=None,
-                 gu_split_k=1):
+                 gu_split_k=1, shared_cols=1):
   """split=False: grid (D/BN,), every slot + shared + combine in one program, out [M, D].
   split=True: grid (D/BN, slots + 1), one (slot | shared) per program, y [(slots + 1) * M, D]
   bf16 (the caller's [slots + 1, M, D]; the combine is one XLA fusion, or
@@ -378,7 +378,10 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
   kernel's routing; split only, every slot live). token_method (routed only): h is [U, 1, I]
   and slot u writes only its token's row y[u, u // route_top_k] (``token_method`` tiles).
   gu_split_k > 1 (bf16): h arrives as the gate_up kernel's fp32 partials (``hg`` / ``hu``,
-  ``hsg`` / ``hsu``); each K step forms its h tile = bf16(silu(sum_s g) * sum_s u)."""
+  ``hsg`` / ``hsu``); each K step forms its h tile = bf16(silu(sum_s g) * sum_s u).
+  shared_cols > 1 (split only): the shared expert's BN columns are cut over that many programs
+  (grid (D/BN, slots + shared_cols)), BN / shared_cols columns each, so that its longer K
+  (I_s > I) does not leave its programs running alone at the end."""
   r = dict(zip(names, refs))
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   dt = r["out"].dtype
@@ -389,7 +392,7 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
   else:
     m_u, mp_u, method_u = 1, C.pad_rows(1), token_method
 
-  def parts_dot(name, lead, m_, mp_, w_ref, w_idx, bk_, method_):
+  def parts_dot(name, lead, m_, mp_, w_ref, w_idx, bk_, method_, n0=n0, bn=bn):
     """K step i of h . W^T with h formed from the gate_up kernel's split-K partials (at M = 1
     the one real row, broadcast to the tile's padded rows after the SiLU)."""
     one_row = m_ == 1 and method_ not in C.CUDA_CORE_M1
@@ -409,11 +412,11 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
       return a + C.mm_tile(x, w, method_)
     return step
 
-  def shared_y():   # y_s = bf16(hs . Wd^T * scale_2)
+  def shared_y(n0=n0, bn=bn):   # y_s = bf16(hs . Wd^T * scale_2), columns n0 .. n0 + bn
     wsd = [r["sd_w"]] if fs == "bf16" else [r["sd_q"], r["sd_s"]]
     hs = (r["hs"], r["hs5"]) if gu_split_k == 1 else None
-    body = (parts_dot("hs", (), m, mp, r["sd_w"], (), bk_s, method) if gu_split_k > 1 else
-            lambda i, a: _tile_dot(fs, hs, (), m, mp, wsd, (), n0, bn, i, bk_s, a, **kw))
+    body = (parts_dot("hs", (), m, mp, r["sd_w"], (), bk_s, method, n0, bn) if gu_split_k > 1
+            else lambda i, a: _tile_dot(fs, hs, (), m, mp, wsd, (), n0, bn, i, bk_s, a, **kw))
     acc = lax.fori_loop(0, inter_s // bk_s, body, _acc_zeros(fs, mp, bn, bk_s, method))
     acc = C.finish_acc(acc, method)
     if fs == "nvfp4":
@@ -449,7 +452,13 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
       C.store_tile(r["out"], (), y, n0, bn, m_u, mp_u, method_u, row0=row0)
 
     def shared():
-      C.store_tile(r["out"], (), shared_y(), n0, bn, m, mp, method, row0=n_slots_max * m)
+      if shared_cols == 1:
+        C.store_tile(r["out"], (), shared_y(), n0, bn, m, mp, method, row0=n_slots_max * m)
+        return
+      bn_s = bn // shared_cols
+      n0_s = pl.multiple_of(n0 + (s_id - n_slots_max) * bn_s, bn_s)
+      C.store_tile(r["out"], (), shared_y(n0_s, bn_s), n0_s, bn_s, m, mp, method,
+                   row0=n_slots_max * m)
 
     lax.cond(s_id < n_slots_max, routed, shared)
     return
@@ -527,14 +536,15 @@ def default_moe_tiling(fe: str, m: int) -> dict:
 
 _TUNING = ("block_n", "block_k", "block_n_down", "block_k_down", "decode", "layout",
            "unroll_slots", "method", "method_down", "num_warps", "num_stages", "num_warps_down",
-           "num_stages_down", "gate_up_split_k", "interpret")
+           "num_stages_down", "gate_up_split_k", "down_shared_cols", "interpret")
 
 
 def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, route_args, *,
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
-            gate_up_split_k=None, gate_up_counter=None, down_prefetch=()):
+            gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
+            down_shared_cols=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -667,6 +677,16 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   h_parts = res[n_h - 2:n_h] if down_parts == 1 else res[:4]
 
   # ---- kernel 2: down (+ routing-weighted combine unless split) + shared down
+  # The shared expert's K (I_s) is longer than a routed one's (I): cut its columns over
+  # I_s / I programs so they end with the routed ones (BF16 tiles of >= 16 columns only).
+  if down_shared_cols is None:
+    ratio = inter_s // inter if inter_s % inter == 0 else 1
+    down_shared_cols = (ratio if down_split and fs == "bf16" and ratio > 1
+                        and bn_dn // ratio >= 16 else 1)
+  C.check(down_shared_cols == 1 or (down_split and C.is_pow2(down_shared_cols)
+                                    and bn_dn // down_shared_cols >= 16),
+          f"down_shared_cols={down_shared_cols} needs the split down kernel and "
+          f"block_n_down / down_shared_cols >= 16 (block_n_down={bn_dn})")
   if route is None:
     dn_names, dn_args = route_names, route_args
   else:   # the gate_up kernel's routing: no top-k here
@@ -701,15 +721,16 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       decode=decode, layout=layout,
       unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
       method=method_down, split=down_split, route_top_k=None if route is None else route[0],
-      token_method=token_method, gu_split_k=down_parts)
+      token_method=token_method, gu_split_k=down_parts, shared_cols=down_shared_cols)
   if down_split:
     down_prefetch = tuple(down_prefetch)
     y = C.pallas_call(
-        kernel, grid=(d // bn_dn, u + 1),
+        kernel, grid=(d // bn_dn, u + down_shared_cols),
         out_shape=jax.ShapeDtypeStruct(((u + 1) * m, d), x.dtype),
         compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
         prefetch=len(down_prefetch),
         name=(f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}"
+              f"{f'_sc{down_shared_cols}' if down_shared_cols > 1 else ''}"
               f"{'_pf' if down_prefetch else ''}"),
     )(*args, *down_prefetch)
     return y.reshape(u + 1, m, d), route_out, counter_out
@@ -730,7 +751,7 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
                num_stages: int | None = None,
                block_k_down: int | None = None, num_warps_down: int | None = None,
                num_stages_down: int | None = None, gate_up_split_k: int | None = None,
-               interpret: bool = False):
+               down_shared_cols: int | None = None, interpret: bool = False):
   """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring.
 
   ``unroll_slots`` (default: when M * top_k <= 12) unrolls the down kernel's loop over slots in
@@ -759,7 +780,8 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
                    unroll_slots=unroll_slots, method=method, method_down=method_down,
                    num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                    block_k_down=block_k_down, num_warps_down=num_warps_down,
-                   num_stages_down=num_stages_down, gate_up_split_k=gate_up_split_k)
+                   num_stages_down=num_stages_down, gate_up_split_k=gate_up_split_k,
+                   down_shared_cols=down_shared_cols)
   if not down_split:
     return out
   yk = out[:u].astype(jnp.float32)                                      # [U, M, D]
@@ -792,7 +814,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       num_stages: int | None = None,
                       block_k_down: int | None = None, num_warps_down: int | None = None,
                       num_stages_down: int | None = None, gate_up_split_k: int | None = None,
-                      gate_up_counter=None, down_prefetch=(), interpret: bool = False):
+                      gate_up_counter=None, down_prefetch=(),
+                      down_shared_cols: int | None = None, interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls) and the routing.
 
   logits: router logits f32 [M, E] (``moe_router_logits``). Slot u = t * top_k + j is token t's
@@ -818,6 +841,9 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   loads h as usual; returns (y, route, counter), the counter zeroed again for the next call.
   ``down_prefetch``: arrays (a later kernel's weights, e.g. the next layer's q|k|v) the down
   kernel's programs ask the L2 to fetch while they work (``_common.pallas_call``).
+  ``down_shared_cols``: the shared expert's down columns of each block cut over this many
+  programs (its K is I_s / I times a routed expert's); None = I_s / I for a BF16 shared expert
+  when the tile stays >= 16 columns wide, else 1.
   """
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
@@ -831,7 +857,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                  block_k_down=block_k_down, num_warps_down=num_warps_down,
                  num_stages_down=num_stages_down, slot_rows=slot_rows,
                  gate_up_split_k=gate_up_split_k, gate_up_counter=gate_up_counter,
-                 down_prefetch=down_prefetch)
+                 down_prefetch=down_prefetch, down_shared_cols=down_shared_cols)
   return (y, route_out) if gate_up_counter is None else (y, route_out, counter)
 
 

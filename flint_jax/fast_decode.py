@@ -128,11 +128,14 @@ class DecodeOptions:
       after the K loop) or None (the kernels' defaults). For A/B measurements.
     moe_down_shared_cols: the routed MoE down kernel's ``down_shared_cols`` (the shared
       expert's columns of each block over that many programs, its K being 2x a routed
-      expert's); None = the kernel's default (2 for a BF16 shared expert, else 1).
+      expert's); None = 1 (measured no faster: run 58, BF16 1x1K in-loop 2.550 against 2.573
+      ms with 2, busy time 2373 against 2363 us; 8x1K 6.769 against 6.756).
     router_pallas: where the MoE router GEMV is its own op (batch > 1: at batch 1 the router
       is in ``add_rms_norm_router``), the Pallas ``router_logits`` kernel instead of XLA's dot
-      (at batch 8 a split-K GEMM + reduce, 7.1 + 1.3 us per MoE layer on the H200, run 51).
-      None (default) = the measured choice (docs/performance.md, perf log 45).
+      (at batch 8 a split-K GEMM + reduce, 5.6-7.1 + 1.2-1.3 us per MoE layer on the H200).
+      None (default) = XLA: in the step the first two versions of the kernel were slower (16 us
+      per layer at batch 8 with 4 router rows per program, against 3.5-7.9 us with the weights
+      warm in the L2: runs 57-58; docs/performance.md, perf log 45).
     bf16_o_proj_pallas: at batch > 1, the BF16 o_proj (and dense down) on the Pallas ``gemv``
       with its split-K fp32 partials summed by the ``add_rms_norm`` kernel, instead of XLA's
       dot (at batch 8 a split-K GEMM + reduce, 7.3 + 1.6 us per layer, run 51). None (default)
@@ -169,7 +172,7 @@ class DecodeOptions:
 
     def router_pallas_at(self, batch: int) -> bool:
         """Whether a separate MoE router GEMV at this batch size runs on `router_logits`."""
-        return batch > 1 if self.router_pallas is None else self.router_pallas
+        return False if self.router_pallas is None else self.router_pallas
 
     def bf16_o_proj_pallas_at(self, batch: int) -> bool:
         """Whether the BF16 o_proj / dense down at this batch size run on the Pallas gemv."""

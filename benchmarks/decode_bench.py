@@ -251,7 +251,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     GEMV on XLA / the Pallas kernel), "pallas_po" / "pallas_xo" (`bf16_o_proj_pallas` on / off:
     the BF16 o_proj at batch > 1 on the Pallas gemv, partials summed by the norm kernel),
     "pallas_sc1" / "pallas_sc2" (`moe_down_shared_cols`: the shared expert's down columns over 1
-    / 2 programs per block)."""
+    / 2 programs per block), "pallas_cd" / "pallas_nocd" (`moe_combine_in_down` on / off: the
+    MoE combine + add + norm in the down kernel's last program)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -293,7 +294,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "po": DecodeOptions(bf16_o_proj_pallas=True),
                "xo": DecodeOptions(bf16_o_proj_pallas=False),
                "sc1": DecodeOptions(moe_down_shared_cols=1),
-               "sc2": DecodeOptions(moe_down_shared_cols=2)}[variant]
+               "sc2": DecodeOptions(moe_down_shared_cols=2),
+               "cd": DecodeOptions(moe_combine_in_down=True),
+               "nocd": DecodeOptions(moe_combine_in_down=False)}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

@@ -36,6 +36,12 @@ from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, de
                               nvfp4_gemv, nvfp4_gemv_silu_mul, pdl, qk_norm_rope,
                               qk_norm_rope_attention, rms_norm, router_logits)
 from flint_jax.pallas.gemv import gemv
+from flint_jax.pallas.moe import moe_decode_routed_combine
+
+# KVCache.counters entries of the MoE down kernel's combine (`moe_decode_routed_combine`): one
+# for the column blocks and one per block (<= 129 at D = 2048), above the gate_up kernel's
+# split-K entries (< 3136, cache.COUNTER_ENTRIES).
+COMBINE_COUNTER_BASE = 3584
 
 MAX_BATCH = 16
 
@@ -130,6 +136,12 @@ class DecodeOptions:
       expert's columns of each block over that many programs, its K being 2x a routed
       expert's); None = 1 (measured no faster: run 58, BF16 1x1K in-loop 2.550 against 2.573
       ms with 2, busy time 2373 against 2363 us; 8x1K 6.769 against 6.756).
+    moe_combine_in_down: (routed MoE, where the layer end is not folded into the next
+      q|k|v) the MoE combine + residual add + next RMSNorm done by the down kernel's last
+      program (`moe_decode_routed_combine`, two-level arrival counters in
+      ``KVCache.counters``) instead of `moe_combine_add_rms_norm`: one launch less per MoE
+      layer (NVFP4 batch 1: 397 -> 350 kernels). None (default) = the measured choice (perf
+      log 46).
     router_pallas: where the MoE router GEMV is its own op (batch > 1: at batch 1 the router
       is in ``add_rms_norm_router``), the Pallas ``router_logits`` kernel instead of XLA's dot
       (at batch 8 a split-K GEMM + reduce, 5.6-7.1 + 1.2-1.3 us per MoE layer on the H200).
@@ -166,9 +178,14 @@ class DecodeOptions:
     l2_prefetch: bool | str = False
     router_pallas: bool | None = None
     moe_down_shared_cols: int | None = None
+    moe_combine_in_down: bool | None = None
     bf16_o_proj_pallas: bool | None = None
 
     PREFETCH_SITES = ("attn", "router", "down")
+
+    def combine_in_down_at(self, batch: int) -> bool:
+        """Whether the routed MoE's combine runs in the down kernel at this batch size."""
+        return False if self.moe_combine_in_down is None else self.moe_combine_in_down
 
     def router_pallas_at(self, batch: int) -> bool:
         """Whether a separate MoE router GEMV at this batch size runs on `router_logits`."""
@@ -352,10 +369,12 @@ def _shared_arg(mlp):
 
 
 def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_kw=None,
-                      router_pallas=False):
+                      router_pallas=False, counters=None):
     """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). `logits`: the router's,
     when already computed (routed mode); `moe_kw`: `moe_decode_routed`'s options;
-    `router_pallas`: the router GEMV on the Pallas kernel (routed mode)."""
+    `router_pallas`: the router GEMV on the Pallas kernel (routed mode); `counters` (routed
+    mode): the cache's counters, the combine then done by the down kernel, and the result is
+    ((h, x), counters)."""
     eps = cfg.rms_norm_eps
     k = cfg.num_experts_per_tok
     if mode == "v1":
@@ -363,6 +382,12 @@ def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_
     if mode == "routed":
         if logits is None:
             logits = _router_logits(x, mlp.gate.weight[...], router_pallas, interpret)
+        if counters is not None:   # the combine in the down kernel's last program
+            s, x_next, _, counters = moe_decode_routed_combine(
+                x, logits, _experts_arg(mlp.experts), _shared_arg(mlp), h, w_next, counters,
+                counter_base=COMBINE_COUNTER_BASE, eps=eps, top_k=k, interpret=interpret,
+                **(moe_kw or {}))
+            return (s, x_next), counters
         y, route = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp),
                                      top_k=k, interpret=interpret, **(moe_kw or {}))
         return moe_combine_add_rms_norm(h, y, route.logits, w_next, eps=eps,
@@ -448,6 +473,10 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # cache's counters (zeros between steps; each kernel returns its entries to zero)
         gate_up_split = opts.moe_gate_up_split_k_at(b) if (not moe_quant and fold) else 1
         gcounter = cache.counters if gate_up_split > 1 else None
+        # the MoE combine in the down kernel: its arrival counters are the cache's too (only
+        # where the layer end is not folded, so never with gcounter)
+        ccounter = cache.counters if (opts.combine_in_down_at(b) and not fold
+                                      and opts.moe == "routed") else None
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         qkv_split = opts.qkv_split_k_at(b) if fold and not wait else 1
         pf = opts.prefetch_sites()
@@ -533,9 +562,14 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         (gcounter,) = counter_out
                     pending = (y, route.logits)
                 elif cfg.is_moe(i):
-                    h, x = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
-                                             router_logits, {**moe_kw, **down_pf},
-                                             router_pallas=opts.router_pallas_at(b))
+                    res = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
+                                            router_logits, {**moe_kw, **down_pf},
+                                            router_pallas=opts.router_pallas_at(b),
+                                            counters=ccounter)
+                    if ccounter is not None:
+                        (h, x), ccounter = res
+                    else:
+                        h, x = res
                 else:
                     hid = _silu_mul(mlp, x, interpret, nv_method, bf16_dense_pallas)
                     # partials only for add_rms_norm (norm_qkv / layer_end_qkv take [M, D])
@@ -548,7 +582,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32, method=nv_method)
         new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
                             lengths=pos + 1,
-                            counters=cache.counters if gcounter is None else gcounter)
+                            counters=(gcounter if gcounter is not None else
+                                      ccounter if ccounter is not None else cache.counters))
         return logits, new_cache
 
     return step

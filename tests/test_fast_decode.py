@@ -283,3 +283,41 @@ def test_router_kernel_and_pallas_o_proj_equal_xla(fmt, options):
     Pallas gemv with its split-K partials summed by add_rms_norm."""
     rows = [list(range(30, 95)), list(range(2, 11))]
     assert_generate_equal(fmt, 14, options, rows, 5)
+
+
+@pytest.mark.parametrize("fmt,rows", [("nvfp4", 1), ("bf16", 2), ("nvfp4", 2)])
+def test_moe_combine_in_down_equals_three_launches(fmt, rows):
+    """The MoE combine + add + norm in the down kernel's last program (where the layer end is
+    not folded into the next q|k|v): generate() gives the very tokens of the default step's
+    separate combine kernel (in interpret mode the two compute the same values bit for bit;
+    the default step's own agreement with XLA is test_pallas_generate_equals_xla's)."""
+    opts = DecodeOptions(moe_combine_in_down=True)
+    assert opts.combine_in_down_at(1) and not DecodeOptions().combine_in_down_at(1)
+    mod = FlintForCausalLM(small_cfg(), quant=fmt == "nvfp4", rngs=nnx.Rngs(15))
+    plain = flint_jax.from_module(mod, kernels="pallas")
+    fused = flint_jax.from_module(mod, kernels="pallas")
+    fused.decode_options = opts
+    data = [list(range(17, 88)), list(range(5, 13))][:rows]
+    kw = dict(max_new_tokens=5, temperature=0, stop_token_ids=[])
+    for x, y in zip(flint_jax.generate(plain, data, **kw), flint_jax.generate(fused, data, **kw)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_moe_combine_in_down_counters_stay_zero():
+    """Three NVFP4 steps with the combine in the down kernel: the cache's counters come back as
+    zeros after each, and the logits equal the three-launch step's."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import init_cache
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(16)))
+    fused = jax.jit(fast_decode.make_decode_step(
+        graphdef, cfg, interpret=True, options=DecodeOptions(moe_combine_in_down=True)))
+    plain = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True))
+    c1 = c2 = init_cache(cfg, 1, 64)
+    for t in (9, 2, 30):
+        tokens = jnp.array([t], jnp.int32)
+        l1, c1 = fused(state, c1, tokens)
+        l2, c2 = plain(state, c2, tokens)
+        assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
+        np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))

@@ -17,7 +17,7 @@ from flint_jax.pallas import (MoERoute, add_rms_norm_reference, moe_block,
                               moe_decode_routed_reference, moe_route_from_logits,
                               moe_route_weights, moe_router_logits, moe_topk_route)
 from flint_jax.pallas import _common as C
-from flint_jax.pallas.moe import moe_route, moe_slots
+from flint_jax.pallas.moe import moe_decode_routed_combine, moe_route, moe_slots
 from flint_jax.pallas.testing import (assert_close, lower_for_h200, randn, random_moe_weights, rng,
                                      tie_logits)
 
@@ -425,3 +425,47 @@ def test_moe_decode_routed_down_shared_cols(m, shared_cols):
                         jax.tree.map(lambda a: s(a.shape, a.dtype), experts),
                         jax.tree.map(lambda a: s(a.shape, a.dtype), shared)).as_text()
   assert "_sc2" in text
+
+
+@pytest.mark.parametrize("fmt,m,block_n_down", [("nvfp4", 1, None), ("bf16", 1, None),
+                                                ("bf16", 3, 32), ("nvfp4", 2, None)])
+def test_moe_decode_routed_combine(fmt, m, block_n_down):
+  """The combine + residual add + next RMSNorm in the down kernel's last program: the same
+  (s, x_next) as moe_decode_routed -> moe_combine_add_rms_norm (bit for bit: the same y values
+  and formulas), the same routing, and the counter entries back at zero (twice, so a counter can
+  serve the next call)."""
+  _, experts, shared, x, _, logits = _routed_case(fmt, m, 16, 3, 256, 64, 128, False, "cmb")
+  gen = rng("cmb-h")
+  h = randn(gen, (m, 256))
+  w_next = randn(gen, (256,)) + 1.0
+  kw = dict(top_k=3, decode=DECODE, interpret=INTERPRET, block_n_down=block_n_down)
+  y, route = moe_decode_routed(x, logits, experts, shared, **kw)
+  s_want, x_want = moe_combine_add_rms_norm(h, y, route.logits, w_next, interpret=INTERPRET)
+  counter = jnp.zeros((64,), jnp.int32)
+  for _ in range(2):
+    s_got, x_got, route2, counter = moe_decode_routed_combine(
+        x, logits, experts, shared, h, w_next, counter, counter_base=20, **kw)
+    np.testing.assert_array_equal(np.asarray(route2.ids), np.asarray(route.ids))
+    np.testing.assert_array_equal(np.asarray(s_got, np.float32), np.asarray(s_want, np.float32))
+    if INTERPRET:
+      np.testing.assert_array_equal(np.asarray(x_got, np.float32),
+                                    np.asarray(x_want, np.float32))
+    else:   # the row's mean square is reduced by another number of warps than the combine's
+      assert_close(x_got, x_want, what="x_next")
+    assert not np.asarray(counter).any(), "the counter entries must come back zeroed"
+  with pytest.raises(ValueError, match="counter"):
+    moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, counter_base=60,
+                              **kw)
+
+
+@pytest.mark.parametrize("fmt,m", [("nvfp4", 1), ("bf16", 8)])
+def test_moe_decode_routed_combine_lowers_for_h200(fmt, m):
+  """At Flint sizes: the down kernel with the combine lowers for an H200."""
+  s = jax.ShapeDtypeStruct
+  experts, shared = random_moe_weights(fmt, 256, 2048, 512, 1024, np.random.default_rng(0))
+  abstract = lambda t: jax.tree.map(lambda a: s(a.shape, a.dtype), t)  # noqa: E731
+  text = lower_for_h200(
+      functools.partial(moe_decode_routed_combine, top_k=6, counter_base=2048),
+      s((m, 2048), jnp.bfloat16), s((m, 256), jnp.float32), abstract(experts), abstract(shared),
+      s((m, 2048), jnp.bfloat16), s((2048,), jnp.bfloat16), s((4096,), jnp.int32)).as_text()
+  assert "_combine" in text

@@ -99,7 +99,8 @@ ARN = sys.modules["flint_jax.pallas.add_rms_norm"]
 __all__ = ["moe_route", "moe_slots", "moe_decode", "moe_decode_reference", "moe_block",
            "moe_block_reference", "expert_format", "moe_router_logits", "moe_route_from_logits",
            "MoERoute", "moe_topk_route", "moe_route_weights",
-           "moe_decode_routed", "moe_decode_routed_reference", "moe_combine_add_rms_norm",
+           "moe_decode_routed", "moe_decode_routed_reference", "moe_decode_routed_combine",
+           "moe_combine_add_rms_norm",
            "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
            "moe_block_add_rms_norm_reference"]
 
@@ -369,7 +370,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
 
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
                  decode, layout, unroll, method, split, route_top_k=None, token_method=None,
-                 gu_split_k=1, shared_cols=1):
+                 gu_split_k=1, shared_cols=1, combine=None, interpret=False):
   """split=False: grid (D/BN,), every slot + shared + combine in one program, out [M, D].
   split=True: grid (D/BN, slots + 1), one (slot | shared) per program, y [(slots + 1) * M, D]
   bf16 (the caller's [slots + 1, M, D]; the combine is one XLA fusion, or
@@ -381,7 +382,13 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
   ``hsg`` / ``hsu``); each K step forms its h tile = bf16(silu(sum_s g) * sum_s u).
   shared_cols > 1 (split only): the shared expert's BN columns are cut over that many programs
   (grid (D/BN, slots + shared_cols)), BN / shared_cols columns each, so that its longer K
-  (I_s > I) does not leave its programs running alone at the end."""
+  (I_s > I) does not leave its programs running alone at the end.
+  combine (split, routed only): dict(top_k, base, eps, dp): the MoE combine + residual add +
+  next RMSNorm (``moe_combine_add_rms_norm``) done by the kernel's last program. Every program
+  stores its y tile, then counts itself done on its column block's counter entry
+  (``base + 1 + block``); the last of a block counts the block done on entry ``base``; the last
+  block's program reads all of y back (volatile) and writes (s, x) for every token. Each entry
+  returns to zero, so the counters are zeros again after the call."""
   r = dict(zip(names, refs))
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   dt = r["out"].dtype
@@ -461,6 +468,10 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
                    row0=n_slots_max * m)
 
     lax.cond(s_id < n_slots_max, routed, shared)
+    if combine is not None:
+      _down_combine_finish(r, m=m, d=d_out(r), n_slots=n_slots_max,
+                           progs_per_block=n_slots_max + shared_cols, interpret=interpret,
+                           **combine)
     return
 
   y_s = shared_y().astype(jnp.float32)
@@ -477,6 +488,58 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
   else:
     tot = lax.fori_loop(0, r["n_slots"][0], slot, zeros)
   C.store_tile(r["out"], (), tot + y_s, n0, bn, m, mp, method)
+
+
+def d_out(r):
+  return r["out"].shape[-1]
+
+
+def _down_combine_finish(r, *, m, d, n_slots, progs_per_block, top_k, base, eps, dp,
+                         interpret):
+  """The tail of the down kernel with ``combine``: see ``_down_kernel``."""
+  cnt = r["cmb_counter_out"]
+  n_blocks = pl.num_programs(0)
+  jb = pl.program_id(0)
+  if not interpret:   # every thread's stores precede the atomic (no CPU lowering)
+    plgpu.debug_barrier()
+  old = plgpu.atomic_add(cnt, (base + 1 + jb,), jnp.int32(1))
+
+  @pl.when(old == progs_per_block - 1)
+  def _():
+    plgpu.store(cnt.at[base + 1 + jb], jnp.int32(0))
+    old2 = plgpu.atomic_add(cnt, (jnp.int32(base),), jnp.int32(1))
+
+    @pl.when(old2 == n_blocks - 1)
+    def _():
+      plgpu.store(cnt.at[jnp.int32(base)], jnp.int32(0))
+      for t in range(m):
+        _combine_row_flat(r, t, m=m, top_k=top_k, n_slots=n_slots, d=d, dp=dp, eps=eps)
+
+
+def _combine_row_flat(r, t, *, m, top_k, n_slots, d, dp, eps):
+  """``_combine_add_rms_norm_row`` for token t reading y from the down kernel's own output
+  [(U + 1) * M, D] (volatile: other programs wrote it during this kernel)."""
+  cols = jnp.arange(dp, dtype=jnp.int32)
+  mask = cols < d
+  y_ref = r["out"]
+  vload = lambda row: plgpu.load(y_ref.at[jnp.int32(row), cols], mask=mask,  # noqa: E731
+                                 other=0, volatile=True)
+  t = jnp.int32(t) if isinstance(t, int) else t
+  sig = [jax.nn.sigmoid(r["cmb_logits"][t, j]) for j in range(top_k)]
+  den = sig[0]
+  for sj in sig[1:]:
+    den = den + sj
+  tot = jnp.zeros((dp,), jnp.float32)
+  for j, sj in enumerate(sig):                                          # top-k order
+    tot = tot + (sj / den) * vload((t * top_k + j) * m + t).astype(jnp.float32)
+  ys = vload(n_slots * m + t).astype(jnp.float32)
+  moe = (tot + ys).astype(y_ref.dtype)
+  h = plgpu.load(r["cmb_h"].at[t, cols], mask=mask, other=0)
+  w = plgpu.load(r["cmb_w"].at[cols], mask=mask, other=0).astype(jnp.float32)
+  s_val = (h.astype(jnp.float32) + moe.astype(jnp.float32)).astype(r["cmb_s"].dtype)
+  out = ARN._normalize(s_val.astype(jnp.float32), w, d, eps)
+  plgpu.store(r["cmb_s"].at[t, cols], s_val, mask=mask)
+  plgpu.store(r["cmb_x"].at[t, cols], out.astype(r["cmb_x"].dtype), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------
@@ -544,7 +607,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
             gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
-            down_shared_cols=None):
+            down_shared_cols=None, combine=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -711,26 +774,54 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   else:
     names += ["sd_q", "sd_s", "sd_s2"]
     args += _weight_args(fs, shared["down_proj"], "") + [C.scalar_f32(shared["down_proj"][2])]
+  combine_kw = None
+  if combine is not None:   # (h, w_next, counter, base, eps): the combine in the last program
+    c_h, c_w, c_counter, c_base, c_eps = combine
+    n_blocks = d // bn_dn
+    C.check(route is not None and down_split, "the combine needs the routed, split down kernel")
+    C.check(c_h.shape == (m, d) and c_h.dtype == x.dtype and c_w.shape == (d,),
+            f"combine: h must be [{m}, {d}] {x.dtype} and w_next [{d}], got {c_h.shape} "
+            f"{c_h.dtype} / {c_w.shape}")
+    C.check(c_counter.dtype == jnp.int32 and c_counter.ndim == 1
+            and 0 <= c_base and c_base + 1 + n_blocks <= c_counter.shape[0],
+            f"combine: the counter must be int32 zeros with entries {c_base} .. "
+            f"{c_base + n_blocks} (got shape {c_counter.shape} {c_counter.dtype})")
+    names += ["cmb_logits", "cmb_h", "cmb_w", "cmb_counter"]
+    args += [route_out.logits, c_h, c_w, c_counter]
+    combine_kw = dict(top_k=route[0], base=c_base, eps=c_eps, dp=C.next_pow2(d))
   names += ["out"]
+  if combine is not None:
+    names += ["cmb_s", "cmb_x", "cmb_counter_out"]
   kernel = functools.partial(
       _down_kernel, names=names, m=m, mp=C.pad_rows(m, method_down), inter=inter,
       inter_s=inter_s, bn=bn_dn, bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs,
       decode=decode, layout=layout,
       unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
       method=method_down, split=down_split, route_top_k=None if route is None else route[0],
-      token_method=token_method, gu_split_k=down_parts, shared_cols=down_shared_cols)
+      token_method=token_method, gu_split_k=down_parts, shared_cols=down_shared_cols,
+      combine=combine_kw, interpret=interpret)
   if down_split:
     down_prefetch = tuple(down_prefetch)
-    y = C.pallas_call(
-        kernel, grid=(d // bn_dn, u + down_shared_cols),
-        out_shape=jax.ShapeDtypeStruct(((u + 1) * m, d), x.dtype),
+    out_shape = [jax.ShapeDtypeStruct(((u + 1) * m, d), x.dtype)]
+    aliases = {}
+    if combine is not None:
+      out_shape += [jax.ShapeDtypeStruct((m, d), x.dtype)] * 2 + [
+          jax.ShapeDtypeStruct(c_counter.shape, jnp.int32)]
+      aliases = {len(args) - 1: 3}     # the counter, in place
+    res = C.pallas_call(
+        kernel, grid=(d // bn_dn, u + down_shared_cols), out_shape=tuple(out_shape),
+        input_output_aliases=aliases,
         compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
         prefetch=len(down_prefetch),
         name=(f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}"
               f"{f'_sc{down_shared_cols}' if down_shared_cols > 1 else ''}"
+              f"{'_combine' if combine is not None else ''}"
               f"{'_pf' if down_prefetch else ''}"),
     )(*args, *down_prefetch)
-    return y.reshape(u + 1, m, d), route_out, counter_out
+    y = res[0].reshape(u + 1, m, d)
+    if combine is not None:
+      return (y, *res[1:]), route_out, counter_out
+    return y, route_out, counter_out
   return C.pallas_call(
       kernel, grid=(d // bn_dn,), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
       compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
@@ -856,6 +947,43 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                  gate_up_split_k=gate_up_split_k, gate_up_counter=gate_up_counter,
                  down_prefetch=down_prefetch, down_shared_cols=down_shared_cols)
   return (y, route_out) if gate_up_counter is None else (y, route_out, counter)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows", "counter_base", "eps")
+                   + _TUNING)
+def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
+                              counter_base: int, eps: float = 1e-6, top_k: int = 6,
+                              slot_rows: str | None = None, block_n: int | None = None,
+                              block_k: int | None = None, block_n_down: int | None = None,
+                              decode: str = "asm", layout: str = "tile",
+                              unroll_slots: bool | None = None, method: str | None = None,
+                              method_down: str | None = None, num_warps: int | None = None,
+                              num_stages: int | None = None, block_k_down: int | None = None,
+                              num_warps_down: int | None = None,
+                              num_stages_down: int | None = None,
+                              gate_up_split_k: int | None = None,
+                              down_shared_cols: int | None = None, down_prefetch=(),
+                              interpret: bool = False):
+  """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
+  launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
+  ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its
+  RMSNorm times w_next [M, D], the routing, and ``counter`` (int32 [>= counter_base + 1 +
+  D / block_n_down], whose entries counter_base .. counter_base + D / block_n_down must be zero
+  on entry) with those entries back at zero. The outputs equal the 3-launch composition's (same
+  formulas, same rounding points; the y rows the combine reads are the same values)."""
+  fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
+  _check_logits(logits, m, n_exp, top_k)
+  route = (top_k, n_exp, C.next_pow2(n_exp))
+  (_, s_out, x_out, counter), route_out, _ = _launch(
+      x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, ["logits"], [logits],
+      route=route, coef=None, down_split=True, block_n=block_n, block_k=block_k,
+      block_n_down=block_n_down, decode=decode, layout=layout, unroll_slots=unroll_slots,
+      method=method, method_down=method_down, num_warps=num_warps, num_stages=num_stages,
+      interpret=interpret, block_k_down=block_k_down, num_warps_down=num_warps_down,
+      num_stages_down=num_stages_down, slot_rows=slot_rows, gate_up_split_k=gate_up_split_k,
+      down_prefetch=down_prefetch, down_shared_cols=down_shared_cols,
+      combine=(h, w_next, counter, counter_base, eps))
+  return s_out, x_out, route_out, counter
 
 
 def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, top_k, u, d, dp,

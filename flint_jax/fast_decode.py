@@ -2,10 +2,11 @@
 
 Per layer (default `DecodeOptions`): one q|k|v GEMV kernel -> split-KV sink attention with the
 Q/K-norm + RoPE + cache write inside it -> merge -> o_proj GEMV -> fused residual add + RMSNorm
-(at batch 1 with the router GEMV in the same kernel) -> MoE: the router dot (XLA, batch > 1), the
-gate_up kernel (picks each slot's expert from the router logits, stores the route) and the down
-kernel (shared expert included), one kernel combining the experts with the residual add + next
-RMSNorm; or, for dense layers, gate|up+SiLU and down GEMVs -> fused residual add + next RMSNorm.
+(at batch 1 with the router GEMV in the same kernel) -> MoE: the router GEMV (`router_logits`,
+batch > 1), the gate_up kernel (picks each slot's expert from the router logits, stores the
+route) and the down kernel (shared expert included), then the combine of the experts with the
+residual add + next RMSNorm (at batch 1 by the down kernel's last program, else its own
+kernel); or, for dense layers, gate|up+SiLU and down GEMVs -> fused residual add + next RMSNorm.
 At batch 1 with BF16 weights the layer end goes into the next q|k|v kernel instead
 (`norm_in_qkv`), and the MoE gate_up kernel runs in two K slices, the second finishing h
 (`moe_gate_up_split_k`; its counters live in the cache, `KVCache.counters`, zeros between
@@ -140,14 +141,18 @@ class DecodeOptions:
       q|k|v) the MoE combine + residual add + next RMSNorm done by the down kernel's last
       program (`moe_decode_routed_combine`, two-level arrival counters in
       ``KVCache.counters``) instead of `moe_combine_add_rms_norm`: one launch less per MoE
-      layer (NVFP4 batch 1: 397 -> 350 kernels). None (default) = the measured choice (perf
-      log 46).
+      layer. None (default) = at batch 1 only (where it applies: NVFP4; BF16 folds the layer
+      end into the next q|k|v): H200 run 59, NVFP4 1x1K in-loop 2.376 against 2.406 ms, kernel
+      busy time 2136 against 2126 us (the down kernel 9.6 us against 6.4 + 3.1 for the pair), 350
+      against 397 kernels; at batch 8 the one program's serial combine of 8 rows makes the down
+      kernel 31 us longer (10.95 against 9.67 ms NVFP4, 7.66 against 6.36 BF16).
     router_pallas: where the MoE router GEMV is its own op (batch > 1: at batch 1 the router
       is in ``add_rms_norm_router``), the Pallas ``router_logits`` kernel instead of XLA's dot
-      (at batch 8 a split-K GEMM + reduce, 5.6-7.1 + 1.2-1.3 us per MoE layer on the H200).
-      None (default) = XLA: in the step the first two versions of the kernel were slower (16 us
-      per layer at batch 8 with 4 router rows per program, against 3.5-7.9 us with the weights
-      warm in the L2: runs 57-58; docs/performance.md, perf log 45).
+      (at batch 8 a split-K GEMM + reduce, 6.9 + 1.2 us per MoE layer on the H200). None
+      (default) = at batch > 1: H200 run 59, 8x1K in-loop NVFP4 9.330 against 9.667 ms, BF16
+      6.192 against 6.364, the kernel (one router row per program) 3.5 us against 8.1 (NVFP4,
+      no early trigger); the first version (4 router rows per program, 3-D products) took 16 us
+      in the step (runs 57-58).
     bf16_o_proj_pallas: at batch > 1, the BF16 o_proj (and dense down) on the Pallas ``gemv``
       with its split-K fp32 partials summed by the ``add_rms_norm`` kernel, instead of XLA's
       dot (at batch 8 a split-K GEMM + reduce, 7.3 + 1.6 us per layer, run 51). None (default)
@@ -185,11 +190,11 @@ class DecodeOptions:
 
     def combine_in_down_at(self, batch: int) -> bool:
         """Whether the routed MoE's combine runs in the down kernel at this batch size."""
-        return False if self.moe_combine_in_down is None else self.moe_combine_in_down
+        return batch == 1 if self.moe_combine_in_down is None else self.moe_combine_in_down
 
     def router_pallas_at(self, batch: int) -> bool:
         """Whether a separate MoE router GEMV at this batch size runs on `router_logits`."""
-        return False if self.router_pallas is None else self.router_pallas
+        return batch > 1 if self.router_pallas is None else self.router_pallas
 
     def bf16_o_proj_pallas_at(self, batch: int) -> bool:
         """Whether the BF16 o_proj / dense down at this batch size run on the Pallas gemv."""

@@ -264,11 +264,14 @@ def test_l2_prefetch_sites_in_triton_ir(quant):
 
 
 def test_router_and_o_proj_defaults():
-    """router_pallas: XLA's router dot by default (measured faster in the step, runs 57-58),
-    the Pallas kernel when on; bf16_o_proj_pallas: off by default, batch > 1 only when on."""
+    """router_pallas: the Pallas router GEMV wherever the router is its own op (batch > 1) by
+    default (run 59); bf16_o_proj_pallas: off by default, batch > 1 only when on;
+    moe_combine_in_down: at batch 1 by default (run 59)."""
     opts = DecodeOptions()
-    assert not opts.router_pallas_at(2) and not opts.router_pallas_at(8)
-    assert DecodeOptions(router_pallas=True).router_pallas_at(8)
+    assert opts.router_pallas_at(2) and opts.router_pallas_at(8)
+    assert not DecodeOptions(router_pallas=False).router_pallas_at(8)
+    assert opts.combine_in_down_at(1) and not opts.combine_in_down_at(2)
+    assert not DecodeOptions(moe_combine_in_down=False).combine_in_down_at(1)
     assert not opts.bf16_o_proj_pallas_at(8)
     on = DecodeOptions(bf16_o_proj_pallas=True)
     assert on.bf16_o_proj_pallas_at(8) and not on.bf16_o_proj_pallas_at(1)
@@ -292,9 +295,9 @@ def test_moe_combine_in_down_equals_three_launches(fmt, rows):
     separate combine kernel (in interpret mode the two compute the same values bit for bit;
     the default step's own agreement with XLA is test_pallas_generate_equals_xla's)."""
     opts = DecodeOptions(moe_combine_in_down=True)
-    assert opts.combine_in_down_at(1) and not DecodeOptions().combine_in_down_at(1)
     mod = FlintForCausalLM(small_cfg(), quant=fmt == "nvfp4", rngs=nnx.Rngs(15))
     plain = flint_jax.from_module(mod, kernels="pallas")
+    plain.decode_options = DecodeOptions(moe_combine_in_down=False)
     fused = flint_jax.from_module(mod, kernels="pallas")
     fused.decode_options = opts
     data = [list(range(17, 88)), list(range(5, 13))][:rows]
@@ -313,7 +316,8 @@ def test_moe_combine_in_down_counters_stay_zero():
     graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(16)))
     fused = jax.jit(fast_decode.make_decode_step(
         graphdef, cfg, interpret=True, options=DecodeOptions(moe_combine_in_down=True)))
-    plain = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True))
+    plain = jax.jit(fast_decode.make_decode_step(
+        graphdef, cfg, interpret=True, options=DecodeOptions(moe_combine_in_down=False)))
     c1 = c2 = init_cache(cfg, 1, 64)
     for t in (9, 2, 30):
         tokens = jnp.array([t], jnp.int32)

@@ -517,29 +517,16 @@ def _down_combine_finish(r, *, m, d, n_slots, progs_per_block, top_k, base, eps,
 
 
 def _combine_row_flat(r, t, *, m, top_k, n_slots, d, dp, eps):
-  """``_combine_add_rms_norm_row`` for token t reading y from the down kernel's own output
-  [(U + 1) * M, D] (volatile: other programs wrote it during this kernel)."""
-  cols = jnp.arange(dp, dtype=jnp.int32)
-  mask = cols < d
+  """``moe_combine_add_rms_norm``'s row code for token t, reading y from the down kernel's own
+  output [(U + 1) * M, D] (volatile: other programs wrote it during this kernel)."""
   y_ref = r["out"]
-  vload = lambda row: plgpu.load(y_ref.at[jnp.int32(row), cols], mask=mask,  # noqa: E731
-                                 other=0, volatile=True)
-  t = jnp.int32(t) if isinstance(t, int) else t
-  sig = [jax.nn.sigmoid(r["cmb_logits"][t, j]) for j in range(top_k)]
-  den = sig[0]
-  for sj in sig[1:]:
-    den = den + sj
-  tot = jnp.zeros((dp,), jnp.float32)
-  for j, sj in enumerate(sig):                                          # top-k order
-    tot = tot + (sj / den) * vload((t * top_k + j) * m + t).astype(jnp.float32)
-  ys = vload(n_slots * m + t).astype(jnp.float32)
-  moe = (tot + ys).astype(y_ref.dtype)
-  h = plgpu.load(r["cmb_h"].at[t, cols], mask=mask, other=0)
-  w = plgpu.load(r["cmb_w"].at[cols], mask=mask, other=0).astype(jnp.float32)
-  s_val = (h.astype(jnp.float32) + moe.astype(jnp.float32)).astype(r["cmb_s"].dtype)
-  out = ARN._normalize(s_val.astype(jnp.float32), w, d, eps)
-  plgpu.store(r["cmb_s"].at[t, cols], s_val, mask=mask)
-  plgpu.store(r["cmb_x"].at[t, cols], out.astype(r["cmb_x"].dtype), mask=mask)
+  t = jnp.int32(t)
+
+  def y_row(u, cols, mask):   # y[u, t] of the [U + 1, M, D] view
+    return plgpu.load(y_ref.at[u * m + t, cols], mask=mask, other=0, volatile=True)
+
+  _combine_row(y_row, r["cmb_logits"], r["cmb_h"], r["cmb_w"], r["cmb_s"], r["cmb_x"], t,
+               top_k=top_k, u=n_slots, d=d, dp=dp, eps=eps)
 
 
 # ------------------------------------------------------------------------------------------
@@ -995,6 +982,16 @@ def _combine_add_rms_norm_kernel(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, *, to
 def _combine_add_rms_norm_row(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, t, *, top_k, u, d, dp,
                               eps):
   """Token t of ``moe_combine_add_rms_norm`` (also a producer of ``layer_end_qkv``)."""
+  def y_row(slot, cols, mask):
+    return plgpu.load(y_ref.at[slot, t, cols], mask=mask, other=0)
+
+  _combine_row(y_row, l_ref, h_ref, w_ref, s_ref, o_ref, t, top_k=top_k, u=u, d=d, dp=dp,
+               eps=eps)
+
+
+def _combine_row(y_row, l_ref, h_ref, w_ref, s_ref, o_ref, t, *, top_k, u, d, dp, eps):
+  """The combine + residual add + RMSNorm of token t; ``y_row(slot, cols, mask)`` loads y[slot,
+  t] (slot t * top_k + j: the token's j-th expert; slot u: the shared expert)."""
   cols = jnp.arange(dp, dtype=jnp.int32)
   mask = cols < d
   # the selected logits, top-k order (scalar loads: stored by the gate_up kernel)
@@ -1004,10 +1001,9 @@ def _combine_add_rms_norm_row(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, t, *, to
     den = den + sj
   tot = jnp.zeros((dp,), jnp.float32)
   for j, sj in enumerate(sig):                                          # top-k order
-    yj = plgpu.load(y_ref.at[t * top_k + j, t, cols], mask=mask, other=0)
-    tot = tot + (sj / den) * yj.astype(jnp.float32)
-  ys = plgpu.load(y_ref.at[u, t, cols], mask=mask, other=0).astype(jnp.float32)
-  moe = (tot + ys).astype(y_ref.dtype)
+    tot = tot + (sj / den) * y_row(t * top_k + j, cols, mask).astype(jnp.float32)
+  ys = y_row(u, cols, mask).astype(jnp.float32)
+  moe = (tot + ys).astype(o_ref.dtype)
   h = plgpu.load(h_ref.at[t, cols], mask=mask, other=0)
   w = plgpu.load(w_ref.at[cols], mask=mask, other=0).astype(jnp.float32)
   s = (h.astype(jnp.float32) + moe.astype(jnp.float32)).astype(s_ref.dtype)

@@ -153,15 +153,17 @@ class DecodeOptions:
       6.192 against 6.364, the kernel (one router row per program) 3.5 us against 8.1 (NVFP4,
       no early trigger); the first version (4 router rows per program, 3-D products) took 16 us
       in the step (runs 57-58).
-    bf16_o_proj_pallas: at batch > 1, the BF16 o_proj (and dense down) on the Pallas ``gemv``
-      with its split-K fp32 partials summed by the ``add_rms_norm`` kernel, instead of XLA's
-      dot (at batch 8 a split-K GEMM + reduce, 7.3 + 1.6 us per layer, run 51). None (default)
-      = the measured choice (perf log 45).
+    bf16_o_proj_pallas: at batch > 1, the BF16 o_proj on the Pallas ``gemv`` with its split-K
+      fp32 partials summed by the ``add_rms_norm`` kernel, instead of XLA's dot (at batch 8 a
+      split-K GEMM + reduce, 7.3 + 1.6 us per layer, run 51). None (default) = off: no faster
+      (H200 run 57, 8x1K in-loop 6.341 against 6.314 ms; perf log 46).
     l2_prefetch: kernels that ask the L2 to fetch a later kernel's weights while they run
       (``pallas.l2_prefetch``: cp.async.bulk.prefetch.L2, one instruction per chunk): a
       comma-separated subset of "attn" (the attention kernel fetches the o_proj), "router"
       (the add + norm + router kernel fetches the shared expert's gate / up), "down" (the MoE
-      down kernel fetches the next layer's q|k|v); True = all three, False / "" = none.
+      down kernel fetches the next layer's q|k|v); True = all three, False / "" = none
+      (default: every site measured slower, H200 run 56: the requests go out lane by lane and
+      queue, and a hot o_proj saves only 0.3-0.5 us; perf log 44).
     """
     fused_qkv: bool = True
     moe: str = "routed"

@@ -469,7 +469,7 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
 
     lax.cond(s_id < n_slots_max, routed, shared)
     if combine is not None:
-      _down_combine_finish(r, m=m, d=d_out(r), n_slots=n_slots_max,
+      _down_combine_finish(r, m=m, d=r["out"].shape[-1], n_slots=n_slots_max,
                            progs_per_block=n_slots_max + shared_cols, interpret=interpret,
                            **combine)
     return
@@ -488,10 +488,6 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
   else:
     tot = lax.fori_loop(0, r["n_slots"][0], slot, zeros)
   C.store_tile(r["out"], (), tot + y_s, n0, bn, m, mp, method)
-
-
-def d_out(r):
-  return r["out"].shape[-1]
 
 
 def _down_combine_finish(r, *, m, d, n_slots, progs_per_block, top_k, base, eps, dp,

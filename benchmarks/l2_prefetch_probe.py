@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import sys
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -38,7 +37,7 @@ from flint_jax.pallas import l2_prefetch, pdl
 from flint_jax.pallas.gemv import gemv as pallas_gemv
 from flint_jax.pallas.nvfp4_gemv import nvfp4_gemv
 from flint_jax.pallas.testing import random_nvfp4
-from pdl_probe import time_chain  # benchmarks/pdl_probe.py: median wall time of a jitted chain
+from pdl_probe import jsonl_emitter, time_chain  # benchmarks/pdl_probe.py: median wall time of a jitted chain
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -95,8 +94,7 @@ def weight_arrays(w):
 
 def apply_gemv(kind, x, w):
   if kind == "xla":
-    return lax.dot_general(x, w, (((1,), (1,)), ((), ())),
-                           preferred_element_type=jnp.float32).astype(jnp.float32)
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   if kind == "pallas":
     return pallas_gemv(x, w, out_dtype=jnp.float32)
   return nvfp4_gemv(x, *w, out_dtype=jnp.float32)
@@ -114,7 +112,8 @@ def make_chain(kind, host, prefetch, programs, spin_us):
       else:
         x = y.astype(jnp.bfloat16)
       y = apply_gemv(kind, x, w)
-      y = y[:, :x.shape[1]] if y.shape[1] >= x.shape[1] else jnp.tile(y, (1, x.shape[1] // y.shape[1]))
+      k = x.shape[1]   # back to the chain's width
+      y = y[:, :k] if y.shape[1] >= k else jnp.tile(y, (1, k // y.shape[1]))
     return y
 
   return chain
@@ -131,15 +130,8 @@ def main(argv=None):
   p.add_argument("--programs", type=int, default=64)
   p.add_argument("--spin-us", type=float, default=6.0)
   a = p.parse_args(argv)
-  sink = open(os.path.join(a.out, "l2_prefetch.jsonl"), "a") if a.out else None
+  emit = jsonl_emitter(a.out, "l2_prefetch.jsonl")
 
-  def emit(row):
-    print(json.dumps(row), flush=True)
-    if sink:
-      sink.write(json.dumps(row) + "\n")
-      sink.flush()
-
-  import numpy as np  # pylint: disable=g-import-not-at-top
   gen = np.random.default_rng(0)
   keys = jax.random.split(jax.random.key(0), a.layers)
   bf = [(jax.random.normal(k, (a.n, a.k), jnp.float32) / a.k ** 0.5).astype(jnp.bfloat16)

@@ -116,6 +116,20 @@ def time_chain(fn, ws, y0, windows: int = 5, calls: int = 20):
   return statistics.median(per), out
 
 
+def jsonl_emitter(out_dir, filename):
+  """emit(row): prints row as JSON and, with an out_dir, appends it to out_dir/filename (the
+  probes' result files)."""
+  sink = open(os.path.join(out_dir, filename), "a") if out_dir else None
+
+  def emit(row):
+    print(json.dumps(row), flush=True)
+    if sink:
+      sink.write(json.dumps(row) + "\n")
+      sink.flush()
+
+  return emit
+
+
 def kernel_gaps(fn, ws, y0, trace_dir):
   """Traces one call; -> (median, min) gap in us between consecutive kernels on the stream
   (start of one minus end of the previous: negative = the next kernel started before the
@@ -143,7 +157,7 @@ def main(argv=None):
                  help="mosaic split_k:stages pairs, comma separated")
   a = p.parse_args(argv)
   rows = []
-  sink = open(os.path.join(a.out, "probe.jsonl"), "a") if a.out else None
+  emit = jsonl_emitter(a.out, "probe.jsonl")
   for n in [int(s) for s in a.sizes.split(",")]:
     key = jax.random.key(n)
     ws = [(jax.random.normal(k, (n, n), jnp.float32) / (n ** 0.5)).astype(jnp.bfloat16)
@@ -176,10 +190,7 @@ def main(argv=None):
         except Exception as e:  # report and go on: one failing variant must not hide the rest
           row = dict(n=n, variant=variant, split_k=sk, stages=st, error=repr(e)[:400])
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        if sink:
-          sink.write(json.dumps(row) + "\n")
-          sink.flush()
+        emit(row)
   return rows
 
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import sys
 import warnings
 
@@ -41,7 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
 from flint_jax.pallas import pdl
-from pdl_probe import time_chain  # benchmarks/pdl_probe.py: median wall time of a jitted chain
+from pdl_probe import jsonl_emitter, time_chain  # benchmarks/pdl_probe.py: median wall time of a jitted chain
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -195,13 +193,7 @@ def main(argv=None):
   p.add_argument("--variants", default="plain,pdl,pdl_pre1,pdl_pre2")
   p.add_argument("--parts", default="semantics,chain")
   a = p.parse_args(argv)
-  sink = open(os.path.join(a.out, "pdl_triton.jsonl"), "a") if a.out else None
-
-  def emit(row):
-    print(json.dumps(row), flush=True)
-    if sink:
-      sink.write(json.dumps(row) + "\n")
-      sink.flush()
+  emit = jsonl_emitter(a.out, "pdl_triton.jsonl")
 
   if "semantics" in a.parts:
     for pairs in (1, 4):

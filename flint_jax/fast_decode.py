@@ -199,7 +199,7 @@ class DecodeOptions:
         return batch > 1 if self.router_pallas is None else self.router_pallas
 
     def bf16_o_proj_pallas_at(self, batch: int) -> bool:
-        """Whether the BF16 o_proj / dense down at this batch size run on the Pallas gemv."""
+        """Whether the BF16 o_proj at this batch size runs on the Pallas gemv."""
         return False if self.bf16_o_proj_pallas is None else (
             self.bf16_o_proj_pallas and batch > 1)
 
@@ -380,8 +380,8 @@ def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_
     """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). `logits`: the router's,
     when already computed (routed mode); `moe_kw`: `moe_decode_routed`'s options;
     `router_pallas`: the router GEMV on the Pallas kernel (routed mode); `counters` (routed
-    mode): the cache's counters, the combine then done by the down kernel, and the result is
-    ((h, x), counters)."""
+    mode): the cache's counters, the combine then done by the down kernel. Returns (h, x,
+    counters), the counters as the kernels leave them (None when not given)."""
     eps = cfg.rms_norm_eps
     k = cfg.num_experts_per_tok
     if mode == "v1":
@@ -394,24 +394,24 @@ def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_
                 x, logits, _experts_arg(mlp.experts), _shared_arg(mlp), h, w_next, counters,
                 counter_base=COMBINE_COUNTER_BASE, eps=eps, top_k=k, interpret=interpret,
                 **(moe_kw or {}))
-            return (s, x_next), counters
+            return s, x_next, counters
         y, route = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp),
                                      top_k=k, interpret=interpret, **(moe_kw or {}))
-        return moe_combine_add_rms_norm(h, y, route.logits, w_next, eps=eps,
-                                        interpret=interpret)
+        return (*moe_combine_add_rms_norm(h, y, route.logits, w_next, eps=eps,
+                                          interpret=interpret), counters)
     if mode == "slots":
         y = moe_block(x, mlp.gate.weight[...], _experts_arg(mlp.experts), _shared_arg(mlp),
                       top_k=cfg.num_experts_per_tok, interpret=interpret)
     else:
         y = mlp(x[:, None, :])[:, 0]  # the XLA path: gathered experts, einsums
-    return add_rms_norm(h, y, w_next, eps=eps, interpret=interpret)
+    return (*add_rms_norm(h, y, w_next, eps=eps, interpret=interpret), counters)
 
 
 def _weight_arrays(*lins):
     """The arrays a GEMV streams (BF16: the weight; NVFP4: codes and block scales), for
     ``l2_prefetch``."""
-    return tuple(a for lin in lins for a in (
-        (lin.qweight[...], lin.weight_scale[...]) if lin.quant else (lin.weight[...],)))
+    return tuple(a for lin in lins
+                 for a in (_lin_arg(lin)[:2] if lin.quant else (_lin_arg(lin),)))
 
 
 def _lin_arg(lin):
@@ -476,14 +476,13 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method
-        # BF16 MoE gate_up in K slices (with the layer end folded into the next q|k|v): the
-        # cache's counters (zeros between steps; each kernel returns its entries to zero)
+        # The cache's counters (zeros between steps; each kernel returns its entries to zero),
+        # threaded through the kernels that count on them: the BF16 MoE gate_up in K slices
+        # (with the layer end folded into the next q|k|v) or the MoE combine in the down kernel
+        # (where it is not folded).
+        counters = cache.counters
         gate_up_split = opts.moe_gate_up_split_k_at(b) if (not moe_quant and fold) else 1
-        gcounter = cache.counters if gate_up_split > 1 else None
-        # the MoE combine in the down kernel: its arrival counters are the cache's too (only
-        # where the layer end is not folded, so never with gcounter)
-        ccounter = cache.counters if (opts.combine_in_down_at(b) and not fold
-                                      and opts.moe == "routed") else None
+        combine_in_down = opts.combine_in_down_at(b) and not fold and opts.moe == "routed"
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         qkv_split = opts.qkv_split_k_at(b) if fold and not wait else 1
         pf = opts.prefetch_sites()
@@ -560,23 +559,21 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     if router_logits is None:
                         router_logits = _router_logits(x, mlp.gate.weight[...],
                                                        opts.router_pallas_at(b), interpret)
-                    split_kw = (dict(gate_up_split_k=gate_up_split, gate_up_counter=gcounter)
-                                if gcounter is not None else {})
+                    split_kw = (dict(gate_up_split_k=gate_up_split, gate_up_counter=counters)
+                                if gate_up_split > 1 else {})
                     y, route, *counter_out = moe_decode_routed(
                         x, router_logits, _experts_arg(mlp.experts), _shared_arg(mlp),
                         top_k=top_k, interpret=interpret, **moe_kw, **split_kw, **down_pf)
                     if counter_out:
-                        (gcounter,) = counter_out
+                        (counters,) = counter_out
                     pending = (y, route.logits)
                 elif cfg.is_moe(i):
-                    res = _moe_add_rms_norm(mlp, cfg, x, h, nxt, opts.moe, interpret,
-                                            router_logits, {**moe_kw, **down_pf},
-                                            router_pallas=opts.router_pallas_at(b),
-                                            counters=ccounter)
-                    if ccounter is not None:
-                        (h, x), ccounter = res
-                    else:
-                        h, x = res
+                    h, x, out_counters = _moe_add_rms_norm(
+                        mlp, cfg, x, h, nxt, opts.moe, interpret, router_logits,
+                        {**moe_kw, **down_pf}, router_pallas=opts.router_pallas_at(b),
+                        counters=counters if combine_in_down else None)
+                    if combine_in_down:
+                        counters = out_counters
                 else:
                     hid = _silu_mul(mlp, x, interpret, nv_method, bf16_dense_pallas)
                     # partials only for add_rms_norm (norm_qkv / layer_end_qkv take [M, D])
@@ -589,8 +586,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32, method=nv_method)
         new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
                             lengths=pos + 1,
-                            counters=(gcounter if gcounter is not None else
-                                      ccounter if ccounter is not None else cache.counters))
+                            counters=counters)
         return logits, new_cache
 
     return step

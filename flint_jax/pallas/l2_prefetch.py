@@ -111,8 +111,8 @@ def prefetch_slice(ref, part, parts: int, chunks: int = 128):
   """Prefetch part ``part`` (traced int32, 0 <= part < parts) of ``parts`` (about) equal,
   16-byte aligned parts of the whole of ``ref`` (a kernel argument): what one program of a
   ``parts``-program grid takes on."""
-  return prefetch_l2(ref, part * slice_bytes(_nbytes(ref), parts, chunks),
-                     slice_bytes(_nbytes(ref), parts, chunks), chunks)
+  per = slice_bytes(_nbytes(ref), parts, chunks)
+  return prefetch_l2(ref, part * per, per, chunks)
 
 
 def slice_bytes(total: int, parts: int, chunks: int = 128) -> int:

@@ -998,8 +998,8 @@ def _combine_row(y_row, l_ref, h_ref, w_ref, s_ref, o_ref, t, *, top_k, u, d, dp
   tot = jnp.zeros((dp,), jnp.float32)
   for j, sj in enumerate(sig):                                          # top-k order
     tot = tot + (sj / den) * y_row(t * top_k + j, cols, mask).astype(jnp.float32)
-  ys = y_row(u, cols, mask).astype(jnp.float32)
-  moe = (tot + ys).astype(o_ref.dtype)
+  ys = y_row(u, cols, mask)
+  moe = (tot + ys.astype(jnp.float32)).astype(ys.dtype)                 # rounded as y is
   h = plgpu.load(h_ref.at[t, cols], mask=mask, other=0)
   w = plgpu.load(w_ref.at[cols], mask=mask, other=0).astype(jnp.float32)
   s = (h.astype(jnp.float32) + moe.astype(jnp.float32)).astype(s_ref.dtype)

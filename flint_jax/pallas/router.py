@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
+from flint_jax.pallas.moe import moe_router_logits
 
 __all__ = ["router_logits", "router_logits_reference"]
 
@@ -98,5 +99,4 @@ def router_logits(x, router_w, *, block_e: int | None = None, block_k: int | Non
 def router_logits_reference(x, router_w, **unused_tuning):
   """Plain jnp: ``moe.moe_router_logits`` (one XLA dot at precision HIGHEST)."""
   del unused_tuning
-  return lax.dot_general(x.astype(jnp.float32), router_w.astype(jnp.float32),
-                         (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
+  return moe_router_logits(x, router_w)

@@ -92,6 +92,13 @@ def main(argv=None):
     ws = [(jax.random.normal(k, (n, n), jnp.float32) / n ** 0.5).astype(jnp.bfloat16)
           for k in jax.random.split(jax.random.key(n), a.layers)]
     y0 = jax.random.normal(jax.random.key(1), (1, n), jnp.float32)
+    # one GEMV, the same kernel compiled by XLA's Triton and by the triton package
+    x1 = P.norm(y0, True)
+    g_xla = jax.jit(lambda x, w: gemv(x, w, "xla"))(x1, ws[0])
+    g_ffi = jax.jit(lambda x, w: gemv(x, w, "ffi_pdl"))(x1, ws[0])
+    emit(dict(part="ffi_one_gemv", n=n, max_abs_diff=float(jnp.max(jnp.abs(g_xla - g_ffi))),
+              max_abs=float(jnp.max(jnp.abs(g_xla))),
+              rel_l2=float(jnp.linalg.norm(g_xla - g_ffi) / jnp.linalg.norm(g_xla))))
     ref = None
     for variant in a.variants.split(","):
       try:

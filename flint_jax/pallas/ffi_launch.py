@@ -148,6 +148,11 @@ class CompiledKernel:
   shared: int         # dynamic shared memory, bytes
   n_params: int       # kernel parameters (buffers, then the two scratch pointers Triton adds)
 
+  @property
+  def key(self) -> int:
+    """A 63-bit hash of the cubin: the launcher's module cache key."""
+    return int.from_bytes(hashlib.sha256(self.cubin).digest()[:8], "little") >> 1
+
 
 @functools.lru_cache(maxsize=None)
 def compile_ttir(asm: str, num_warps: int, num_stages: int) -> CompiledKernel:
@@ -215,7 +220,7 @@ def pallas_call(kernel, *, entry_wait: bool = True, pdl_launch: bool = True, **k
       raise NotImplementedError(f"kernel {ck.name}: grid {m['grid']} has more than 3 axes")
     register()
     return jax.ffi.ffi_call(TARGET, out_shape, input_output_aliases=aliases or None)(
-        *args, cubin=np.frombuffer(ck.cubin, np.uint8), name=ck.name,
+        *args, cubin=np.frombuffer(ck.cubin, np.uint8), cubin_hash=np.int64(ck.key), name=ck.name,
         grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]), grid_z=np.int64(grid[2]),
         threads=np.int64(ck.threads), shared=np.int64(ck.shared), pdl=bool(pdl_launch),
         scratch_params=np.int64(2))

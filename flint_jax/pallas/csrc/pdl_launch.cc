@@ -12,7 +12,7 @@
 // Operands: the kernel's buffer arguments in Pallas order (inputs, then outputs; an output
 // aliased to an input appears in both places, as in XLA's Triton call), then Triton's two
 // scratch pointers (null: the kernels use no global scratch; checked in Python).
-// Attributes: cubin (u8 array), name, grid_x/y/z, threads, shared (dynamic shared bytes), pdl.
+// Attributes: cubin (u8 array), cubin_hash (its hash, the module cache's key), name, grid_x/y/z, threads, shared (dynamic shared bytes), pdl.
 //
 // The CUDA driver is opened at run time (dlopen of libcuda.so.1), so the library builds without
 // a GPU or the CUDA SDK's link stubs; only cuda.h is needed at build time.
@@ -74,21 +74,20 @@ ffi::Error CudaError(const Driver& d, CUresult r, const char* what) {
                     std::string("flint_pdl_launch: ") + what + ": " + s);
 }
 
-// One CUfunction per (context, cubin, name): modules are loaded on first use and kept.
+// One CUfunction per (context, cubin): modules are loaded on first use and kept. The cubin is
+// known by the hash the caller computed once (hashing it here per launch would cost more than
+// the launch).
 ffi::ErrorOr<CUfunction> GetFunction(const Driver& d, ffi::Span<const uint8_t> cubin,
-                                     std::string_view name, int64_t shared) {
+                                     int64_t cubin_hash, std::string_view name,
+                                     int64_t shared) {
   static std::mutex mu;
   static auto* cache = new std::unordered_map<std::string, CUfunction>();
   CUcontext ctx = nullptr;
   CUresult r = d.CtxGetCurrent(&ctx);
   if (r != CUDA_SUCCESS) return ffi::Unexpected(CudaError(d, r, "cuCtxGetCurrent"));
   std::string key(reinterpret_cast<const char*>(&ctx), sizeof(ctx));
+  key.append(reinterpret_cast<const char*>(&cubin_hash), sizeof(cubin_hash));
   key.append(name);
-  key.append(std::to_string(cubin.size()));
-  // The cubin's own bytes distinguish two kernels of one name (e.g. two tile sizes).
-  uint64_t h = 1469598103934665603ull;
-  for (uint8_t b : cubin) h = (h ^ b) * 1099511628211ull;
-  key.append(reinterpret_cast<const char*>(&h), sizeof(h));
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache->find(key);
   if (it != cache->end()) return it->second;
@@ -110,12 +109,13 @@ ffi::ErrorOr<CUfunction> GetFunction(const Driver& d, ffi::Span<const uint8_t> c
 }
 
 ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  ffi::Span<const uint8_t> cubin, std::string_view name, int64_t grid_x,
+                  ffi::Span<const uint8_t> cubin, int64_t cubin_hash, std::string_view name,
+                  int64_t grid_x,
                   int64_t grid_y, int64_t grid_z, int64_t threads, int64_t shared, bool pdl,
                   int64_t scratch_params) {
   const Driver& d = GetDriver();
   if (!d.error.empty()) return ffi::Error(ffi::ErrorCode::kUnavailable, d.error);
-  auto fn = GetFunction(d, cubin, name, shared);
+  auto fn = GetFunction(d, cubin, cubin_hash, name, shared);
   if (fn.has_error()) return fn.error();
 
   std::vector<void*> ptrs;
@@ -163,6 +163,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlintPdlLaunch, Launch,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<ffi::Span<const uint8_t>>("cubin")
+                                  .Attr<int64_t>("cubin_hash")
                                   .Attr<std::string_view>("name")
                                   .Attr<int64_t>("grid_x")
                                   .Attr<int64_t>("grid_y")

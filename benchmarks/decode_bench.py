@@ -252,7 +252,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     the BF16 o_proj at batch > 1 on the Pallas gemv, partials summed by the norm kernel),
     "pallas_sc1" / "pallas_sc2" (`moe_down_shared_cols`: the shared expert's down columns over 1
     / 2 programs per block), "pallas_cd" / "pallas_nocd" (`moe_combine_in_down` on / off: the
-    MoE combine + add + norm in the down kernel's last program)."""
+    MoE combine + add + norm in the down kernel's last program), "pallas_ffi" (`launch="ffi"`:
+    every kernel compiled by the triton package and launched by flint_jax's FFI call)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -296,7 +297,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "sc1": DecodeOptions(moe_down_shared_cols=1),
                "sc2": DecodeOptions(moe_down_shared_cols=2),
                "cd": DecodeOptions(moe_combine_in_down=True),
-               "nocd": DecodeOptions(moe_combine_in_down=False)}[variant]
+               "nocd": DecodeOptions(moe_combine_in_down=False),
+               "ffi": DecodeOptions(launch="ffi")}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

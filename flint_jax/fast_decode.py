@@ -32,7 +32,7 @@ from flint_jax.cache import KVCache
 from flint_jax.config import FlintConfig
 from flint_jax import layers
 from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, decode_attention,
-                              gemv_silu_mul, layer_end_qkv, moe_block, moe_combine_add_rms_norm,
+                              ffi_launch, gemv_silu_mul, layer_end_qkv, moe_block, moe_combine_add_rms_norm,
                               moe_decode_routed, moe_router_logits, multi_gemv, norm_qkv,
                               nvfp4_gemv, nvfp4_gemv_silu_mul, pdl, qk_norm_rope,
                               qk_norm_rope_attention, rms_norm, router_logits)
@@ -157,6 +157,12 @@ class DecodeOptions:
       fp32 partials summed by the ``add_rms_norm`` kernel, instead of XLA's dot (at batch 8 a
       split-K GEMM + reduce, 7.3 + 1.6 us per layer, run 51). None (default) = off: no faster
       (H200 run 57, 8x1K in-loop 6.341 against 6.314 ms; perf log 46).
+    launch: "xla" (default) or "ffi": every Pallas kernel of the step is compiled by the
+      ``triton`` package and launched by flint_jax's FFI call with programmatic dependent launch
+      and a wait at its entry (``pallas.ffi_launch``; needs ``triton`` and ``g++``), instead of
+      being compiled and launched by XLA. For measurements: the H200 probe (runs 65-69, perf log
+      50) found our own PDL launch at parity with XLA's, and no gain from loading weights
+      before the wait.
     l2_prefetch: kernels that ask the L2 to fetch a later kernel's weights while they run
       (``pallas.l2_prefetch``: cp.async.bulk.prefetch.L2, one instruction per chunk): a
       comma-separated subset of "attn" (the attention kernel fetches the o_proj), "router"
@@ -187,6 +193,7 @@ class DecodeOptions:
     moe_down_shared_cols: int | None = None
     moe_combine_in_down: bool | None = None
     bf16_o_proj_pallas: bool | None = None
+    launch: str = "xla"
 
     PREFETCH_SITES = ("attn", "router", "down")
 
@@ -281,6 +288,8 @@ class DecodeOptions:
                 self.PREFETCH_SITES):
             raise ValueError("DecodeOptions.l2_prefetch must be a bool or a comma-separated "
                              f"subset of {self.PREFETCH_SITES}, got {self.l2_prefetch!r}")
+        if self.launch not in ("xla", "ffi"):
+            raise ValueError(f"DecodeOptions.launch must be 'xla' or 'ffi', got {self.launch!r}")
         if self.moe not in ("routed", "slots", "xla", "v1"):
             raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
         if self.router_in_norm and self.moe != "routed":
@@ -448,7 +457,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         quant = m.model.layers[0].self_attn.q_proj.quant
         # read when the kernels are traced (part of the trace context: cached per value)
         trigger, kinds = opts.early_trigger_for(quant)
-        with pdl.early_trigger(trigger), pdl.early_trigger_kernels(kinds):
+        with pdl.early_trigger(trigger), pdl.early_trigger_kernels(kinds), \
+                ffi_launch.enabled(opts.launch == "ffi"):
             return pallas_step(m, cache, tokens, quant)
 
     def pallas_step(m, cache: KVCache, tokens, quant: bool):

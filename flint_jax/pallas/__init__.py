@@ -58,6 +58,7 @@ from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, dequantize_nvfp4_reference
 from flint_jax.pallas.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from flint_jax.pallas.router import router_logits, router_logits_reference
 from flint_jax.pallas import pdl  # noqa: E402  (griddepcontrol primitives, early_trigger)
+from flint_jax.pallas import ffi_launch  # noqa: E402  (our own PDL launch of a Pallas kernel)
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference",

@@ -202,9 +202,14 @@ def pallas_call(kernel, *, prefetch: int = 0, **kw):
   ``prefetch`` > 0: the call takes that many more arrays after its inputs (the weights of a
   later kernel); each program first asks for its share of them to be brought into the L2
   (``l2_prefetch.prefetch_slice``) and the kernel body never sees them. They come after the
-  inputs, so ``input_output_aliases`` indices are unchanged."""
-  from flint_jax.pallas import pdl   # pylint: disable=g-import-not-at-top
+  inputs, so ``input_output_aliases`` indices are unchanged.
+
+  Under ``ffi_launch.enabled`` (not in interpret mode, no prefetch) the kernel is compiled by the
+  triton package and launched by flint_jax's FFI call instead of XLA (``ffi_launch``)."""
+  from flint_jax.pallas import ffi_launch, pdl   # pylint: disable=g-import-not-at-top
   early = pdl.triggers(kw.get("name") or "")
+  if ffi_launch.enabled.value and not kw.get("interpret") and not prefetch:
+    return ffi_launch.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
   if not prefetch:
     return pl.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
   grid = kw.get("grid") or ()

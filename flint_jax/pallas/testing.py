@@ -147,31 +147,6 @@ def triton_modules(fn, *args):
   """[{name, asm, grid, num_warps, num_stages}] for every pallas_call of jit(fn)(*args), lowered
   for an abstract H200 (``lower_for_h200``): ``asm`` is the kernel's Triton IR as text. Lowers
   afresh (a jit of ``fn`` already lowered would hit the cache and capture nothing: pass a new
-  function object)."""
-  # pylint: disable-next=g-import-not-at-top
-  from jax._src.pallas.triton import pallas_call_registration as reg
-  captured = []
-  lower_module, custom_call = reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call
-
-  def lower_and_keep(*a, **k):
-    res = lower_module(*a, **k)
-    captured.append(dict(asm=res.module.operation.get_asm(enable_debug_info=False),
-                         grid=list(res.grid)))
-    return res
-
-  def custom_call_and_keep(*a, backend_config=None, **k):
-    if backend_config and "num_warps" in backend_config and captured:
-      c = captured[-1]
-      c.setdefault("num_warps", int(str(backend_config["num_warps"]).split(":")[0]))
-      c.setdefault("num_stages", int(str(backend_config["num_stages"]).split(":")[0]))
-      c.setdefault("name", str(backend_config["name"]).strip('"'))
-    return custom_call(*a, backend_config=backend_config, **k)
-
-  reg.lowering.lower_jaxpr_to_triton_module = lower_and_keep
-  reg.mlir.custom_call = custom_call_and_keep
-  try:
-    lower_for_h200(fn, *args)
-  finally:
-    reg.lowering.lower_jaxpr_to_triton_module = lower_module
-    reg.mlir.custom_call = custom_call
-  return captured
+  function object). The same as ``ffi_launch.capture_triton``."""
+  from flint_jax.pallas import ffi_launch   # pylint: disable=g-import-not-at-top
+  return ffi_launch.capture_triton(fn, *args)

@@ -23,6 +23,14 @@ library, built on first use with ``g++`` from ``csrc/pdl_launch.cc`` against jax
 and CUDA's ``cuda.h`` (``$CUDA_HOME/include``), or given prebuilt as ``$FLINT_JAX_PDL_LAUNCH_LIB``.
 
 Not supported (checked): kernels that need Triton's global scratch memory; grids beyond 3-D.
+The FFI call is not captured into XLA's command buffers: each costs ~5 us of host time.
+
+Measured on the H200 (docs/kernels.md "Session 11", perf log 50-51): the PDL launch works (~1 us
+per kernel against a plain launch), which is at parity with XLA's own launch; loading weights
+before the wait (into registers, or by the pipeliner's cp.async prologue) gains nothing; and the
+triton package compiles some kernels much worse than XLA's bundled Triton (the inline-asm NVFP4
+ones). So the decode step keeps XLA's launch (``DecodeOptions.launch="xla"``); this stays as a
+tested, opt-in launcher for experiments.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
     # Teacher forcing: both paths get the XLA path's tokens.
     _, cache_x = prefill(xla, rows, cache_length=1024)
     _, cache_p = prefill(xla, rows, cache_length=1024)
-    tf_errs, tf_agree = [], []
+    tf_errs, tf_agree, tf_ties = [], [], []
     t = first
     for _ in range(steps):
         lx, cache_x = fx(xla.leaves, cache_x, t)
@@ -103,10 +103,14 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
         a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
         tf_errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(a)))
         tf_agree.append(float(np.mean(a.argmax(-1) == b.argmax(-1))))
+        gap = choice_gap(a, b)
+        if gap is not None:   # how close the reference's own choice was where they differ
+            tf_ties.append({"step": len(tf_errs) - 1, **gap})
         t = jnp.argmax(lx, -1).astype(jnp.int32)
     return {"teacher_forced_rel_l2_median": float(np.median(tf_errs)),
             "teacher_forced_rel_l2_max": max(tf_errs),
             "teacher_forced_argmax_agreement": float(np.mean(tf_agree)),
+            "teacher_forced_disagreements": tf_ties,
             "teacher_forced_rel_l2_per_step": tf_errs,
             "path": path, "batch": batch, "prompt_lens": [len(r) for r in rows], "steps": steps,
             "tokens_identical": all(same),

@@ -1042,12 +1042,40 @@ def router_cases(variants):
              functools.partial(ROUTER.router_logits, **kw), sets, bytes_)
 
 
+def prescale_cases(variants):
+  """NVFP4 kernels with e4m3 block scales against pre-scaled bf16 ones
+  (``nvfp4_gemv.prescale_block_scales``: no per-scale conversion in the decode, +11% bytes):
+  the routed MoE and the q|k|v ``multi_gemv`` at M = 1 and 8."""
+  if variants:
+    return
+  pre = NV.prescale_block_scales
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  experts, shared = moe_weights("nvfp4")
+  experts_p = {k: pre(v) if k.endswith("weight_scale") else v for k, v in experts.items()}
+  shared_p = {k: v._replace(weight_scale=pre(v.weight_scale)) for k, v in shared.items()}
+  for m in (1, 8):
+    xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
+    lbl = f"routed nvfp4 M={m}"
+    for tag, ex, sh in (("e4m3", experts, shared), ("bf16 prescaled", experts_p, shared_p)):
+      sets = [(x, lg, ex, sh) for x, lg in zip(xs, logits)]
+      yield (f"prescale/moe/M{m}/{tag}", "prescale", lbl, tag,
+             functools.partial(MOE.moe_decode_routed), sets, bytes_)
+  ws = [(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D))) for _ in range(8)]
+  ws_p = [tuple(w._replace(weight_scale=pre(w.weight_scale)) for w in t) for t in ws]
+  for m in (1, 8):
+    lbl, bytes_ = f"qkv nvfp4 M={m}", nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
+    for tag, wl in (("e4m3", ws), ("bf16 prescaled", ws_p)):
+      sets = [(randn((m, D)), w) for w in wl]
+      yield (f"prescale/qkv/M{m}/{tag}", "prescale", lbl, tag, MULTI.multi_gemv, sets, bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
           "nqtune": nqtune_cases, "slotrows": slotrows_cases, "rows": rows_cases,
           "rows2": rows2_cases, "lanes": lanes_cases, "arnr": arnr_cases,
-          "nqlanes": nqlanes_cases, "gusk": gusk_cases, "router": router_cases}
+          "nqlanes": nqlanes_cases, "gusk": gusk_cases, "router": router_cases,
+          "prescale": prescale_cases}
 
 
 # ------------------------------------------------------------------------------------------

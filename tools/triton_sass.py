@@ -92,26 +92,36 @@ def _parse_kw(items):
   return kw
 
 
-def build(kernel: str, m: int, n: int, k: int, kw: dict):
-  """(fn, args) of one kernel call at Flint sizes (abstract shapes; weights as numpy)."""
+def build(kernel: str, m: int, n: int, k: int, kw: dict, prescaled: bool = False):
+  """(fn, args) of one kernel call at Flint sizes (abstract shapes; weights as numpy).
+  ``prescaled``: NVFP4 block scales as pre-scaled bf16 (``nvfp4_gemv.prescale_block_scales``)."""
   import jax   # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp   # pylint: disable=g-import-not-at-top
   import numpy as np   # pylint: disable=g-import-not-at-top
   from flint_jax.pallas import testing   # pylint: disable=g-import-not-at-top
   gen = np.random.default_rng(0)
   S = jax.ShapeDtypeStruct
+  from flint_jax.pallas.nvfp4_gemv import prescale_block_scales   # pylint: disable=g-import-not-at-top
+  pre = prescale_block_scales if prescaled else (lambda s: s)
+
+  def random_nvfp4(shape):
+    w = testing.random_nvfp4(gen, shape)
+    return w._replace(weight_scale=pre(w.weight_scale))
   if kernel == "nvfp4_gemv":
     mod = importlib.import_module("flint_jax.pallas.nvfp4_gemv")
-    w = testing.random_nvfp4(gen, (n, k))
+    w = random_nvfp4((n, k))
     return functools.partial(mod.nvfp4_gemv, **kw), (S((m, k), jnp.bfloat16), *w)
   if kernel == "multi_gemv":
     mod = importlib.import_module("flint_jax.pallas.multi_gemv")
-    ws = tuple(testing.random_nvfp4(gen, (rows, 2048)) for rows in (4096, 512, 512))
+    ws = tuple(random_nvfp4((rows, 2048)) for rows in (4096, 512, 512))
     return functools.partial(mod.multi_gemv, **kw), (S((m, 2048), jnp.bfloat16), ws)
   if kernel in ("moe", "moe_bf16"):
     mod = importlib.import_module("flint_jax.pallas.moe")
     fmt = "bf16" if kernel == "moe_bf16" else "nvfp4"
     experts, shared = testing.random_moe_weights(fmt, 256, 2048, 512, 1024, gen)
+    if fmt == "nvfp4":
+      experts = {key: pre(v) if key.endswith("weight_scale") else v for key, v in experts.items()}
+      shared = {key: v._replace(weight_scale=pre(v.weight_scale)) for key, v in shared.items()}
     return (functools.partial(mod.moe_decode_routed, **kw),
             (S((m, 2048), jnp.bfloat16), S((m, 256), jnp.float32), experts, shared))
   raise SystemExit(f"unknown --kernel {kernel!r}: nvfp4_gemv, multi_gemv, moe or moe_bf16")
@@ -126,11 +136,13 @@ def main():
   ap.add_argument("--n", type=int, default=4096, help="output rows (nvfp4_gemv)")
   ap.add_argument("--k", type=int, default=2048, help="input features (nvfp4_gemv)")
   ap.add_argument("--kw", nargs="*", help="kernel keyword arguments, e.g. method=lanes block_n=16")
+  ap.add_argument("--prescaled", action="store_true",
+                  help="NVFP4 block scales pre-scaled to bf16 (prescale_block_scales)")
   ap.add_argument("--out", default="/tmp/flint_sass", help="directory for TTIR/TTGIR/PTX/SASS")
   ap.add_argument("--triton-python", default=sys.executable,
                   help="a Python with the triton package (default: this one)")
   args = ap.parse_args()
-  fn, fargs = build(args.kernel, args.m, args.n, args.k, _parse_kw(args.kw))
+  fn, fargs = build(args.kernel, args.m, args.n, args.k, _parse_kw(args.kw), args.prescaled)
   os.makedirs(args.out, exist_ok=True)
   bases = []
   for i, c in enumerate(capture_triton_modules(fn, *fargs)):

@@ -110,8 +110,8 @@ def _kernel(*refs, names, mode, fmt, starts, m, mp, d, dp, bn, bk, eps, top_k, u
         return r[f"w{i}"][pl.ds(n0, bn), pl.ds(j * bk, bk)]
       blk = pl.ds(j * nb, nb)
       q = r[f"q{i}"][pl.ds(n0, bn), blk, :, :]                          # [BN, nb, 2, 16]
-      s_lo = r[f"sc{i}"][pl.ds(n0, bn), blk, 0, :].astype(jnp.float32)[..., None]
-      s_hi = r[f"sc{i}"][pl.ds(n0, bn), blk, 1, :].astype(jnp.float32)[..., None]
+      s_lo = NV.load_scale(r[f"sc{i}"][pl.ds(n0, bn), blk, 0, :])[..., None]
+      s_hi = NV.load_scale(r[f"sc{i}"][pl.ds(n0, bn), blk, 1, :])[..., None]
       return NV._decode_pair(q, s_lo, s_hi, decode)  # pylint: disable=protected-access
 
     # 1. The weights first: the first ``preload`` K steps' tiles, loaded (NVFP4: decoded) into

@@ -141,9 +141,9 @@ def _validate(x, weights, fmt, block_n, block_k):
       C.check(q.dtype == jnp.uint8 and q.ndim == 2 and q.shape[1] * 2 == k,
               f"weights[{i}].qweight must be uint8 [N, K/2={k // 2}] (K shared with x), got "
               f"{q.shape=} {q.dtype=}")
-      C.check(s.dtype == jnp.float8_e4m3fn and s.shape == (q.shape[0], k // 16),
-              f"weights[{i}].weight_scale must be float8_e4m3fn [N, K/16], got {s.shape=} "
-              f"{s.dtype=}")
+      C.check(NV.is_block_scale_dtype(s.dtype) and s.shape == (q.shape[0], k // 16),
+              f"weights[{i}].weight_scale must be float8_e4m3fn (or pre-scaled bf16) "
+              f"[N, K/16], got {s.shape=} {s.dtype=}")
       C.check(math.prod(jnp.shape(s2)) == 1,
               f"weights[{i}].weight_scale_2 must be a scalar, got {jnp.shape(s2)=}")
     ns.append(_n_rows(w, fmt))

@@ -133,8 +133,8 @@ def _nvfp4_part_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layout, m
   for bb in range(nb):
     for h in range(2):
       q = q_ref[nrow, b0 + bb, h, ds]                                    # [BN, 16]
-      s_lo = s_ref[nrow, b0 + bb, 0, h].astype(jnp.float32)[:, None]    # [BN, 1]
-      s_hi = s_ref[nrow, b0 + bb, 1, h].astype(jnp.float32)[:, None]
+      s_lo = NV.load_scale(s_ref[nrow, b0 + bb, 0, h])[:, None]         # [BN, 1]
+      s_hi = NV.load_scale(s_ref[nrow, b0 + bb, 1, h])[:, None]
       w_lo, w_hi = NV._decode_pair(q, s_lo, s_hi, decode)  # pylint: disable=protected-access
       x_lo = xfn((b0 + bb, 0, h, ds), 1)                                    # [16] / [Mp, 16]
       x_hi = xfn((b0 + bb, 1, h, ds), 1)

@@ -66,6 +66,7 @@ __all__ = [
     "NVFP4Weight", "nvfp4_gemv", "nvfp4_gemv_reference", "nvfp4_gemv_silu_mul",
     "nvfp4_gemv_silu_mul_reference", "dequantize_nvfp4_reference", "nvfp4_tile_dot",
     "decode_factor", "nvfp4_views", "x_view", "lanes_shape", "DECODES", "LAYOUTS",
+    "prescale_block_scales", "PRESCALE", "load_scale", "is_block_scale_dtype",
 ]
 
 DECODES = ("fp8", "asm")
@@ -78,6 +79,30 @@ class NVFP4Weight(NamedTuple):
   qweight: jax.Array          # uint8 [..., N, K/2]
   weight_scale: jax.Array     # float8_e4m3fn [..., N, K/16]
   weight_scale_2: jax.Array   # float32 [...]
+
+
+#: Block scales may also be given *pre-scaled*: bf16 holding ``scale * 2^119`` (exact: an e4m3
+#: value has 3 mantissa bits and ``448 * 2^119 < 2^128``), the operand the ``asm`` decode
+#: multiplies by. The kernels then skip the e4m3 -> f16 -> f32 -> bf16 conversions and the
+#: multiply per scale (``prescale_block_scales``; docs/kernels.md "Session 11"), for twice the
+#: scale bytes (+11% of the weight bytes).
+PRESCALE = 2.0 ** 119
+
+
+def prescale_block_scales(weight_scale):
+  """float8_e4m3fn block scales -> bf16 ``scale * 2^119`` (exact), which every NVFP4 kernel
+  accepts in their place with bit-identical results."""
+  return (weight_scale.astype(jnp.float32) * PRESCALE).astype(jnp.bfloat16)
+
+
+def is_block_scale_dtype(dtype) -> bool:
+  """float8_e4m3fn (the checkpoint's) or bf16 (``prescale_block_scales``)."""
+  return dtype in (jnp.float8_e4m3fn, jnp.bfloat16)
+
+
+def load_scale(s):
+  """A loaded block-scale tile for ``_decode_pair``: e4m3 -> f32; pre-scaled bf16 kept."""
+  return s if s.dtype == jnp.bfloat16 else s.astype(jnp.float32)
 
 
 # ------------------------------------------------------------------------------------------
@@ -99,6 +124,8 @@ def dequantize_nvfp4_reference(qweight, weight_scale):
   hi = _e2m1_to_bf16(q >> 4)                                # k = 64b + 32 + j
   vals = jnp.concatenate([lo, hi], axis=-1).reshape(*lead, n, k // 16, 16)
   scale = weight_scale.astype(jnp.float32)[..., None]
+  if weight_scale.dtype == jnp.bfloat16:   # pre-scaled (prescale_block_scales)
+    scale = scale * (1.0 / PRESCALE)
   return (vals.astype(jnp.float32) * scale).astype(jnp.bfloat16).reshape(*lead, n, k)
 
 
@@ -149,14 +176,19 @@ def decode_factor(decode: str) -> float:
 
 
 def _decode_pair(q, s_lo, s_hi, decode):
-  """q uint8 [..., 16]; s_lo/s_hi f32 block scales broadcastable to q -> (w_lo, w_hi) bf16."""
+  """q uint8 [..., 16]; s_lo/s_hi block scales broadcastable to q, f32 or pre-scaled bf16
+  (``load_scale``) -> (w_lo, w_hi) bf16."""
+  prescaled = s_lo.dtype == jnp.bfloat16
   if decode == "fp8":
+    if prescaled:
+      s_lo, s_hi = (s.astype(jnp.float32) * (1.0 / PRESCALE) for s in (s_lo, s_hi))
     w_lo = _fp8_decode(q & 15) * s_lo.astype(jnp.bfloat16)
     w_hi = _fp8_decode(q >> 4) * s_hi.astype(jnp.bfloat16)
     return w_lo, w_hi
-  big = 2.0 ** 119
-  s_lo = jnp.broadcast_to((s_lo * big).astype(jnp.bfloat16), q.shape)
-  s_hi = jnp.broadcast_to((s_hi * big).astype(jnp.bfloat16), q.shape)
+  if not prescaled:
+    s_lo, s_hi = ((s * PRESCALE).astype(jnp.bfloat16) for s in (s_lo, s_hi))
+  s_lo = jnp.broadcast_to(s_lo, q.shape)
+  s_hi = jnp.broadcast_to(s_hi, q.shape)
   return _asm_decode(q, s_lo, _ASM_LO), _asm_decode(q, s_hi, _ASM_HI)
 
 
@@ -203,8 +235,8 @@ def decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode):
   the ``nvfp4_views`` (tile layout), decoded with their block scales."""
   ds, nrow, blk = slice(None), pl.ds(n0, bn), pl.ds(b0, nb)
   q = q_ref[(*w_idx, nrow, blk, ds, ds)]                                  # [BN, nb, 2, 16]
-  s_lo = s_ref[(*w_idx, nrow, blk, 0, ds)].astype(jnp.float32)[..., None]  # [BN, nb, 2, 1]
-  s_hi = s_ref[(*w_idx, nrow, blk, 1, ds)].astype(jnp.float32)[..., None]
+  s_lo = load_scale(s_ref[(*w_idx, nrow, blk, 0, ds)])[..., None]        # [BN, nb, 2, 1]
+  s_hi = load_scale(s_ref[(*w_idx, nrow, blk, 1, ds)])[..., None]
   return _decode_pair(q, s_lo, s_hi, decode)
 
 
@@ -257,8 +289,8 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
   for bb in range(nb):
     for h in range(2):
       q = q_ref[(*w_idx, nrow, b0 + bb, h, ds)]                           # [BN, 16]
-      s_lo = s_ref[(*w_idx, nrow, b0 + bb, 0, h)].astype(jnp.float32)[:, None]   # [BN, 1]
-      s_hi = s_ref[(*w_idx, nrow, b0 + bb, 1, h)].astype(jnp.float32)[:, None]
+      s_lo = load_scale(s_ref[(*w_idx, nrow, b0 + bb, 0, h)])[:, None]    # [BN, 1]
+      s_hi = load_scale(s_ref[(*w_idx, nrow, b0 + bb, 1, h)])[:, None]
       w_lo, w_hi = _decode_pair(q, s_lo, s_hi, decode)
       if method == "reduce":
         x_lo = x_ref[(*x_idx, 0, b0 + bb, 0, h, ds)]                      # [16]
@@ -337,8 +369,9 @@ def _validate(x, ws, block_n, block_k, split_k=1):
     q, s, s2 = w
     C.check(q.dtype == jnp.uint8 and q.ndim == 2 and q.shape[1] * 2 == k,
             f"qweight must be uint8 [N, K/2={k // 2}], got {q.shape=} {q.dtype=}")
-    C.check(s.dtype == jnp.float8_e4m3fn and s.shape == (q.shape[0], k // 16),
-            f"weight_scale must be float8_e4m3fn [N, K/16], got {s.shape=} {s.dtype=}")
+    C.check(is_block_scale_dtype(s.dtype) and s.shape == (q.shape[0], k // 16),
+            f"weight_scale must be float8_e4m3fn (or pre-scaled bf16) [N, K/16], got "
+            f"{s.shape=} {s.dtype=}")
     C.check(jnp.size(s2) == 1, f"weight_scale_2 must be a scalar, got {jnp.shape(s2)=}")
     C.check(q.shape == ws[0][0].shape, "gate/up weights differ in shape")
   n = ws[0][0].shape[0]

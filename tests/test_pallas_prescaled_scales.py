@@ -1,0 +1,95 @@
+"""NVFP4 block scales given pre-scaled (bf16 ``scale * 2^119``, ``prescale_block_scales``).
+
+Every NVFP4 kernel must give bit-identical results with the pre-scaled scales as with the e4m3
+ones (the decode multiplies by the same bf16 value either way), on fresh random weights, for each
+tile method / layout, batch 1 and > 1; the reference dequantization accepts both; the converter
+of the scales is exact. Interpret mode on the CPU (the ``fp8`` decode), compiled on the GPU
+(the ``asm`` decode).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax.pallas import (moe_decode_routed, moe_router_logits, multi_gemv, norm_qkv,
+                              nvfp4_gemv)
+from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, PRESCALE, dequantize_nvfp4_reference,
+                                         prescale_block_scales)
+from flint_jax.pallas.testing import randn, random_moe_weights, random_nvfp4, rng
+
+INTERPRET = jax.default_backend() == "cpu"
+DECODE = "fp8" if INTERPRET else "asm"
+
+
+def _pre(w: NVFP4Weight) -> NVFP4Weight:
+  return w._replace(weight_scale=prescale_block_scales(w.weight_scale))
+
+
+def _same(a, b, what):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                  err_msg=what)
+
+
+def test_prescale_is_exact_for_every_e4m3_value():
+  codes = np.arange(256, dtype=np.uint8)
+  s = jnp.asarray(codes.view(jnp.float8_e4m3fn))
+  finite = np.isfinite(np.asarray(s, np.float32))
+  p = prescale_block_scales(s)
+  assert p.dtype == jnp.bfloat16
+  back = np.asarray(p, np.float64)[finite] / PRESCALE
+  np.testing.assert_array_equal(back, np.asarray(s, np.float64)[finite])
+
+
+def test_reference_dequantize_accepts_prescaled():
+  w = random_nvfp4(rng("deq"), (24, 128))
+  _same(dequantize_nvfp4_reference(w.qweight, prescale_block_scales(w.weight_scale)),
+        dequantize_nvfp4_reference(w.qweight, w.weight_scale), "dequantize")
+
+
+@pytest.mark.parametrize("m,n,k,kw", [
+    (1, 96, 320, dict()), (1, 64, 256, dict(method="lanes")),
+    (1, 64, 256, dict(layout="chunk", method="reduce")), (3, 80, 192, dict()),
+    (8, 64, 256, dict(method="dot")), (2, 32, 128, dict(method="rows"))])
+def test_nvfp4_gemv(m, n, k, kw):
+  gen = rng("gemv", m, n, k, tuple(kw.items()))
+  x, w = randn(gen, (m, k)), random_nvfp4(gen, (n, k))
+  args = dict(decode=DECODE, interpret=INTERPRET, **kw)
+  _same(nvfp4_gemv(x, *_pre(w), **args), nvfp4_gemv(x, *w, **args), "nvfp4_gemv")
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_multi_gemv_and_norm_qkv(m):
+  gen = rng("multi", m)
+  k = 192
+  ws = [random_nvfp4(gen, (n, k)) for n in (128, 32, 32)]
+  x, h, wn = randn(gen, (m, k)), randn(gen, (m, k)), randn(gen, (k,))
+  args = dict(decode=DECODE, interpret=INTERPRET)
+  _same(multi_gemv(x, [_pre(w) for w in ws], **args), multi_gemv(x, ws, **args), "multi_gemv")
+  _same(norm_qkv(h, [_pre(w) for w in ws], wn, **args), norm_qkv(h, ws, wn, **args),
+        "norm_qkv")
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_moe_decode_routed(m):
+  gen = rng("moe", m)
+  e, d, inter, inter_s, top_k = 16, 128, 64, 128, 4
+  experts, shared = random_moe_weights("nvfp4", e, d, inter, inter_s, gen)
+  pre_experts = dict(experts,
+                     gate_up_weight_scale=prescale_block_scales(experts["gate_up_weight_scale"]),
+                     down_weight_scale=prescale_block_scales(experts["down_weight_scale"]))
+  pre_shared = {k: _pre(v) for k, v in shared.items()}
+  x = randn(gen, (m, d))
+  logits = moe_router_logits(x, randn(gen, (e, d), jnp.float32))
+  args = dict(top_k=top_k, decode=DECODE, interpret=INTERPRET)
+  _same(moe_decode_routed(x, logits, pre_experts, pre_shared, **args),
+        moe_decode_routed(x, logits, experts, shared, **args), "moe_decode_routed")
+
+
+def test_other_scale_dtypes_rejected():
+  gen = rng("bad")
+  x, w = randn(gen, (1, 64)), random_nvfp4(gen, (32, 64))
+  with pytest.raises(ValueError, match="weight_scale"):
+    nvfp4_gemv(x, w.qweight, w.weight_scale.astype(jnp.float16), w.weight_scale_2,
+               interpret=True)

@@ -253,7 +253,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "pallas_sc1" / "pallas_sc2" (`moe_down_shared_cols`: the shared expert's down columns over 1
     / 2 programs per block), "pallas_cd" / "pallas_nocd" (`moe_combine_in_down` on / off: the
     MoE combine + add + norm in the down kernel's last program), "pallas_ffi" (`launch="ffi"`:
-    every kernel compiled by the triton package and launched by flint_jax's FFI call)."""
+    every kernel compiled by the triton package and launched by flint_jax's FFI call),
+    "pallas_pre" (the default step on a copy of the state whose NVFP4 block scales are
+    pre-scaled bf16: `nvfp4.prescale_state`)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if variant.startswith("rs"):
@@ -298,7 +300,12 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "sc2": DecodeOptions(moe_down_shared_cols=2),
                "cd": DecodeOptions(moe_combine_in_down=True),
                "nocd": DecodeOptions(moe_combine_in_down=False),
-               "ffi": DecodeOptions(launch="ffi")}[variant]
+               "ffi": DecodeOptions(launch="ffi")}.get(variant, "unknown")
+    if options == "unknown" and variant != "pre":
+        raise ValueError(f"unknown benchmark path {path!r}")
+    if variant == "pre":   # NVFP4 block scales pre-scaled to bf16 (a converted copy)
+        from flint_jax.nvfp4 import prescale_state
+        state, options = prescale_state(state), None
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

@@ -3,7 +3,8 @@
 Every NVFP4 kernel must give bit-identical results with the pre-scaled scales as with the e4m3
 ones (the decode multiplies by the same bf16 value either way), on fresh random weights, for each
 tile method / layout, batch 1 and > 1; the reference dequantization accepts both; the converter
-of the scales is exact. Interpret mode on the CPU (the ``fp8`` decode), compiled on the GPU
+of the scales is exact; a model whose state is converted (``nvfp4.prescale_state``) decodes the
+same logits on the XLA and the Pallas paths. Interpret mode on the CPU (the ``fp8`` decode), compiled on the GPU
 (the ``asm`` decode).
 """
 
@@ -12,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flint_jax.pallas import (moe_decode_routed, moe_router_logits, multi_gemv, norm_qkv,
-                              nvfp4_gemv)
+from flint_jax.pallas import (moe_combine_add_rms_norm, moe_decode_routed, moe_router_logits,
+                              multi_gemv, norm_qkv, nvfp4_gemv)
 from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, PRESCALE, dequantize_nvfp4_reference,
                                          prescale_block_scales)
 from flint_jax.pallas.testing import randn, random_moe_weights, random_nvfp4, rng
@@ -80,11 +81,15 @@ def test_moe_decode_routed(m):
                      gate_up_weight_scale=prescale_block_scales(experts["gate_up_weight_scale"]),
                      down_weight_scale=prescale_block_scales(experts["down_weight_scale"]))
   pre_shared = {k: _pre(v) for k, v in shared.items()}
-  x = randn(gen, (m, d))
+  x, h, wn = randn(gen, (m, d)), randn(gen, (m, d)), randn(gen, (d,))
   logits = moe_router_logits(x, randn(gen, (e, d), jnp.float32))
   args = dict(top_k=top_k, decode=DECODE, interpret=INTERPRET)
-  _same(moe_decode_routed(x, logits, pre_experts, pre_shared, **args),
-        moe_decode_routed(x, logits, experts, shared, **args), "moe_decode_routed")
+
+  def combined(ex, sh):   # y's padding slots are never written: compare what is combined
+    y, route = moe_decode_routed(x, logits, ex, sh, **args)
+    return route, moe_combine_add_rms_norm(h, y, route.logits, wn, interpret=INTERPRET)
+
+  _same(combined(pre_experts, pre_shared), combined(experts, shared), "moe_decode_routed")
 
 
 def test_other_scale_dtypes_rejected():
@@ -93,3 +98,31 @@ def test_other_scale_dtypes_rejected():
   with pytest.raises(ValueError, match="weight_scale"):
     nvfp4_gemv(x, w.qweight, w.weight_scale.astype(jnp.float16), w.weight_scale_2,
                interpret=True)
+
+
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+def test_prescaled_state_decodes_the_same(kernels):
+  from flax import nnx   # pylint: disable=g-import-not-at-top
+  import flint_jax   # pylint: disable=g-import-not-at-top
+  from flint_jax import fast_decode, nvfp4   # pylint: disable=g-import-not-at-top
+  from flint_jax.cache import init_cache   # pylint: disable=g-import-not-at-top
+  from flint_jax.model import FlintForCausalLM   # pylint: disable=g-import-not-at-top
+  cfg = flint_jax.preset("tiny", num_hidden_layers=3, mlp_only_layers=(0,))
+  graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(3)))
+  pre = nvfp4.prescale_state(state)
+  dtypes = {str(a.dtype) for a in jax.tree.leaves(pre)}
+  assert "float8_e4m3fn" not in dtypes and "bfloat16" in dtypes
+  if kernels == "xla":
+    def xla_step(st, cache, tokens):
+      n = jnp.ones(tokens.shape, jnp.int32)
+      logits, cache, _ = nnx.merge(graphdef, st)(tokens[:, None], cache, n, logits="last")
+      return logits, cache
+    step = jax.jit(xla_step)
+  else:
+    step = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=INTERPRET))
+  c1 = c2 = init_cache(cfg, 2, 64)
+  for t in ([5, 9], [17, 2]):
+    tokens = jnp.array(t, jnp.int32)
+    l1, c1 = step(state, c1, tokens)
+    l2, c2 = step(pre, c2, tokens)
+    _same(l2, l1, f"logits ({kernels})")

@@ -60,6 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flint_jax.nvfp4 import PRESCALE, prescale_block_scales
 from flint_jax.pallas import _common as C
 
 __all__ = [
@@ -81,18 +82,10 @@ class NVFP4Weight(NamedTuple):
   weight_scale_2: jax.Array   # float32 [...]
 
 
-#: Block scales may also be given *pre-scaled*: bf16 holding ``scale * 2^119`` (exact: an e4m3
-#: value has 3 mantissa bits and ``448 * 2^119 < 2^128``), the operand the ``asm`` decode
-#: multiplies by. The kernels then skip the e4m3 -> f16 -> f32 -> bf16 conversions and the
-#: multiply per scale (``prescale_block_scales``; docs/kernels.md "Session 11"), for twice the
-#: scale bytes (+11% of the weight bytes).
-PRESCALE = 2.0 ** 119
-
-
-def prescale_block_scales(weight_scale):
-  """float8_e4m3fn block scales -> bf16 ``scale * 2^119`` (exact), which every NVFP4 kernel
-  accepts in their place with bit-identical results."""
-  return (weight_scale.astype(jnp.float32) * PRESCALE).astype(jnp.bfloat16)
+# Block scales may also be given *pre-scaled*: bf16 holding ``scale * 2^119`` (exact), the operand
+# the ``asm`` decode multiplies by; the kernels then skip the e4m3 -> f16 -> f32 -> bf16
+# conversions and the multiply per scale, for twice the scale bytes (+11% of the weight bytes).
+# ``flint_jax.nvfp4.prescale_state`` converts a model (docs/kernels.md "Session 11").
 
 
 def is_block_scale_dtype(dtype) -> bool:

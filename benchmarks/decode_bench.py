@@ -225,6 +225,16 @@ def busy_time(spans) -> float:
     return busy
 
 
+_PRESCALED: list = []   # [(state, its prescaled copy)]: one copy per benchmark state
+
+
+def _prescaled(state):
+    from flint_jax.nvfp4 import prescale_state
+    if not _PRESCALED or _PRESCALED[0][0] is not state:
+        _PRESCALED[:] = [(state, prescale_state(state))]
+    return _PRESCALED[0][1]
+
+
 def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     """A model handle for a benchmark path: "xla", "pallas" (default `DecodeOptions`),
     "pallas_v1" (the session-1 Pallas step: three projection GEMVs, MoE routing in XLA) or
@@ -254,10 +264,12 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     / 2 programs per block), "pallas_cd" / "pallas_nocd" (`moe_combine_in_down` on / off: the
     MoE combine + add + norm in the down kernel's last program), "pallas_ffi" (`launch="ffi"`:
     every kernel compiled by the triton package and launched by flint_jax's FFI call),
-    "pallas_pre" (the default step on a copy of the state whose NVFP4 block scales are
-    pre-scaled bf16: `nvfp4.prescale_state`)."""
+    "pallas_e4m3" (NVFP4: the default step on the state's e4m3 block scales; every other Pallas
+    path gets them pre-scaled to bf16, `nvfp4.prescale_state`, as `flint_jax.load` does)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
+    if kernels == "pallas" and quant and variant != "e4m3":
+        state = _prescaled(state)   # as `flint_jax.load` holds it for the Pallas path on a GPU
     if variant.startswith("rs"):
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(ring_splits=int(variant[2:])))
@@ -301,11 +313,10 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "cd": DecodeOptions(moe_combine_in_down=True),
                "nocd": DecodeOptions(moe_combine_in_down=False),
                "ffi": DecodeOptions(launch="ffi")}.get(variant, "unknown")
-    if options == "unknown" and variant != "pre":
+    if options == "unknown" and variant != "e4m3":
         raise ValueError(f"unknown benchmark path {path!r}")
-    if variant == "pre":   # NVFP4 block scales pre-scaled to bf16 (a converted copy)
-        from flint_jax.nvfp4 import prescale_state
-        state, options = prescale_state(state), None
+    if variant == "e4m3":
+        options = None
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

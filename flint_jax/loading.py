@@ -155,7 +155,6 @@ def auto_mesh(mesh):
 
 def make_handle(cfg, graphdef, state, *, dtype, quant, kernels, mesh, rules, max_length,
                 meta_dir, source) -> Flint:
-    from flint_jax.cache import cache_shapes
     cache_sh = None
     if mesh is not None:
         rules = rules or ShardingRules.for_mesh(mesh)
@@ -164,6 +163,12 @@ def make_handle(cfg, graphdef, state, *, dtype, quant, kernels, mesh, rules, max
         cache_sh = _CacheShardingFactory(cfg, mesh, rules, dtype)
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}")
+    if quant and kernels == "pallas" and jax.default_backend() == "gpu":
+        # The Pallas kernels' NVFP4 decode multiplies by bf16 scale * 2^119: holding the block
+        # scales that way (exact, +11% of the NVFP4 bytes) spares every kernel their conversion;
+        # batch 8 decodes 6% faster, batch 1 the same (H200, perf log 52).
+        from flint_jax import nvfp4
+        state = nvfp4.prescale_state(state)
     handle = Flint(config=cfg, graphdef=graphdef, state=state, dtype=dtype, quant=quant,
                    kernels=kernels, tokenizer=Tokenizer.from_dir(meta_dir) if meta_dir else None,
                    mesh=mesh, max_length=min(max_length or cfg.max_position_embeddings,

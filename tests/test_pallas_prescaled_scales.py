@@ -126,3 +126,32 @@ def test_prescaled_state_decodes_the_same(kernels):
     l1, c1 = step(state, c1, tokens)
     l2, c2 = step(pre, c2, tokens)
     _same(l2, l1, f"logits ({kernels})")
+
+
+def test_load_holds_prescaled_scales_for_the_gpu_pallas_path(monkeypatch):
+  """`flint_jax.load` (its `make_handle`) converts an NVFP4 model's block scales for the Pallas
+  path on a GPU only; greedy tokens stay those of the e4m3 state."""
+  from flax import nnx   # pylint: disable=g-import-not-at-top
+  import flint_jax   # pylint: disable=g-import-not-at-top
+  from flint_jax import loading   # pylint: disable=g-import-not-at-top
+  from flint_jax.model import FlintForCausalLM   # pylint: disable=g-import-not-at-top
+  cfg = flint_jax.preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
+  graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(5)))
+
+  def handle(kernels, backend):
+    with monkeypatch.context() as mp:
+      mp.setattr(loading.jax, "default_backend", lambda: backend)
+      return loading.make_handle(cfg, graphdef, state, dtype=jnp.bfloat16, quant=True,
+                                 kernels=kernels, mesh=None, rules=None, max_length=128,
+                                 meta_dir=None, source="<test>")
+
+  def has_e4m3(h):
+    return any(str(a.dtype) == "float8_e4m3fn" for a in jax.tree.leaves(h.state))
+
+  assert has_e4m3(handle("pallas", "cpu")) and has_e4m3(handle("xla", "gpu"))
+  pre, ref = handle("pallas", "gpu"), handle("pallas", "cpu")
+  assert not has_e4m3(pre)
+  prompt = [[3, 14, 15, 92, 65]]
+  out_pre = flint_jax.generate(pre, prompt, max_new_tokens=4, temperature=0.0)
+  out_ref = flint_jax.generate(ref, prompt, max_new_tokens=4, temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(out_pre), np.asarray(out_ref))

@@ -141,9 +141,7 @@ def main(argv=None):
               command_buffers=a.command_buffers))
 
   for n in [int(s) for s in a.sizes.split(",")]:
-    ws = [(jax.random.normal(k, (n, n), jnp.float32) / n ** 0.5).astype(jnp.bfloat16)
-          for k in jax.random.split(jax.random.key(n), a.layers)]
-    y0 = jax.random.normal(jax.random.key(1), (1, n), jnp.float32)
+    ws, y0 = P.chain_inputs(n, a.layers)
     # one GEMV, the same kernel compiled by XLA's Triton and by the triton package
     try:
       x1 = P.norm(y0, True)
@@ -154,19 +152,9 @@ def main(argv=None):
                 rel_l2=float(jnp.linalg.norm(g_xla - g_ffi) / jnp.linalg.norm(g_xla))))
     except Exception as e:  # report and go on
       emit(dict(part="ffi_one_gemv", n=n, error=repr(e)[:300]))
-    ref = None
-    for variant in a.variants.split(","):
-      try:
-        sec, out = time_chain(make_chain(variant), ws, y0, windows=7)
-        ref = out if ref is None else ref
-        err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-        emit(dict(part="ffi_chain", n=n, variant=variant, layers=a.layers,
-                  command_buffers=a.command_buffers,
-                  us_per_layer=(sec - spin_sec) / a.layers * 1e6, spin_us=a.spin_us,
-                  floor_us=n * n * 2 / (P.CEILING_TBS * 1e12) * 1e6, rel_err_vs_first=err))
-      except Exception as e:  # report and go on
-        emit(dict(part="ffi_chain", n=n, variant=variant, command_buffers=a.command_buffers,
-                  error=repr(e)[:600]))
+    P.run_chain_variants(make_chain, a.variants.split(","), ws, y0, emit, part="ffi_chain",
+                         spin_sec=spin_sec, command_buffers=a.command_buffers,
+                         spin_us=a.spin_us)
   return 0
 
 

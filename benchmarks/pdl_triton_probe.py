@@ -206,21 +206,33 @@ def main(argv=None):
                       error=repr(e)[:400]))
   if "chain" in a.parts:
     for n in [int(s) for s in a.sizes.split(",")]:
-      ws = [(jax.random.normal(k, (n, n), jnp.float32) / n ** 0.5).astype(jnp.bfloat16)
-            for k in jax.random.split(jax.random.key(n), a.layers)]
-      y0 = jax.random.normal(jax.random.key(1), (1, n), jnp.float32)
-      ref = None
-      for variant in a.variants.split(","):
-        try:
-          sec, out = time_chain(make_chain(variant), ws, y0, windows=7)
-          ref = out if ref is None else ref
-          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-          emit(dict(part="chain", n=n, variant=variant, layers=a.layers,
-                    us_per_layer=sec / a.layers * 1e6,
-                    floor_us=n * n * 2 / (CEILING_TBS * 1e12) * 1e6, rel_err_vs_first=err))
-        except Exception as e:  # report and go on
-          emit(dict(part="chain", n=n, variant=variant, error=repr(e)[:400]))
+      run_chain_variants(make_chain, a.variants.split(","), *chain_inputs(n, a.layers), emit,
+                         part="chain")
   return 0
+
+
+def chain_inputs(n: int, layers: int):
+  """(ws, y0): ``layers`` random bf16 [n, n] weights and an f32 [1, n] input."""
+  ws = [(jax.random.normal(k, (n, n), jnp.float32) / n ** 0.5).astype(jnp.bfloat16)
+        for k in jax.random.split(jax.random.key(n), layers)]
+  return ws, jax.random.normal(jax.random.key(1), (1, n), jnp.float32)
+
+
+def run_chain_variants(make_chain, variants, ws, y0, emit, *, part, spin_sec=0.0, **extra):
+  """Times ``make_chain(variant)(ws, y0)`` for each variant; emits us per layer (less
+  ``spin_sec``), the weights' HBM floor and the relative error against the first variant's
+  output (a variant that read stale activations would differ)."""
+  n, layers, ref = ws[0].shape[0], len(ws), None
+  for variant in variants:
+    try:
+      sec, out = time_chain(make_chain(variant), ws, y0, windows=7)
+      ref = out if ref is None else ref
+      err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+      emit(dict(part=part, n=n, variant=variant, layers=layers, **extra,
+                us_per_layer=(sec - spin_sec) / layers * 1e6,
+                floor_us=n * n * 2 / (CEILING_TBS * 1e12) * 1e6, rel_err_vs_first=err))
+    except Exception as e:  # report and go on
+      emit(dict(part=part, n=n, variant=variant, **extra, error=repr(e)[:600]))
 
 
 if __name__ == "__main__":

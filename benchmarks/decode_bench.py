@@ -312,11 +312,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "sc2": DecodeOptions(moe_down_shared_cols=2),
                "cd": DecodeOptions(moe_combine_in_down=True),
                "nocd": DecodeOptions(moe_combine_in_down=False),
-               "ffi": DecodeOptions(launch="ffi")}.get(variant, "unknown")
-    if options == "unknown" and variant != "e4m3":
-        raise ValueError(f"unknown benchmark path {path!r}")
-    if variant == "e4m3":
-        options = None
+               "ffi": DecodeOptions(launch="ffi"),
+               "e4m3": None}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)
 

@@ -1048,11 +1048,10 @@ def prescale_cases(variants):
   the routed MoE and the q|k|v ``multi_gemv`` at M = 1 and 8."""
   if variants:
     return
-  pre = NV.prescale_block_scales
+  from flint_jax.nvfp4 import prescale_state
   router = randn((E, D), jnp.float32, D ** -0.5)
   experts, shared = moe_weights("nvfp4")
-  experts_p = {k: pre(v) if k.endswith("weight_scale") else v for k, v in experts.items()}
-  shared_p = {k: v._replace(weight_scale=pre(v.weight_scale)) for k, v in shared.items()}
+  experts_p, shared_p = prescale_state((experts, shared))
   for m in (1, 8):
     xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
     lbl = f"routed nvfp4 M={m}"
@@ -1061,7 +1060,7 @@ def prescale_cases(variants):
       yield (f"prescale/moe/M{m}/{tag}", "prescale", lbl, tag,
              functools.partial(MOE.moe_decode_routed), sets, bytes_)
   ws = [(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D))) for _ in range(8)]
-  ws_p = [tuple(w._replace(weight_scale=pre(w.weight_scale)) for w in t) for t in ws]
+  ws_p = prescale_state(ws)
   for m in (1, 8):
     lbl, bytes_ = f"qkv nvfp4 M={m}", nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
     for tag, wl in (("e4m3", ws), ("bf16 prescaled", ws_p)):

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
-from flint_jax.pallas import pdl
+from flint_jax.pallas import pdl, testing
 from pdl_probe import jsonl_emitter, time_chain  # benchmarks/pdl_probe.py: median wall time of a jitted chain
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -140,26 +140,8 @@ def norm(y, use_pdl):
 
 
 def _gemv_kernel(x_ref, w_ref, o_ref, *, bn, bk, k, use_pdl, preload):
-  n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
-  pre = [w_ref[pl.ds(n0, bn), pl.ds(i * bk, bk)] for i in range(preload)]
-  tok = 0
-  if use_pdl:
-    tok = pdl.grid_dependency_wait()
-    tok = tok + pdl.launch_dependents()
-
-  def xtile(k0):
-    return jnp.broadcast_to(x_ref[tok, pl.ds(k0, bk)][None, :], (16, bk))
-
-  acc = C.acc_zeros(16, bn, "swap")
-  for i, w in enumerate(pre):
-    acc = acc + C.mm_tile(xtile(i * bk), w, "swap")
-
-  def body(j, acc):
-    k0 = pl.multiple_of(j * bk, bk)
-    return acc + C.mm_tile(xtile(k0), w_ref[pl.ds(n0, bn), pl.ds(k0, bk)], "swap")
-
-  acc = lax.fori_loop(preload, k // bk, body, acc)
-  C.store_tile(o_ref, (), acc, n0, bn, 1, 16, "swap")
+  testing.preload_gemv_kernel(x_ref, w_ref, o_ref, bn=bn, bk=bk, k=k, preload=preload,
+                              wait=use_pdl, trigger=use_pdl)
 
 
 def gemv(x, w, use_pdl, preload, bn=64, bk=256, stages=4):

@@ -328,6 +328,30 @@ def dequantize(qweight: jax.Array, weight_scale: jax.Array, dtype=jnp.bfloat16) 
     return out.reshape(*lead, n, k).astype(dtype)
 
 
+#: Block scales may be held *pre-scaled*: bf16 ``scale * 2^119`` (exact), the operand of the Pallas
+#: kernels' bf16 decode, so that no kernel converts a scale (``prescale_state``).
+PRESCALE = 2.0 ** 119
+
+
+def prescale_state(state):
+    """``state`` (an nnx State or any pytree of arrays) with every float8_e4m3fn leaf -- the
+    NVFP4 block scales, the only such leaves of a Flint model -- as bf16 ``scale * 2^119``.
+
+    Exact, and every NVFP4 kernel (and ``dequantize``) gives bit-identical results with it;
+    the block scales take twice the bytes (+11% of the NVFP4 weights). Measured on the H200
+    (docs/performance.md, perf log 52): the tensor-core (M = 8) NVFP4 kernels issue ~14% fewer
+    instructions per K step and run 5-14% faster; the M = 1 kernels are unchanged."""
+    def one(a):
+        return prescale_block_scales(a) if getattr(a, "dtype", None) == jnp.float8_e4m3fn else a
+    return jax.tree.map(one, state)
+
+
+def prescale_block_scales(weight_scale: jax.Array) -> jax.Array:
+    """float8_e4m3fn block scales -> bf16 ``scale * 2^119`` (exact: 3 mantissa bits, and
+    ``448 * 2^119 < 2^128``)."""
+    return (weight_scale.astype(jnp.float32) * PRESCALE).astype(jnp.bfloat16)
+
+
 def dequantize_gguf_np(raw: np.ndarray, name: str = "<tensor>", tensor_scale=None) -> np.ndarray:
     """GGUF NVFP4 blocks -> float32 ``[..., N, K]``, as ``gguf.quants.dequantize`` (+0 aside).
 
@@ -468,26 +492,3 @@ def quantization_error(
     rms_e = float(np.sqrt(np.mean(np.square(err))))
     return {"max_abs_err": float(np.abs(err).max()), "rel_rms_err": rms_e / rms_w if rms_w > 0 else rms_e}
 
-
-#: Block scales may be held *pre-scaled*: bf16 ``scale * 2^119`` (exact), the operand of the Pallas
-#: kernels' bf16 decode, so that no kernel converts a scale (``prescale_state``).
-PRESCALE = 2.0 ** 119
-
-
-def prescale_state(state):
-    """``state`` (an nnx State or any pytree of arrays) with every float8_e4m3fn leaf -- the
-    NVFP4 block scales, the only such leaves of a Flint model -- as bf16 ``scale * 2^119``.
-
-    Exact, and every NVFP4 kernel (and ``dequantize``) gives bit-identical results with it;
-    the block scales take twice the bytes (+11% of the NVFP4 weights). Measured on the H200
-    (docs/performance.md, perf log 52): the tensor-core (M = 8) NVFP4 kernels issue ~14% fewer
-    instructions per K step and run 5-14% faster; the M = 1 kernels are unchanged."""
-    def one(a):
-        return prescale_block_scales(a) if getattr(a, "dtype", None) == jnp.float8_e4m3fn else a
-    return jax.tree.map(one, state)
-
-
-def prescale_block_scales(weight_scale: jax.Array) -> jax.Array:
-    """float8_e4m3fn block scales -> bf16 ``scale * 2^119`` (exact: 3 mantissa bits, and
-    ``448 * 2^119 < 2^128``)."""
-    return (weight_scale.astype(jnp.float32) * PRESCALE).astype(jnp.bfloat16)

@@ -25,7 +25,7 @@ from flint_jax import fast_decode
 from flint_jax.fast_decode import DecodeOptions
 from flint_jax.model import FlintForCausalLM
 from flint_jax.pallas import _common as C
-from flint_jax.pallas import ffi_launch, gemv, pdl, testing
+from flint_jax.pallas import ffi_launch, gemv, testing
 
 S = jax.ShapeDtypeStruct
 BF, F32 = jnp.bfloat16, jnp.float32
@@ -68,29 +68,10 @@ def test_library_builds(tmp_path, monkeypatch):
 # A GEMV whose programs may load their weight tiles before waiting for x.
 
 
-def _gemv_kernel(x_ref, w_ref, o_ref, *, bn, bk, k, preload):
-  n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
-  pre = [w_ref[pl.ds(n0, bn), pl.ds(i * bk, bk)] for i in range(preload)]
-  tok = pdl.grid_dependency_wait()
-
-  def xtile(k0):
-    return jnp.broadcast_to(x_ref[tok, pl.ds(k0, bk)][None, :], (16, bk))
-
-  acc = C.acc_zeros(16, bn, "swap")
-  for i, w in enumerate(pre):
-    acc = acc + C.mm_tile(xtile(i * bk), w, "swap")
-
-  def body(j, acc):
-    k0 = pl.multiple_of(j * bk, bk)
-    return acc + C.mm_tile(xtile(k0), w_ref[pl.ds(n0, bn), pl.ds(k0, bk)], "swap")
-
-  acc = jax.lax.fori_loop(preload, k // bk, body, acc)
-  C.store_tile(o_ref, (), acc, n0, bn, 1, 16, "swap")
-
-
 def _probe_gemv(x, w, *, launch, preload=0, pdl_launch=True, bn=32, bk=128):
   n, k = w.shape
-  kern = functools.partial(_gemv_kernel, bn=bn, bk=bk, k=k, preload=preload)
+  kern = functools.partial(testing.preload_gemv_kernel, bn=bn, bk=bk, k=k, preload=preload,
+                           trigger=False)
   kw = dict(out_shape=S((1, n), F32), grid=(n // bn,), compiler_params=C.compiler_params(4, 3),
             name="ffi_test_gemv")
   if launch == "xla":

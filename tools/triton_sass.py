@@ -101,12 +101,11 @@ def build(kernel: str, m: int, n: int, k: int, kw: dict, prescaled: bool = False
   from flint_jax.pallas import testing   # pylint: disable=g-import-not-at-top
   gen = np.random.default_rng(0)
   S = jax.ShapeDtypeStruct
-  from flint_jax.pallas.nvfp4_gemv import prescale_block_scales   # pylint: disable=g-import-not-at-top
-  pre = prescale_block_scales if prescaled else (lambda s: s)
+  from flint_jax.nvfp4 import prescale_state   # pylint: disable=g-import-not-at-top
+  pre = prescale_state if prescaled else (lambda tree: tree)
 
   def random_nvfp4(shape):
-    w = testing.random_nvfp4(gen, shape)
-    return w._replace(weight_scale=pre(w.weight_scale))
+    return pre(testing.random_nvfp4(gen, shape))
   if kernel == "nvfp4_gemv":
     mod = importlib.import_module("flint_jax.pallas.nvfp4_gemv")
     w = random_nvfp4((n, k))
@@ -119,9 +118,7 @@ def build(kernel: str, m: int, n: int, k: int, kw: dict, prescaled: bool = False
     mod = importlib.import_module("flint_jax.pallas.moe")
     fmt = "bf16" if kernel == "moe_bf16" else "nvfp4"
     experts, shared = testing.random_moe_weights(fmt, 256, 2048, 512, 1024, gen)
-    if fmt == "nvfp4":
-      experts = {key: pre(v) if key.endswith("weight_scale") else v for key, v in experts.items()}
-      shared = {key: v._replace(weight_scale=pre(v.weight_scale)) for key, v in shared.items()}
+    experts, shared = pre((experts, shared))
     return (functools.partial(mod.moe_decode_routed, **kw),
             (S((m, 2048), jnp.bfloat16), S((m, 256), jnp.float32), experts, shared))
   raise SystemExit(f"unknown --kernel {kernel!r}: nvfp4_gemv, multi_gemv, moe or moe_bf16")

@@ -74,13 +74,6 @@ def _cuda_include() -> str:
   for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
     if root and os.path.exists(os.path.join(root, "include", "cuda.h")):
       return os.path.join(root, "include")
-  try:   # the nvidia-cuda-runtime / cuda-toolkit wheels carry cuda.h too
-    import nvidia.cu13 as nv   # pylint: disable=g-import-not-at-top
-    inc = os.path.join(list(nv.__path__)[0], "include")
-    if os.path.exists(os.path.join(inc, "cuda.h")):
-      return inc
-  except ImportError:
-    pass
   raise FileNotFoundError(
       "flint_jax.pallas.ffi_launch: cuda.h not found; set CUDA_HOME to a CUDA toolkit, or set "
       "FLINT_JAX_PDL_LAUNCH_LIB to a prebuilt libflint_pdl_launch.so")
@@ -164,11 +157,7 @@ class CompiledKernel:
   threads: int        # 32 * num_warps
   shared: int         # dynamic shared memory, bytes
   n_params: int       # kernel parameters (buffers, then the two scratch pointers Triton adds)
-
-  @property
-  def key(self) -> int:
-    """A 63-bit hash of the cubin: the launcher's module cache key."""
-    return int.from_bytes(hashlib.sha256(self.cubin).digest()[:8], "little") >> 1
+  key: int            # a 63-bit hash of the cubin: the launcher's module cache key
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,8 +183,10 @@ def compile_ttir(asm: str, num_warps: int, num_stages: int) -> CompiledKernel:
   ptx = k.asm["ptx"]
   entry = ptx[ptx.index(".entry"):]
   n_params = entry[:entry.index(")")].count(".param")
-  return CompiledKernel(cubin=bytes(k.asm["cubin"]), name=md.name, threads=32 * md.num_warps,
-                        shared=int(md.shared), n_params=n_params)
+  cubin = bytes(k.asm["cubin"])
+  return CompiledKernel(cubin=cubin, name=md.name, threads=32 * md.num_warps,
+                        shared=int(md.shared), n_params=n_params,
+                        key=int.from_bytes(hashlib.sha256(cubin).digest()[:8], "little") >> 1)
 
 
 # ------------------------------------------------------------------------------------------

@@ -86,8 +86,6 @@ class NVFP4Weight(NamedTuple):
 # the ``asm`` decode multiplies by; the kernels then skip the e4m3 -> f16 -> f32 -> bf16
 # conversions and the multiply per scale, for twice the scale bytes (+11% of the weight bytes).
 # ``flint_jax.nvfp4.prescale_state`` converts a model (docs/kernels.md "Session 11").
-
-
 def is_block_scale_dtype(dtype) -> bool:
   """float8_e4m3fn (the checkpoint's) or bf16 (``prescale_block_scales``)."""
   return dtype in (jnp.float8_e4m3fn, jnp.bfloat16)

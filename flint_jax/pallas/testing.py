@@ -11,7 +11,11 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 
+from flint_jax.pallas import _common as C
+from flint_jax.pallas import pdl
 from flint_jax.pallas.nvfp4_gemv import NVFP4Weight
 
 # Tolerances by output dtype (JAX:tests/pallas/gpu_ops_test.py style): kernel and reference
@@ -150,3 +154,30 @@ def triton_modules(fn, *args):
   function object). The same as ``ffi_launch.capture_triton``."""
   from flint_jax.pallas import ffi_launch   # pylint: disable=g-import-not-at-top
   return ffi_launch.capture_triton(fn, *args)
+
+
+def preload_gemv_kernel(x_ref, w_ref, o_ref, *, bn, bk, k, preload, wait=True, trigger=True):
+  """A bf16 GEMV kernel (x [1, K] . w [N, K]^T -> f32 [1, N], ``bn`` rows per program) whose
+  programs load their first ``preload`` weight tiles, then (``wait``) execute
+  ``griddepcontrol.wait`` and (``trigger``) ``launch_dependents``, then read x: the probe and
+  test kernel of weights loaded before a kernel's wait (``benchmarks/pdl_triton_probe.py``,
+  ``ffi_pdl_probe.py``, ``tests/test_pallas_ffi_launch.py``)."""
+  n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
+  pre = [w_ref[pl.ds(n0, bn), pl.ds(i * bk, bk)] for i in range(preload)]
+  tok = pdl.grid_dependency_wait() if wait else 0
+  if trigger:
+    tok = tok + pdl.launch_dependents()
+
+  def xtile(k0):
+    return jnp.broadcast_to(x_ref[tok, pl.ds(k0, bk)][None, :], (16, bk))
+
+  acc = C.acc_zeros(16, bn, "swap")
+  for i, w in enumerate(pre):
+    acc = acc + C.mm_tile(xtile(i * bk), w, "swap")
+
+  def body(j, acc):
+    k0 = pl.multiple_of(j * bk, bk)
+    return acc + C.mm_tile(xtile(k0), w_ref[pl.ds(n0, bn), pl.ds(k0, bk)], "swap")
+
+  acc = lax.fori_loop(preload, k // bk, body, acc)
+  C.store_tile(o_ref, (), acc, n0, bn, 1, 16, "swap")

@@ -12,7 +12,8 @@
 // Operands: the kernel's buffer arguments in Pallas order (inputs, then outputs; an output
 // aliased to an input appears in both places, as in XLA's Triton call), then Triton's two
 // scratch pointers (null: the kernels use no global scratch; checked in Python).
-// Attributes: cubin (u8 array), cubin_hash (its hash, the module cache's key), name, grid_x/y/z, threads, shared (dynamic shared bytes), pdl.
+// Attributes: cubin (u8 array), cubin_hash (its hash, the module cache's key), name, grid_x/y/z,
+// threads, shared (dynamic shared bytes), pdl, scratch_params (how many null pointers follow).
 //
 // The CUDA driver is opened at run time (dlopen of libcuda.so.1), so the library builds without
 // a GPU or the CUDA SDK's link stubs; only cuda.h is needed at build time.

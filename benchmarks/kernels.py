@@ -1068,13 +1068,41 @@ def prescale_cases(variants):
       yield (f"prescale/qkv/M{m}/{tag}", "prescale", lbl, tag, MULTI.multi_gemv, sets, bytes_)
 
 
+def stream_cases(variants):
+  """NVFP4 M = 1 GEMVs with persistent programs streaming the row tiles (``programs=``, the
+  next step's weights loaded one step ahead with ``preload``) against one program per tile:
+  a gate|up-sized [12288, 2048], the q|k|v-sized [5120, 2048] and the o_proj [2048, 4096];
+  block scales pre-scaled (the step's format)."""
+  if variants:
+    return
+  from flint_jax.nvfp4 import prescale_state
+  shapes = [("gu12288", 12288, D), ("qkv5120", 5120, D), ("o_proj", D, 4096)]
+  tiles = [dict(block_n=16, block_k=1024, num_warps=16), dict(block_n=16, block_k=2048,
+           num_warps=16), dict(block_n=32, block_k=1024, num_warps=16),
+           dict(block_n=16, block_k=512, num_warps=8), dict(block_n=16, block_k=1024,
+           num_warps=8)]
+  for name, n, k in shapes:
+    wb = n * k // 2 + n * k // 8
+    sets = [(randn((1, k)), *prescale_state(rand_nvfp4((n, k)))) for _ in range(n_sets(wb))]
+    kws = [{}, dict(block_n=16, block_k=1024, num_warps=16, num_stages=2),
+           dict(block_n=16, block_k=512, num_warps=8)]
+    for t in tiles:
+      if k % t["block_k"]:
+        continue
+      for progs in (132, 264, 528):
+        kws.append(dict(t, programs=progs, num_stages=1))
+      kws.append(dict(t, programs=264, num_stages=1, preload=False))
+    yield from _nv_gemv_variants("stream", name, f"{name} M=1", sets,
+                                 wb + k * 2 + n * 2, kws)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
           "nqtune": nqtune_cases, "slotrows": slotrows_cases, "rows": rows_cases,
           "rows2": rows2_cases, "lanes": lanes_cases, "arnr": arnr_cases,
           "nqlanes": nqlanes_cases, "gusk": gusk_cases, "router": router_cases,
-          "prescale": prescale_cases}
+          "prescale": prescale_cases, "stream": stream_cases}
 
 
 # ------------------------------------------------------------------------------------------

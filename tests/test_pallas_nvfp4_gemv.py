@@ -125,3 +125,37 @@ def test_nvfp4_gemv_sum_splits_without_split_k():
   ref = nvfp4_gemv_reference(x, *w, split_k=1, sum_splits=False)
   assert ref.shape == (1, 64) and ref.dtype == jnp.bfloat16
   assert_close(out, ref, what="nvfp4_gemv split_k=1")
+
+
+@pytest.mark.parametrize("decode", DECODES)
+@pytest.mark.parametrize("m,n,k,kw", [
+    (1, 80, 192, dict(block_n=16, block_k=64, programs=3)),        # 5 tiles x 3 K steps, a tail
+    (1, 96, 256, dict(block_n=16, block_k=256, programs=4)),       # one K step per tile
+    (1, 48, 128, dict(block_n=16, block_k=64, programs=7)),        # more programs than tiles
+    (1, 64, 256, dict(block_n=32, block_k=128, programs=2, preload=False)),
+    (1, 48, 256, dict(method="lanes", block_n=16, block_k=128, programs=2)),
+    (3, 64, 128, dict(method="rows", block_n=16, block_k=64, programs=3)),
+    (8, 64, 256, dict(block_n=16, block_k=128, programs=3)),       # dot
+    (1, 2048, 2048, dict(block_n=16, block_k=1024, programs=132)),  # Flint size
+])
+def test_nvfp4_gemv_streamed(decode, m, n, k, kw):
+  """programs=: persistent programs walking the row tiles (and their K steps) in one loop,
+  optionally loading each step's weights one step ahead, equal the reference; pre-scaled
+  block scales too."""
+  from flint_jax.nvfp4 import prescale_block_scales
+  g = rng("stream", decode, m, n, k, kw)
+  x = randn(g, (m, k))
+  w = random_nvfp4(g, (n, k))
+  ref = nvfp4_gemv_reference(x, *w)
+  assert_close(nvfp4_gemv(x, *w, decode=decode, interpret=INTERPRET, **kw), ref,
+               what="streamed nvfp4_gemv")
+  wp = (w.qweight, prescale_block_scales(w.weight_scale), w.weight_scale_2)
+  assert_close(nvfp4_gemv(x, *wp, decode=decode, interpret=INTERPRET, **kw), ref,
+               what="streamed nvfp4_gemv, pre-scaled scales")
+
+
+def test_nvfp4_gemv_streamed_rejects_split_k():
+  g = rng("stream_sk")
+  w = random_nvfp4(g, (32, 256))
+  with pytest.raises(ValueError, match="split_k must be 1"):
+    nvfp4_gemv(randn(g, (1, 256)), *w, programs=2, split_k=2, block_k=64, interpret=True)

@@ -205,7 +205,7 @@ def lanes_shape(block_k: int) -> tuple:
 
 
 def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
-                   layout, method="dot", acc=None):
+                   layout, method="dot", acc=None, codes=None):
   """fp32 partial x . W^T over the 64-value blocks b0 .. b0+nb of weight rows n0 .. n0+bn.
 
   x_ref: view [..., M, K/64, 2, 2, 16] bf16 indexed by ``x_idx`` (leading indices), rows 0..m-1
@@ -214,21 +214,35 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
   M=1), or ``acc`` plus it when ``acc`` is given. ``lanes`` (M=1, tile layout) needs ``acc``
   [BN, nb, 2, 16] (``lanes_shape``) and returns acc + w_lo * x_lo + w_hi * x_hi, two FFMAs per
   code byte and no reduction (``_common.finish_acc`` after the K loop).
-  The result carries the decode's power of two (``decode_factor``).
+  The result carries the decode's power of two (``decode_factor``). ``codes`` (tile layout):
+  the weight tile already loaded by ``load_codes``.
   """
   part = _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb,
-                         decode=decode, layout=layout, method=method, acc=acc)
+                         decode=decode, layout=layout, method=method, acc=acc, codes=codes)
   return part if acc is None or method == "lanes" else acc + part
 
 
-def decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode):
-  """(w_lo, w_hi) bf16 [BN, nb, 2, 16]: weight rows n0 .. n0+bn, 64-value blocks b0 .. b0+nb of
-  the ``nvfp4_views`` (tile layout), decoded with their block scales."""
+def load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb):
+  """The raw tile ``decode_tile`` decodes: (codes [BN, nb, 2, 16] uint8, the low and high
+  nibbles' block scales [BN, nb, 2] as stored). (Three loads: Triton cannot slice a value.)"""
   ds, nrow, blk = slice(None), pl.ds(n0, bn), pl.ds(b0, nb)
-  q = q_ref[(*w_idx, nrow, blk, ds, ds)]                                  # [BN, nb, 2, 16]
-  s_lo = load_scale(s_ref[(*w_idx, nrow, blk, 0, ds)])[..., None]        # [BN, nb, 2, 1]
-  s_hi = load_scale(s_ref[(*w_idx, nrow, blk, 1, ds)])[..., None]
-  return _decode_pair(q, s_lo, s_hi, decode)
+  return (q_ref[(*w_idx, nrow, blk, ds, ds)], s_ref[(*w_idx, nrow, blk, 0, ds)],
+          s_ref[(*w_idx, nrow, blk, 1, ds)])
+
+
+def decode_codes(codes, decode):
+  """(w_lo, w_hi) bf16 [BN, nb, 2, 16] of a ``load_codes`` tile."""
+  q, s_lo, s_hi = codes
+  return _decode_pair(q, load_scale(s_lo)[..., None], load_scale(s_hi)[..., None], decode)
+
+
+def decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode, codes=None):
+  """(w_lo, w_hi) bf16 [BN, nb, 2, 16]: weight rows n0 .. n0+bn, 64-value blocks b0 .. b0+nb of
+  the ``nvfp4_views`` (tile layout), decoded with their block scales; ``codes``: that tile
+  already loaded (``load_codes``), e.g. one K step ahead."""
+  if codes is None:
+    codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
+  return decode_codes(codes, decode)
 
 
 def lanes_fma(acc, w_lo, w_hi, x_half):
@@ -241,13 +255,13 @@ def lanes_fma(acc, w_lo, w_hi, x_half):
 
 
 def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
-                    layout, method, acc):
+                    layout, method, acc, codes=None):
   ds = slice(None)
   nrow = pl.ds(n0, bn)
   rows = C.row_load_index(m, mp)
   if layout == "tile":
     blk = pl.ds(b0, nb)
-    w_lo, w_hi = decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode)
+    w_lo, w_hi = decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode, codes)
     if method == "lanes":
       C.check(acc is not None, "method='lanes' accumulates into acc: pass acc=")
       return lanes_fma(acc, w_lo, w_hi, lambda h: x_ref[(*x_idx, 0, blk, h, ds, ds)])
@@ -276,6 +290,7 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
     w_lo, w_hi = w_lo.reshape(bn, nb * 32), w_hi.reshape(bn, nb * 32)
     return C.mm_tile(x_lo, w_lo, method) + C.mm_tile(x_hi, w_hi, method)
   C.check(method != "lanes", "method='lanes' needs layout='tile'")
+  C.check(codes is None, "preloaded codes need layout='tile'")
   acc = None
   for bb in range(nb):
     for h in range(2):
@@ -390,15 +405,58 @@ def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, o_ref, *, m, mp, bn, nb, n_i
   C.store_tile(o_ref, lead, acc, n0, bn, m, mp, method)
 
 
+def _nvfp4_gemv_stream_kernel(x_ref, q_ref, s_ref, s2_ref, o_ref, *, m, mp, bn, nb, n_iter,
+                              n_tiles, programs, decode, layout, method, preload):
+  """``programs`` persistent programs walk the ``n_tiles`` row tiles (tile = pid + j * programs)
+  in one flat loop over (tile, K step). ``preload``: each step first issues the loads of the
+  next step (registers, carried), so they are in flight while this one is decoded, reduced and
+  stored, instead of each short program paying its own load latency."""
+  pid = pl.program_id(0)
+  steps = C.cdiv(n_tiles, programs) * n_iter
+  scale = s2_ref[0] * decode_factor(decode)
+
+  def where(i):   # (tile, kstep, n0, b0) of flat step i; n0 clamped so loads stay in range
+    j, kstep = lax.div(i, n_iter), lax.rem(i, n_iter)   # (jnp's // and % fail to lower)
+    tile = pid + j * programs
+    n0 = pl.multiple_of(jnp.minimum(tile, n_tiles - 1) * bn, bn)
+    return tile, kstep, n0, pl.multiple_of(kstep * nb, nb)
+
+  def load(i):
+    _, _, n0, b0 = where(jnp.minimum(i, steps - 1))
+    return load_codes(q_ref, s_ref, (), n0, bn, b0, nb)
+
+  def body(i, carry):
+    acc, codes = carry
+    ahead = load(i + 1) if preload else None   # in flight while this step is decoded
+    tile, kstep, n0, b0 = where(i)
+    acc = jnp.where(kstep == 0, jnp.zeros_like(acc), acc)
+    acc = nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb, decode=decode,
+                         layout=layout, method=method, acc=acc, codes=codes)
+
+    @pl.when(jnp.logical_and(kstep == n_iter - 1, tile < n_tiles))
+    def _():
+      C.store_tile(o_ref, (), C.finish_acc(acc, method) * scale, n0, bn, m, mp, method)
+
+    return acc, ahead
+
+  acc0 = C.acc_zeros(mp, bn, method, lanes_shape(nb * 64))
+  lax.fori_loop(0, steps, body, (acc0, load(0) if preload else None))
+
+
 @functools.partial(jax.jit, static_argnames=(
     "out_dtype", "block_n", "block_k", "split_k", "decode", "layout", "method", "num_warps",
-    "num_stages", "interpret", "sum_splits"))
+    "num_stages", "interpret", "sum_splits", "programs", "preload"))
 def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat16,
                block_n: int | None = None, block_k: int | None = None,
                split_k: int | None = None, decode: str = "asm", layout: str = "tile",
                method: str | None = None, num_warps: int | None = None, num_stages: int = 3,
-               interpret: bool = False, sum_splits: bool = True):
+               interpret: bool = False, sum_splits: bool = True, programs: int | None = None,
+               preload: bool = True):
   """y[M, N] = out_dtype((x @ dequant(qweight, weight_scale)^T) * weight_scale_2).
+
+  ``programs`` (no split-K): that many persistent programs stream the row tiles one after
+  another (``_nvfp4_gemv_stream_kernel``) instead of one program per tile; ``preload`` (tile
+  layout) loads each step's weights one step ahead.
 
   With split-K (``split_k`` > 1, given or the default) the kernel writes float32 partials
   [split_k, M, N], partial s over the contiguous K range [s K/split_k, (s+1) K/split_k), each
@@ -411,7 +469,8 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   method = method or default_method(x.shape[0], n)
   dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], method=method)
   if split_k is None:
-    split_k = dsplit if (block_n or dbn, block_k or dbk) == (dbn, dbk) else 1
+    same_tiles = (block_n or dbn, block_k or dbk) == (dbn, dbk)
+    split_k = dsplit if same_tiles and programs is None else 1
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps
   w = (qweight, weight_scale, weight_scale_2)
@@ -426,6 +485,19 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   kernel = functools.partial(_nvfp4_gemv_kernel, m=m, mp=mp, bn=block_n, nb=nb,
                              n_iter=k // block_k // split_k, split_k=split_k, decode=decode,
                              layout=layout, method=method)
+  if programs is not None:
+    C.check(split_k == 1, f"programs= streams whole rows: split_k must be 1, got {split_k=}")
+    C.check(programs >= 1, f"programs must be >= 1, got {programs=}")
+    programs = min(programs, n // block_n)
+    kernel = functools.partial(_nvfp4_gemv_stream_kernel, m=m, mp=mp, bn=block_n, nb=nb,
+                               n_iter=k // block_k, n_tiles=n // block_n, programs=programs,
+                               decode=decode, layout=layout, method=method,
+                               preload=layout == "tile" and preload)
+    return C.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(programs,),
+        compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+        name=f"flint_nvfp4_gemv_stream{programs}_{method}_bn{block_n}_bk{block_k}_{decode}",
+    )(x_view(x), q4, s4, s2)
   if split_k > 1:
     out_shape, grid = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32), (n // block_n, split_k)
   else:

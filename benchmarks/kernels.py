@@ -1134,13 +1134,59 @@ def m1dot_cases(variants):
            functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
 
 
+def _with_asm(fn, asm):
+  """``fn`` traced with the NVFP4 ``asm`` decode's instruction sequence ``asm``."""
+  def wrapped(*args):
+    with NV.asm_decode(asm):
+      return fn(*args)
+  return wrapped
+
+
+def asmdec_cases(variants):
+  """The NVFP4 ``asm`` decode's two instruction sequences (``nvfp4_gemv.asm_decode``: "mul",
+  one integer multiply per pair, against session 11's "shift"): the routed MoE and the q|k|v
+  ``multi_gemv`` at M = 1 and 8, the o_proj at M = 1; block scales pre-scaled."""
+  if variants:
+    return
+  from flint_jax.nvfp4 import prescale_state
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  experts, shared = prescale_state(moe_weights("nvfp4"))
+  for m in (1, 8):
+    xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
+    sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
+    lbl = f"routed nvfp4 M={m}"
+    yield (f"asmdec/moe/M{m}/xla", "asmdec", lbl, "xla",
+           jax.jit(MOE.moe_decode_routed_reference), sets, bytes_)
+    for asm in ("shift", "mul", "shift#2", "mul#2"):   # twice each, alternating (a drift check)
+      yield (f"asmdec/moe/M{m}/{asm}", "asmdec", lbl, asm,
+             _with_asm(MOE.moe_decode_routed, asm.split("#")[0]), sets, bytes_)
+  ws = prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
+                       for _ in range(8)])
+  for m in (1, 8):
+    lbl, bytes_ = f"qkv nvfp4 M={m}", nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
+    sets = [(randn((m, D)), w) for w in ws]
+    yield (f"asmdec/qkv/M{m}/xla", "asmdec", lbl, "xla", jax.jit(MULTI.multi_gemv_reference),
+           sets, bytes_)
+    for asm in ("shift", "mul"):
+      yield (f"asmdec/qkv/M{m}/{asm}", "asmdec", lbl, asm, _with_asm(MULTI.multi_gemv, asm),
+             sets, bytes_)
+  wb = D * 4096 // 2 + D * 4096 // 8
+  sets = [(randn((1, 4096)), *prescale_state(rand_nvfp4((D, 4096)))) for _ in range(n_sets(wb))]
+  yield ("asmdec/o_proj/xla", "asmdec", "o_proj nvfp4 M=1", "xla",
+         jax.jit(NV.nvfp4_gemv_reference), sets, wb)
+  for asm in ("shift", "mul"):
+    yield (f"asmdec/o_proj/{asm}", "asmdec", "o_proj nvfp4 M=1", asm,
+           _with_asm(NV.nvfp4_gemv, asm), sets, wb)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
           "nqtune": nqtune_cases, "slotrows": slotrows_cases, "rows": rows_cases,
           "rows2": rows2_cases, "lanes": lanes_cases, "arnr": arnr_cases,
           "nqlanes": nqlanes_cases, "gusk": gusk_cases, "router": router_cases,
-          "prescale": prescale_cases, "stream": stream_cases, "m1dot": m1dot_cases}
+          "prescale": prescale_cases, "stream": stream_cases, "m1dot": m1dot_cases,
+          "asmdec": asmdec_cases}
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ so both paths can run from one loaded model and be compared.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,9 @@ from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, de
                               qk_norm_rope_attention, rms_norm, router_logits)
 from flint_jax.pallas.gemv import gemv
 from flint_jax.pallas.moe import moe_decode_routed_combine
+import flint_jax.pallas.nvfp4_gemv  # noqa: F401  (the module; the package re-exports the function)
+
+NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
 
 # KVCache.counters entries of the MoE down kernel's combine (`moe_decode_routed_combine`): one
 # for the column blocks and one per block (<= 129 at D = 2048), above the gate_up kernel's
@@ -163,6 +167,10 @@ class DecodeOptions:
       being compiled and launched by XLA. For measurements: the H200 probe (runs 65-69, perf log
       50) found our own PDL launch at parity with XLA's, and no gain from loading weights
       before the wait.
+    nvfp4_asm: the instruction sequence of the NVFP4 kernels' ``asm`` decode
+      (``nvfp4_gemv.asm_decode``): "mul" (default: one integer multiply places a nibble's
+      magnitude and sign bits) or "shift" (session 11's shifts and or). Bit-identical; for
+      A/B measurements.
     l2_prefetch: kernels that ask the L2 to fetch a later kernel's weights while they run
       (``pallas.l2_prefetch``: cp.async.bulk.prefetch.L2, one instruction per chunk): a
       comma-separated subset of "attn" (the attention kernel fetches the o_proj), "router"
@@ -194,6 +202,7 @@ class DecodeOptions:
     moe_combine_in_down: bool | None = None
     bf16_o_proj_pallas: bool | None = None
     launch: str = "xla"
+    nvfp4_asm: str = "mul"
 
     PREFETCH_SITES = ("attn", "router", "down")
 
@@ -288,6 +297,9 @@ class DecodeOptions:
                 self.PREFETCH_SITES):
             raise ValueError("DecodeOptions.l2_prefetch must be a bool or a comma-separated "
                              f"subset of {self.PREFETCH_SITES}, got {self.l2_prefetch!r}")
+        if self.nvfp4_asm not in ("mul", "shift"):
+            raise ValueError(f"DecodeOptions.nvfp4_asm must be 'mul' or 'shift', got "
+                             f"{self.nvfp4_asm!r}")
         if self.launch not in ("xla", "ffi"):
             raise ValueError(f"DecodeOptions.launch must be 'xla' or 'ffi', got {self.launch!r}")
         if self.moe not in ("routed", "slots", "xla", "v1"):
@@ -458,7 +470,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # read when the kernels are traced (part of the trace context: cached per value)
         trigger, kinds = opts.early_trigger_for(quant)
         with pdl.early_trigger(trigger), pdl.early_trigger_kernels(kinds), \
-                ffi_launch.enabled(opts.launch == "ffi"):
+                ffi_launch.enabled(opts.launch == "ffi"), NV.asm_decode(opts.nvfp4_asm):
             return pallas_step(m, cache, tokens, quant)
 
     def pallas_step(m, cache: KVCache, tokens, quant: bool):

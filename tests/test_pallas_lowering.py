@@ -78,6 +78,17 @@ def test_nvfp4_gemv_lowers(decode, layout, m, method, n, k):
   lower(fn, S((m, k), BF), *nv(n, k))
 
 
+@pytest.mark.parametrize("asm,emitted,absent", [("mul", "mul.lo.u32", "shl.b32"),
+                                                ("shift", "shl.b32", "mul.lo.u32")])
+def test_nvfp4_asm_decode_sequence_lowers(asm, emitted, absent):
+  """``nvfp4_gemv.asm_decode`` picks the instruction sequence the kernels' inline asm carries."""
+  import sys   # the module (the package re-exports the function under the same name)
+  nv_mod = sys.modules["flint_jax.pallas.nvfp4_gemv"]
+  with nv_mod.asm_decode(asm):
+    text = lower(functools.partial(nvfp4_gemv, decode="asm"), S((1, D), BF), *nv(4096, D))
+  assert emitted in text and absent not in text
+
+
 @pytest.mark.parametrize("decode", ["fp8", "asm"])
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_nvfp4_gemv_silu_mul_lowers(decode, m):

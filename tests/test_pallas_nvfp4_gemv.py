@@ -159,3 +159,27 @@ def test_nvfp4_gemv_streamed_rejects_split_k():
   w = random_nvfp4(g, (32, 256))
   with pytest.raises(ValueError, match="split_k must be 1"):
     nvfp4_gemv(randn(g, (1, 256)), *w, programs=2, split_k=2, block_k=64, interpret=True)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the asm decode runs only compiled on a GPU")
+@pytest.mark.parametrize("m,kw", [(1, {}), (1, dict(method="lanes")), (8, {}), (2, {})])
+def test_asm_decode_sequences_bit_identical(m, kw):
+  """The ``asm`` decode's two instruction sequences (``asm_decode``: "mul", "shift") give the
+  same bits, with e4m3 and with pre-scaled block scales, every code and sign included."""
+  import sys
+  from flint_jax.nvfp4 import prescale_block_scales
+  nv_mod = sys.modules["flint_jax.pallas.nvfp4_gemv"]
+  g = rng("asm_seq", m, kw)
+  x = randn(g, (m, 1024))
+  w = random_nvfp4(g, (256, 1024))
+  outs = {}
+  for scales in ("e4m3", "bf16"):
+    s = w.weight_scale if scales == "e4m3" else prescale_block_scales(w.weight_scale)
+    for asm in ("mul", "shift"):
+      with nv_mod.asm_decode(asm):
+        outs[scales, asm] = np.asarray(
+            nvfp4_gemv(x, w.qweight, s, w.weight_scale_2, decode="asm", out_dtype=jnp.float32,
+                       **kw))
+    np.testing.assert_array_equal(outs[scales, "mul"], outs[scales, "shift"])
+  assert_close(outs["bf16", "mul"], nvfp4_gemv_reference(x, *w, out_dtype=jnp.float32),
+               what="asm decode (mul)")

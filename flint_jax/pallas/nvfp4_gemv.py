@@ -57,6 +57,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -150,8 +151,38 @@ and.b32 t1, t1, 0x80008000;
 or.b32 t0, t0, t1;
 mul.rn.bf16x2 $1, t0, $4;
 }}"""
-_ASM_LO = _ASM_TEMPLATE.format(sm=6, ss=12)   # low nibble: bits 0-2 -> 6-8, bit 3 -> 15
-_ASM_HI = _ASM_TEMPLATE.format(sm=2, ss=8)    # high nibble: bits 4-6 -> 6-8, bit 7 -> 15
+_ASM_SHIFT = (_ASM_TEMPLATE.format(sm=6, ss=12),   # low nibble: bits 0-2 -> 6-8, bit 3 -> 15
+              _ASM_TEMPLATE.format(sm=2, ss=8))    # high nibble: bits 4-6 -> 6-8, bit 7 -> 15
+
+# The same placement with one multiply instead of two shifts and an or: with the nibble isolated
+# at bit p of each lane (p = 0 low, 4 high), ``t * (2^(6-p) + 2^(12-p))`` puts a copy of it at
+# bit 6 (e1 e0 m -> bits 6-8) and one at bit 12 (s -> bit 15); the copies do not overlap, so no
+# carries, and the lane's product stays below bit 16. Mask, then the scale multiply.
+_ASM_MUL_TEMPLATE = """{{
+.reg .b32 a, b, t0, t1, z;
+mov.b32 z, 0;
+prmt.b32 a, $2, z, 0x4140;
+prmt.b32 b, $2, z, 0x4342;
+and.b32 t0, a, {iso};
+mul.lo.u32 t0, t0, {mul};
+and.b32 t0, t0, 0x81C081C0;
+mul.rn.bf16x2 $0, t0, $3;
+and.b32 t1, b, {iso};
+mul.lo.u32 t1, t1, {mul};
+and.b32 t1, t1, 0x81C081C0;
+mul.rn.bf16x2 $1, t1, $4;
+}}"""
+_ASM_MUL = (_ASM_MUL_TEMPLATE.format(iso="0x000F000F", mul="0x1040"),   # x (2^6 + 2^12)
+            _ASM_MUL_TEMPLATE.format(iso="0x00F000F0", mul="0x104"))    # x (2^2 + 2^8)
+_ASM = {"mul": _ASM_MUL, "shift": _ASM_SHIFT}
+
+#: Which instruction sequence the ``asm`` decode emits: "mul" (default; SASS of the M = 8 MoE
+#: gate_up 1045 instructions per thread and K step against 1173) or "shift" (session 11's). The
+#: bits are identical. Read when a kernel is traced (part of jax's trace context); the decode
+#: step sets it from ``DecodeOptions.nvfp4_asm``. For measurements.
+asm_decode = config.enum_state(
+    "flint_jax_nvfp4_asm_decode", ["mul", "shift"], default="mul",
+    include_in_trace_context=True, help="instruction sequence of the NVFP4 asm decode")
 
 
 def _asm_decode(q, scale_bf16, asm):
@@ -180,7 +211,8 @@ def _decode_pair(q, s_lo, s_hi, decode):
     s_lo, s_hi = ((s * PRESCALE).astype(jnp.bfloat16) for s in (s_lo, s_hi))
   s_lo = jnp.broadcast_to(s_lo, q.shape)
   s_hi = jnp.broadcast_to(s_hi, q.shape)
-  return _asm_decode(q, s_lo, _ASM_LO), _asm_decode(q, s_hi, _ASM_HI)
+  asm_lo, asm_hi = _ASM[asm_decode.value]
+  return _asm_decode(q, s_lo, asm_lo), _asm_decode(q, s_hi, asm_hi)
 
 
 def nvfp4_views(qweight, weight_scale):

@@ -1179,6 +1179,48 @@ def asmdec_cases(variants):
            _with_asm(NV.nvfp4_gemv, asm), sets, wb)
 
 
+def _gu(bn, bk, nw, ns, **extra):
+  return dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, **extra)
+
+
+def _dn(bn, bk, nw, ns, **extra):
+  return dict(block_n_down=bn, block_k_down=bk, num_warps_down=nw, num_stages_down=ns, **extra)
+
+
+MOETUNE = {
+    8: [{}] + [_gu(*t) for t in [(64, 256, 8, 3), (64, 128, 4, 4), (64, 128, 8, 4),
+                                 (128, 256, 8, 3), (128, 128, 8, 3), (32, 256, 4, 3),
+                                 (32, 256, 2, 3), (32, 512, 4, 3), (64, 512, 8, 3),
+                                 (64, 256, 4, 2), (64, 256, 4, 4)]]
+       + [_gu(*t, method="swap") for t in [(64, 256, 4, 3), (128, 256, 8, 3), (128, 128, 4, 3)]]
+       + [_dn(*t) for t in [(32, 128, 4, 3), (64, 256, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3),
+                            (32, 256, 4, 3)]],
+    1: [{}] + [dict(_gu(*g), **_dn(*d)) for g, d in [
+        ((16, 1024, 8, 2), (16, 512, 8, 3)), ((16, 512, 8, 2), (16, 256, 4, 3)),
+        ((16, 1024, 16, 3), (16, 512, 4, 3)), ((16, 2048, 16, 1), (16, 512, 4, 1)),
+        ((32, 1024, 16, 2), (16, 512, 8, 2))]],
+}
+
+
+def moetune_cases(variants):
+  """The NVFP4 routed MoE's tiles re-swept with the current decode (pre-scaled scales, the
+  ``mul`` sequence): gate_up then down variants at M = 8, both kernels at M = 1."""
+  if variants:
+    return
+  from flint_jax.nvfp4 import prescale_state
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  experts, shared = prescale_state(moe_weights("nvfp4"))
+  for m in (8, 1):
+    xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
+    sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
+    lbl = f"routed nvfp4 M={m}"
+    yield (f"moetune/M{m}/xla", "moetune", lbl, "xla",
+           jax.jit(MOE.moe_decode_routed_reference), sets, bytes_)
+    for kw in MOETUNE[m]:
+      yield (f"moetune/M{m}/{_tag(kw)}", "moetune", lbl, _tag(kw),
+             functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
@@ -1186,7 +1228,7 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "rows2": rows2_cases, "lanes": lanes_cases, "arnr": arnr_cases,
           "nqlanes": nqlanes_cases, "gusk": gusk_cases, "router": router_cases,
           "prescale": prescale_cases, "stream": stream_cases, "m1dot": m1dot_cases,
-          "asmdec": asmdec_cases}
+          "asmdec": asmdec_cases, "moetune": moetune_cases}
 
 
 # ------------------------------------------------------------------------------------------

@@ -1221,6 +1221,50 @@ def moetune_cases(variants):
              functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
 
 
+_SWAP8 = [dict(method="swap", block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+          for bn, bk, nw, ns in [(128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 8, 3),
+                                 (128, 256, 8, 2), (128, 256, 8, 4), (256, 128, 8, 3),
+                                 (64, 256, 4, 3), (128, 256, 4, 3)]]
+
+
+def m8swap_cases(variants):
+  """NVFP4 at M = 8 on swap-AB tiles (the decoded weights as wgmma's register A operand, x as
+  its N = 16 side) against the defaults (``dot``, mma.sync): the routed MoE's gate_up and
+  down, the q|k|v ``multi_gemv``, the o_proj and the LM head; block scales pre-scaled."""
+  if variants:
+    return
+  from flint_jax.nvfp4 import prescale_state
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  experts, shared = prescale_state(moe_weights("nvfp4"))
+  xs, logits, _, bytes_ = moe_inputs(8, router, experts, shared)
+  sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
+  lbl = "routed nvfp4 M=8"
+  yield ("m8swap/moe/xla", "m8swap", lbl, "xla", jax.jit(MOE.moe_decode_routed_reference), sets,
+         bytes_)
+  down = [_dn(128, 128, 8, 3, method_down="swap"), _dn(64, 128, 4, 3, method_down="swap"),
+          _dn(128, 256, 8, 3, method_down="swap")]
+  for kw in [{}, {}] + _SWAP8 + down + [dict(_SWAP8[0], **down[0]), dict(_SWAP8[0], **down[1])]:
+    yield (f"m8swap/moe/{_tag(kw)}", "m8swap", lbl, _tag(kw),
+           functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
+  ws = prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
+                       for _ in range(8)])
+  lbl, bytes_ = "qkv nvfp4 M=8", nbytes(ws[0]) + 8 * D * 2 + 8 * 5120 * 2
+  sets = [(randn((8, D)), w) for w in ws]
+  yield ("m8swap/qkv/xla", "m8swap", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
+         bytes_)
+  for kw in [{}] + _SWAP8:
+    yield (f"m8swap/qkv/{_tag(kw)}", "m8swap", lbl, _tag(kw),
+           functools.partial(MULTI.multi_gemv, **kw), sets, bytes_)
+  for name, n, k, m, out in [("o_proj", D, 4096, 8, BF), ("lm_head", V, D, 8, jnp.float32),
+                             ("lm_head", V, D, 1, jnp.float32)]:
+    wb = n * k // 2 + n * k // 8
+    sets = [(randn((m, k)), *prescale_state(rand_nvfp4((n, k)))) for _ in range(n_sets(wb, 4))]
+    kws = [{}] + [dict(kw, split_k=sk) for kw in _SWAP8[:3] + _SWAP8[5:7]
+                  for sk in ((1, 2, 4) if name == "o_proj" else (1,))]
+    yield from _nv_gemv_variants("m8swap", f"{name}/M{m}", f"{name} M={m}", sets,
+                                 wb + m * k * 2 + m * n * 2, kws, out=out)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
@@ -1228,7 +1272,8 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "rows2": rows2_cases, "lanes": lanes_cases, "arnr": arnr_cases,
           "nqlanes": nqlanes_cases, "gusk": gusk_cases, "router": router_cases,
           "prescale": prescale_cases, "stream": stream_cases, "m1dot": m1dot_cases,
-          "asmdec": asmdec_cases, "moetune": moetune_cases}
+          "asmdec": asmdec_cases, "moetune": moetune_cases,
+          "m8swap": m8swap_cases}
 
 
 # ------------------------------------------------------------------------------------------

@@ -264,7 +264,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     / 2 programs per block), "pallas_cd" / "pallas_nocd" (`moe_combine_in_down` on / off: the
     MoE combine + add + norm in the down kernel's last program), "pallas_ffi" (`launch="ffi"`:
     every kernel compiled by the triton package and launched by flint_jax's FFI call),
-    "pallas_shift" (`nvfp4_asm="shift"`: the NVFP4 decode's session-11 instruction sequence),
+    "pallas_noswap" (`nvfp4_swap=False`: the NVFP4 MoE gate_up and LM head at batch > 1 on
+    session 11's dot tiles), "pallas_shift" (`nvfp4_asm="shift"`: the NVFP4 decode's session-11 instruction sequence),
     "pallas_e4m3" (NVFP4: the default step on the state's e4m3 block scales; every other Pallas
     path gets them pre-scaled to bf16, `nvfp4.prescale_state`, as `flint_jax.load` does)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
@@ -291,6 +292,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "xgu": DecodeOptions(bf16_dense_pallas=False),
                "lanes": DecodeOptions(nvfp4_m1_method="lanes"),
                "shift": DecodeOptions(nvfp4_asm="shift"),
+               "noswap": DecodeOptions(nvfp4_swap=False),
                "reduce": DecodeOptions(nvfp4_m1_method="reduce"),
                "gusk2": DecodeOptions(moe_gate_up_split_k=2),
                "gusk4": DecodeOptions(moe_gate_up_split_k=4),

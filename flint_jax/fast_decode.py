@@ -171,6 +171,10 @@ class DecodeOptions:
       (``nvfp4_gemv.asm_decode``): "mul" (default: one integer multiply places a nibble's
       magnitude and sign bits) or "shift" (session 11's shifts and or). Bit-identical; for
       A/B measurements.
+    nvfp4_swap: at batch > 1, the NVFP4 MoE gate_up and LM head on swap-AB tiles (the decoded
+      weights as wgmma's register A operand; their defaults since session 12: H200 run 80, M = 8
+      MoE 144.7 against 160.2 us, LM head 142.6 against 185.6). False: session 11's ``dot``
+      tiles (mma.sync, gate_up bn64 bk256 w4). For A/B measurements.
     l2_prefetch: kernels that ask the L2 to fetch a later kernel's weights while they run
       (``pallas.l2_prefetch``: cp.async.bulk.prefetch.L2, one instruction per chunk): a
       comma-separated subset of "attn" (the attention kernel fetches the o_proj), "router"
@@ -203,6 +207,7 @@ class DecodeOptions:
     bf16_o_proj_pallas: bool | None = None
     launch: str = "xla"
     nvfp4_asm: str = "mul"
+    nvfp4_swap: bool = True
 
     PREFETCH_SITES = ("attn", "router", "down")
 
@@ -498,6 +503,12 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method
+        # nvfp4_swap=False: session 11's mma.sync tiles where the kernels now pick swap-AB
+        swap_off = b > 1 and opts.nvfp4_swap is False
+        all_rows = opts.moe_slot_rows == "all" or (opts.moe_slot_rows is None and b > 4)
+        if swap_off and moe_quant and not nv_method and all_rows:
+            moe_kw["method"] = "dot"
+            moe_kw.update(block_n=64, block_k=256, num_warps=4, num_stages=3)
         # The cache's counters (zeros between steps; each kernel returns its entries to zero),
         # threaded through the kernels that count on them: the BF16 MoE gate_up in K slices
         # (with the layer end folded into the next q|k|v) or the MoE combine in the down kernel
@@ -605,7 +616,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         pending = (y, None)
                     else:
                         h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)
-        logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32, method=nv_method)
+        logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32,
+                         method=nv_method or ("dot" if swap_off else None))
         new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
                             lengths=pos + 1,
                             counters=counters)

@@ -126,6 +126,14 @@ def test_qkv_wait_batch_one_equals_xla(fmt):
     assert_generate_equal(fmt, 5, opts, [list(range(11, 80))], 5)
 
 
+@pytest.mark.parametrize("swap", [True, False])
+def test_nvfp4_swap_batch_five_equals_xla(swap):
+    """Five NVFP4 rows (the MoE on all-rows tiles): the gate_up on swap-AB tiles (the default)
+    or on session 11's dot tiles (``nvfp4_swap=False``)."""
+    rows = [list(range(5 + r, 40 + 3 * r)) for r in range(5)]
+    assert_generate_equal("nvfp4", 12, DecodeOptions(nvfp4_swap=swap), rows, 4)
+
+
 @pytest.mark.parametrize("method", ["lanes", "reduce"])
 def test_nvfp4_m1_method_batch_one_equals_xla(method):
     """One NVFP4 row with every NVFP4 GEMV and the MoE on the given M = 1 tile method."""

@@ -143,7 +143,7 @@ def test_default_methods():
   assert resolve_method("nvfp4", 1, None, "tile", "asm", False, allowed=C.NO_LANES)[0] == "reduce"
   assert resolve_method("bf16", 2, None, "tile", "asm", False)[0] != "rows"
   assert [default_method(m, 2048) for m in (1, 2, 3, 8)] == ["reduce", "rows", "dot", "dot"]
-  assert default_method(2, 150144) == "dot"
+  assert [default_method(m, 150144) for m in (1, 2, 8)] == ["reduce", "swap", "swap"]   # LM head
 
 
 def test_multi_gemv_rejects_bad_inputs():

@@ -567,11 +567,19 @@ def default_moe_tiling(fe: str, m: int) -> dict:
     gate_up bk1024 w16 2 stages, down 2 stages: 16.2 us for both (17.3 with round 1's).
   - NVFP4 M=8: gate_up bn64 bk256 w4 (98); down bn64 bk128 w4 (37.6, against 43.0).
   - BF16 M=8, round 2: 64-wide K steps, 5 / 4 stages: 84.5 us for both (89.5 at bk128).
+  - NVFP4 M=8, session 12 (pre-scaled scales, the ``mul`` decode; kernels.py --groups moetune /
+    m8swap, runs 79-80): gate_up on swap-AB tiles (the decoded weights as wgmma's register A
+    operand) bn128 bk256 w8: 144.5 / 144.7 us for both kernels against 160.3 / 160.2 (dot
+    bn64 bk256 w4); the down kernel's swap tiles gain under 4 us: it stays ``dot``. ``method`` /
+    ``method_down`` keys: the tile methods where they differ from the format's default.
   """
   if fe == "nvfp4" and m == 1:
     gu, dn = (16, 1024, 16, 2), (16, 512, 4, 2)
   elif fe == "nvfp4":
-    gu, dn = (64, 256, 4, 3), (64, 128, 4, 3)
+    gu, dn = (128, 256, 8, 3), (64, 128, 4, 3)
+    names = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down", "block_k_down",
+             "num_warps_down", "num_stages_down")
+    return dict(zip(names, gu + dn), method="swap", method_down="dot")
   elif m == 1:
     gu, dn = (64, 256, 4, 3), (64, 128, 4, 3)
   else:
@@ -613,15 +621,16 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   # NVFP4 token mode: the shared expert's M rows on CUDA-core rows tiles too (tensor-core tiles
   # at the NVFP4 M = 1 tiling (bn16, bk1024, 16 warps) made the call 4x slower at M = 2, run 25;
   # BF16's M = 1 tiling is the tensor-core one, where rows spills: 4.4 ms at M = 8, run 28)
-  method = method or ("reduce" if nv_m1 else "rows" if token and fe == "nvfp4" else "dot")
   tiling = default_moe_tiling(fe, 1 if token else m)
+  base_method = "reduce" if nv_m1 else "rows" if token and fe == "nvfp4" else "dot"
+  method_down = method_down or method or tiling.get("method_down", base_method)
+  method = method or tiling.get("method", base_method)
   block_n, block_k = block_n or tiling["block_n"], block_k or tiling["block_k"]
   num_warps, num_stages = num_warps or tiling["num_warps"], num_stages or tiling["num_stages"]
   block_n_down = block_n_down or tiling["block_n_down"]
   block_k_down = block_k_down or tiling["block_k_down"]
   num_warps_down = num_warps_down or tiling["num_warps_down"]
   num_stages_down = num_stages_down or tiling["num_stages_down"]
-  method_down = method_down or method
   C.check(down_split or route is None, "the routed path needs down_split=True")
   C.check_method(method, m)
   C.check_method(method_down, m)

@@ -346,10 +346,13 @@ def default_method(m: int, n: int = 0) -> str:
   tile, which wastes 15 of its 16 MMA rows and needs large tiles per program); ``rows`` (the
   same per row) at M = 2 for N < 16384 rows (H200, run 30: o_proj 8.2 against 16.8 us, dense
   down 14.7 against 21.3, dense gate|up 25.6 against 39.8; at M = 4 it wins only for the o_proj,
-  and the LM head keeps ``dot``: 190 against 215 us at M = 2); ``dot`` otherwise."""
+  and the LM head keeps a tensor-core method: 190 against 215 us at M = 2); for N >= 16384 (the
+  LM head) ``swap`` (session 12: 142.6 against 185.6 us at M = 8); ``dot`` otherwise."""
   if m == 1:
     return "reduce"
-  return "rows" if m == 2 and n < 16384 else "dot"
+  if n >= 16384:   # the LM head: swap-AB tiles (wgmma, register A), 142.6 against 185.6 us at
+    return "swap"  # M = 8 (H200 run 80; dot 190 against rows 215 at M = 2, run 30)
+  return "rows" if m == 2 else "dot"
 
 
 def resolve_decode(decode: str, interpret: bool) -> str:
@@ -381,8 +384,8 @@ def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1,
   if m == 1:
     bk = C.pow2_divisor(k, 512)
     bn = C.pow2_divisor(n, 32 if (n >= 4096 and n_mats == 1) else 64 if n >= 1024 else 16)
-  else:
-    bk = C.pow2_divisor(k, 256)
+  else:   # N >= 16384 on swap tiles: bn128 bk128 w8 (run 80: 142.6 us at M = 8, bk256 151.9)
+    bk = C.pow2_divisor(k, 128 if (n >= 16384 and method == "swap") else 256)
     bn = C.pow2_divisor(n, 128 if n >= 16384 else 64)
   split = 1
   if n_mats == 1:

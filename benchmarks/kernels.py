@@ -1157,7 +1157,7 @@ def asmdec_cases(variants):
     lbl = f"routed nvfp4 M={m}"
     yield (f"asmdec/moe/M{m}/xla", "asmdec", lbl, "xla",
            jax.jit(MOE.moe_decode_routed_reference), sets, bytes_)
-    for asm in ("shift", "mul", "shift#2", "mul#2"):   # twice each, alternating (a drift check)
+    for asm in ("shift", "mul_bf16", "mul", "shift#2", "mul_bf16#2", "mul#2"):   # twice each
       yield (f"asmdec/moe/M{m}/{asm}", "asmdec", lbl, asm,
              _with_asm(MOE.moe_decode_routed, asm.split("#")[0]), sets, bytes_)
   ws = prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
@@ -1167,14 +1167,14 @@ def asmdec_cases(variants):
     sets = [(randn((m, D)), w) for w in ws]
     yield (f"asmdec/qkv/M{m}/xla", "asmdec", lbl, "xla", jax.jit(MULTI.multi_gemv_reference),
            sets, bytes_)
-    for asm in ("shift", "mul"):
+    for asm in ("shift", "mul_bf16", "mul"):
       yield (f"asmdec/qkv/M{m}/{asm}", "asmdec", lbl, asm, _with_asm(MULTI.multi_gemv, asm),
              sets, bytes_)
   wb = D * 4096 // 2 + D * 4096 // 8
   sets = [(randn((1, 4096)), *prescale_state(rand_nvfp4((D, 4096)))) for _ in range(n_sets(wb))]
   yield ("asmdec/o_proj/xla", "asmdec", "o_proj nvfp4 M=1", "xla",
          jax.jit(NV.nvfp4_gemv_reference), sets, wb)
-  for asm in ("shift", "mul"):
+  for asm in ("shift", "mul_bf16", "mul"):
     yield (f"asmdec/o_proj/{asm}", "asmdec", "o_proj nvfp4 M=1", asm,
            _with_asm(NV.nvfp4_gemv, asm), sets, wb)
 

@@ -78,8 +78,9 @@ def test_nvfp4_gemv_lowers(decode, layout, m, method, n, k):
   lower(fn, S((m, k), BF), *nv(n, k))
 
 
-@pytest.mark.parametrize("asm,emitted,absent", [("mul", "mul.lo.u32", "shl.b32"),
-                                                ("shift", "shl.b32", "mul.lo.u32")])
+@pytest.mark.parametrize("asm,emitted,absent", [("mul", "and.b32 $1, t0, 0xFFFF0000", "shl.b32 t0"),
+                                                ("mul_bf16", "mul.lo.u32", "shl.b32"),
+                                                ("shift", "shl.b32 t0", "mul.lo.u32")])
 def test_nvfp4_asm_decode_sequence_lowers(asm, emitted, absent):
   """``nvfp4_gemv.asm_decode`` picks the instruction sequence the kernels' inline asm carries."""
   import sys   # the module (the package re-exports the function under the same name)

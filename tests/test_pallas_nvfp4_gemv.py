@@ -162,10 +162,12 @@ def test_nvfp4_gemv_streamed_rejects_split_k():
 
 
 @pytest.mark.skipif(INTERPRET, reason="the asm decode runs only compiled on a GPU")
-@pytest.mark.parametrize("m,kw", [(1, {}), (1, dict(method="lanes")), (8, {}), (2, {})])
+@pytest.mark.parametrize("m,kw", [(1, {}), (1, dict(method="lanes")), (8, {}), (2, {}),
+                                  (1, dict(layout="chunk")), (3, dict(method="rows"))])
 def test_asm_decode_sequences_bit_identical(m, kw):
-  """The ``asm`` decode's two instruction sequences (``asm_decode``: "mul", "shift") give the
-  same bits, with e4m3 and with pre-scaled block scales, every code and sign included."""
+  """The ``asm`` decode's instruction sequences (``asm_decode``: "mul" with f32 weights and
+  activations from the asm on the CUDA-core tiles, "mul_bf16", "shift") give the same bits,
+  with e4m3 and with pre-scaled block scales, every code and sign included."""
   import sys
   from flint_jax.nvfp4 import prescale_block_scales
   nv_mod = sys.modules["flint_jax.pallas.nvfp4_gemv"]
@@ -175,11 +177,12 @@ def test_asm_decode_sequences_bit_identical(m, kw):
   outs = {}
   for scales in ("e4m3", "bf16"):
     s = w.weight_scale if scales == "e4m3" else prescale_block_scales(w.weight_scale)
-    for asm in ("mul", "shift"):
+    for asm in ("mul", "mul_bf16", "shift"):
       with nv_mod.asm_decode(asm):
         outs[scales, asm] = np.asarray(
             nvfp4_gemv(x, w.qweight, s, w.weight_scale_2, decode="asm", out_dtype=jnp.float32,
                        **kw))
     np.testing.assert_array_equal(outs[scales, "mul"], outs[scales, "shift"])
+    np.testing.assert_array_equal(outs[scales, "mul_bf16"], outs[scales, "shift"])
   assert_close(outs["bf16", "mul"], nvfp4_gemv_reference(x, *w, out_dtype=jnp.float32),
                what="asm decode (mul)")

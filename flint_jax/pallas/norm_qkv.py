@@ -97,7 +97,7 @@ def _nvfp4_tile_dot_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layou
   if method == "lanes":   # M == 1, tile layout: two FFMAs per code byte, as nvfp4_tile_dot
     C.check(m == 1 and layout == "tile", "method='lanes' needs M == 1 and layout='tile'")
     ds, blk = slice(None), pl.ds(b0, nb)
-    w_lo, w_hi = NV.decode_tile(q_ref, s_ref, (), n0, bn, b0, nb, decode)
+    w_lo, w_hi = NV.decode_tile(q_ref, s_ref, (), n0, bn, b0, nb, decode, f32=True)
     return NV.lanes_fma(acc, w_lo, w_hi, lambda h: xfn((blk, h, ds, ds), 3))
   return acc + _nvfp4_part_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, decode=decode,
                              layout=layout, method=method)
@@ -116,7 +116,8 @@ def _nvfp4_part_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layout, m
 
   if layout == "tile":
     blk = pl.ds(b0, nb)
-    w_lo, w_hi = NV.decode_tile(q_ref, s_ref, (), n0, bn, b0, nb, decode)
+    w_lo, w_hi = NV.decode_tile(q_ref, s_ref, (), n0, bn, b0, nb, decode,
+                                f32=method == "reduce")
     if method == "reduce":
       acc = None
       for half, w in ((0, w_lo), (1, w_hi)):
@@ -135,7 +136,8 @@ def _nvfp4_part_x(xfn, m, mp, q_ref, s_ref, n0, bn, b0, nb, *, decode, layout, m
       q = q_ref[nrow, b0 + bb, h, ds]                                    # [BN, 16]
       s_lo = NV.load_scale(s_ref[nrow, b0 + bb, 0, h])[:, None]         # [BN, 1]
       s_hi = NV.load_scale(s_ref[nrow, b0 + bb, 1, h])[:, None]
-      w_lo, w_hi = NV._decode_pair(q, s_lo, s_hi, decode)  # pylint: disable=protected-access
+      w_lo, w_hi = NV._decode_pair(  # pylint: disable=protected-access
+          q, s_lo, s_hi, decode, f32=method == "reduce")
       x_lo = xfn((b0 + bb, 0, h, ds), 1)                                    # [16] / [Mp, 16]
       x_hi = xfn((b0 + bb, 1, h, ds), 1)
       if method != "reduce":

@@ -174,18 +174,62 @@ mul.rn.bf16x2 $1, t1, $4;
 }}"""
 _ASM_MUL = (_ASM_MUL_TEMPLATE.format(iso="0x000F000F", mul="0x1040"),   # x (2^6 + 2^12)
             _ASM_MUL_TEMPLATE.format(iso="0x00F000F0", mul="0x104"))    # x (2^2 + 2^8)
-_ASM = {"mul": _ASM_MUL, "shift": _ASM_SHIFT}
+_ASM = {"mul": _ASM_MUL, "mul_bf16": _ASM_MUL, "shift": _ASM_SHIFT}
+
+# The CUDA-core tiles (reduce, rows, lanes) multiply in fp32: the same decode, then each bf16x2
+# product split into two f32 in the asm (shl 16 / and 0xffff0000: one instruction per value,
+# where the compiler's bf16 -> f32 conversion of each lane takes two, a PRMT and a shift).
+# $0..$3: four f32 outputs; $4: four code bytes; $5, $6: bf16x2 scales.
+_ASM_F32_TEMPLATE = """{{
+.reg .b32 a, b, t0, t1, z;
+mov.b32 z, 0;
+prmt.b32 a, $4, z, 0x4140;
+prmt.b32 b, $4, z, 0x4342;
+and.b32 t0, a, {iso};
+mul.lo.u32 t0, t0, {mul};
+and.b32 t0, t0, 0x81C081C0;
+mul.rn.bf16x2 t0, t0, $5;
+shl.b32 $0, t0, 16;
+and.b32 $1, t0, 0xFFFF0000;
+and.b32 t1, b, {iso};
+mul.lo.u32 t1, t1, {mul};
+and.b32 t1, t1, 0x81C081C0;
+mul.rn.bf16x2 t1, t1, $6;
+shl.b32 $2, t1, 16;
+and.b32 $3, t1, 0xFFFF0000;
+}}"""
+_ASM_F32 = (_ASM_F32_TEMPLATE.format(iso="0x000F000F", mul="0x1040"),
+            _ASM_F32_TEMPLATE.format(iso="0x00F000F0", mul="0x104"))
 
 #: Which instruction sequence the ``asm`` decode emits: "mul" (default; SASS of the M = 8 MoE
-#: gate_up 1045 instructions per thread and K step against 1173) or "shift" (session 11's). The
-#: bits are identical. Read when a kernel is traced (part of jax's trace context); the decode
-#: step sets it from ``DecodeOptions.nvfp4_asm``. For measurements.
+#: gate_up 1045 instructions per thread and K step against 1173; the CUDA-core tiles get f32
+#: values straight from the asm), "mul_bf16" (the same multiply, bf16 outputs converted by the
+#: compiler) or "shift" (session 11's). The values are identical. Read when a kernel is traced
+#: (part of jax's trace context); the decode step sets it from ``DecodeOptions.nvfp4_asm``. For
+#: measurements.
 asm_decode = config.enum_state(
-    "flint_jax_nvfp4_asm_decode", ["mul", "shift"], default="mul",
+    "flint_jax_nvfp4_asm_decode", ["mul", "mul_bf16", "shift"], default="mul",
     include_in_trace_context=True, help="instruction sequence of the NVFP4 asm decode")
 
 
-def _asm_decode(q, scale_bf16, asm):
+def x_to_f32(x, decode):
+  """An activation tile bf16 -> f32 for the CUDA-core tiles; with the ``asm`` decode (``mul``)
+  two values per register in inline PTX, one instruction each (the compiler's conversion takes
+  a PRMT and a shift per value)."""
+  if decode != "asm" or asm_decode.value != "mul" or x.dtype != jnp.bfloat16:
+    return x.astype(jnp.float32)
+  (y,) = plgpu.elementwise_inline_asm(
+      "shl.b32 $0, $2, 16;\nand.b32 $1, $2, 0xFFFF0000;", args=[x], constraints="=r,=r,r",
+      pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return y
+
+
+def _asm_decode(q, scale_bf16, asm, f32=False):
+  if f32:
+    (w,) = plgpu.elementwise_inline_asm(
+        asm, args=[q, scale_bf16], constraints="=r,=r,=r,=r,r,r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.float32)])
+    return w
   (w,) = plgpu.elementwise_inline_asm(
       asm, args=[q, scale_bf16], constraints="=r,=r,r,r,r", pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)])
@@ -197,22 +241,28 @@ def decode_factor(decode: str) -> float:
   return {"fp8": 64.0, "asm": 128.0}[decode]
 
 
-def _decode_pair(q, s_lo, s_hi, decode):
+def _decode_pair(q, s_lo, s_hi, decode, f32=False):
   """q uint8 [..., 16]; s_lo/s_hi block scales broadcastable to q, f32 or pre-scaled bf16
-  (``load_scale``) -> (w_lo, w_hi) bf16."""
+  (``load_scale``) -> (w_lo, w_hi) bf16, or their values as f32 with ``f32`` (for the
+  CUDA-core tiles)."""
   prescaled = s_lo.dtype == jnp.bfloat16
   if decode == "fp8":
     if prescaled:
       s_lo, s_hi = (s.astype(jnp.float32) * (1.0 / PRESCALE) for s in (s_lo, s_hi))
     w_lo = _fp8_decode(q & 15) * s_lo.astype(jnp.bfloat16)
     w_hi = _fp8_decode(q >> 4) * s_hi.astype(jnp.bfloat16)
-    return w_lo, w_hi
-  if not prescaled:
-    s_lo, s_hi = ((s * PRESCALE).astype(jnp.bfloat16) for s in (s_lo, s_hi))
-  s_lo = jnp.broadcast_to(s_lo, q.shape)
-  s_hi = jnp.broadcast_to(s_hi, q.shape)
-  asm_lo, asm_hi = _ASM[asm_decode.value]
-  return _asm_decode(q, s_lo, asm_lo), _asm_decode(q, s_hi, asm_hi)
+  else:
+    if not prescaled:
+      s_lo, s_hi = ((s * PRESCALE).astype(jnp.bfloat16) for s in (s_lo, s_hi))
+    s_lo = jnp.broadcast_to(s_lo, q.shape)
+    s_hi = jnp.broadcast_to(s_hi, q.shape)
+    if f32 and asm_decode.value == "mul":
+      return _asm_decode(q, s_lo, _ASM_F32[0], True), _asm_decode(q, s_hi, _ASM_F32[1], True)
+    asm_lo, asm_hi = _ASM[asm_decode.value]
+    w_lo, w_hi = _asm_decode(q, s_lo, asm_lo), _asm_decode(q, s_hi, asm_hi)
+  if f32:
+    return w_lo.astype(jnp.float32), w_hi.astype(jnp.float32)
+  return w_lo, w_hi
 
 
 def nvfp4_views(qweight, weight_scale):
@@ -262,19 +312,20 @@ def load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb):
           s_ref[(*w_idx, nrow, blk, 1, ds)])
 
 
-def decode_codes(codes, decode):
-  """(w_lo, w_hi) bf16 [BN, nb, 2, 16] of a ``load_codes`` tile."""
+def decode_codes(codes, decode, f32=False):
+  """(w_lo, w_hi) bf16 (f32 with ``f32``) [BN, nb, 2, 16] of a ``load_codes`` tile."""
   q, s_lo, s_hi = codes
-  return _decode_pair(q, load_scale(s_lo)[..., None], load_scale(s_hi)[..., None], decode)
+  return _decode_pair(q, load_scale(s_lo)[..., None], load_scale(s_hi)[..., None], decode, f32)
 
 
-def decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode, codes=None):
+def decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode, codes=None, f32=False):
   """(w_lo, w_hi) bf16 [BN, nb, 2, 16]: weight rows n0 .. n0+bn, 64-value blocks b0 .. b0+nb of
   the ``nvfp4_views`` (tile layout), decoded with their block scales; ``codes``: that tile
-  already loaded (``load_codes``), e.g. one K step ahead."""
+  already loaded (``load_codes``), e.g. one K step ahead; ``f32``: the values as f32 (for the
+  CUDA-core tiles, which multiply in f32)."""
   if codes is None:
     codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
-  return decode_codes(codes, decode)
+  return decode_codes(codes, decode, f32)
 
 
 def lanes_fma(acc, w_lo, w_hi, x_half):
@@ -293,17 +344,19 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
   rows = C.row_load_index(m, mp)
   if layout == "tile":
     blk = pl.ds(b0, nb)
-    w_lo, w_hi = decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode, codes)
+    w_lo, w_hi = decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode, codes,
+                             f32=method in ("lanes", "reduce", "rows"))
     if method == "lanes":
       C.check(acc is not None, "method='lanes' accumulates into acc: pass acc=")
-      return lanes_fma(acc, w_lo, w_hi, lambda h: x_ref[(*x_idx, 0, blk, h, ds, ds)])
+      return lanes_fma(acc, w_lo, w_hi,
+                       lambda h: x_to_f32(x_ref[(*x_idx, 0, blk, h, ds, ds)], decode))
     if method in ("reduce", "rows"):
       wf = (w_lo.astype(jnp.float32), w_hi.astype(jnp.float32))
 
       def row_sum(row):   # the decoded tile times x row ``row``, summed over K: [BN]
         acc = None
         for half, w in enumerate(wf):
-          x = x_ref[(*x_idx, row, blk, half, ds, ds)].astype(jnp.float32)  # [nb, 2, 16]
+          x = x_to_f32(x_ref[(*x_idx, row, blk, half, ds, ds)], decode)   # [nb, 2, 16]
           p = jnp.sum(w * x[None], axis=3)                                 # [BN, nb, 2]
           p = jnp.sum(jnp.sum(p, axis=2), axis=1)                          # [BN]
           acc = p if acc is None else acc + p
@@ -329,7 +382,7 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
       q = q_ref[(*w_idx, nrow, b0 + bb, h, ds)]                           # [BN, 16]
       s_lo = load_scale(s_ref[(*w_idx, nrow, b0 + bb, 0, h)])[:, None]    # [BN, 1]
       s_hi = load_scale(s_ref[(*w_idx, nrow, b0 + bb, 1, h)])[:, None]
-      w_lo, w_hi = _decode_pair(q, s_lo, s_hi, decode)
+      w_lo, w_hi = _decode_pair(q, s_lo, s_hi, decode, f32=method in ("reduce", "rows"))
       if method == "reduce":
         x_lo = x_ref[(*x_idx, 0, b0 + bb, 0, h, ds)]                      # [16]
         x_hi = x_ref[(*x_idx, 0, b0 + bb, 1, h, ds)]

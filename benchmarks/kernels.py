@@ -1177,6 +1177,21 @@ def asmdec_cases(variants):
   for asm in ("shift", "mul_bf16", "mul"):
     yield (f"asmdec/o_proj/{asm}", "asmdec", "o_proj nvfp4 M=1", asm,
            _with_asm(NV.nvfp4_gemv, asm), sets, wb)
+  # the LM head at M = 1 (one launch, ~88 us in the step): its tiles with the f32 decode
+  wb = V * D // 2 + V * D // 8
+  sets = [(randn((1, D)), *prescale_state(rand_nvfp4((V, D)))) for _ in range(n_sets(wb, 4))]
+  lbl = "lm_head nvfp4 M=1"
+  yield ("asmdec/lm_head/xla", "asmdec", lbl, "xla",
+         jax.jit(functools.partial(NV.nvfp4_gemv_reference, out_dtype=jnp.float32)), sets, wb)
+  lm = functools.partial(NV.nvfp4_gemv, out_dtype=jnp.float32)
+  for asm in ("mul_bf16", "mul"):
+    yield (f"asmdec/lm_head/{asm}", "asmdec", lbl, asm, _with_asm(lm, asm), sets, wb)
+  for mt, bn, bk, nw in [("reduce", 16, 512, 4), ("reduce", 16, 1024, 8), ("reduce", 32, 256, 4),
+                         ("lanes", 32, 256, 4), ("lanes", 16, 512, 8), ("lanes", 64, 256, 8),
+                         ("lanes", 16, 256, 4)]:
+    kw = dict(method=mt, block_n=bn, block_k=bk, num_warps=nw)
+    yield (f"asmdec/lm_head/mul {_tag(kw)}", "asmdec", lbl, f"mul {_tag(kw)}",
+           functools.partial(lm, **kw), sets, wb)
 
 
 def _gu(bn, bk, nw, ns, **extra):

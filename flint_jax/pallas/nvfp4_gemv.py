@@ -23,11 +23,14 @@ Decode of a 16-byte weight chunk (knob ``decode``):
   included), the hardware fp8 -> bf16 conversion follows, then one bf16 multiply by the block
   scale; ``2^6`` is folded into the epilogue.
 - ``"asm"`` (GPU only; falls back to ``"fp8"`` in interpret mode): inline PTX on packed 32-bit
-  words. One ``prmt`` spreads two bytes into the two bf16 lanes of a register, a shift and a mask
-  put ``e1 e0 m`` into the low exponent bits / top mantissa bit and the sign into bit 15
-  (``value * 2^-126``: Marlin's bit placement), and one ``mul.rn.bf16x2`` applies the block scale
-  pre-multiplied by ``2^119`` (exact, no overflow below 448 * 2^119); ``2^7`` goes to the
-  epilogue. About 2.25 integer/bf16 instructions per weight value instead of ~8.
+  words. One ``prmt`` spreads two bytes into the two bf16 lanes of a register; an ``and``
+  isolates a nibble per lane and one integer multiply puts ``e1 e0 m`` into the low exponent
+  bits / top mantissa bit and the sign into bit 15 (``value * 2^-126``: Marlin's bit
+  placement; ``asm_decode``), a mask clears the rest, and one ``mul.rn.bf16x2`` applies the block
+  scale pre-multiplied by ``2^119`` (exact, no overflow below 448 * 2^119); ``2^7`` goes to the
+  epilogue. About 2.25 integer/bf16 instructions per weight value instead of ~8. The CUDA-core
+  tiles get the values as f32 from the same asm (one instruction per value), and x through
+  ``x_to_f32``.
 
 Layout of a K step (knob ``layout``): ``"tile"`` loads ``[BN, nb, 2, 16]`` code bytes (nb 64-value
 blocks), decodes them and reshapes to ``[BN, 32 nb]`` for one dot per nibble half; ``"chunk"``

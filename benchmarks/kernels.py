@@ -1096,6 +1096,27 @@ def stream_cases(variants):
                                  wb + k * 2 + n * 2, kws)
 
 
+def _routed_nvfp4_cases(group, ms, variants_for):
+  """The routed NVFP4 MoE (``moe_decode_routed``, block scales pre-scaled) at each M in ``ms``:
+  its XLA reference, then one case per (impl label, callable) of ``variants_for(m)``."""
+  from flint_jax.nvfp4 import prescale_state
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  experts, shared = prescale_state(moe_weights("nvfp4"))
+  for m in ms:
+    xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
+    sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
+    lbl = f"routed nvfp4 M={m}"
+    yield (f"{group}/moe/M{m}/xla", group, lbl, "xla", jax.jit(MOE.moe_decode_routed_reference),
+           sets, bytes_)
+    for impl, fn in variants_for(m):
+      yield (f"{group}/moe/M{m}/{impl}", group, lbl, impl, fn, sets, bytes_)
+
+
+def _kw_variants(kws):
+  """(label, moe_decode_routed with those options) for each options dict."""
+  return [(_tag(kw), functools.partial(MOE.moe_decode_routed, **kw)) for kw in kws]
+
+
 def m1dot_cases(variants):
   """NVFP4 at M = 1 on the tensor cores (``dot`` / ``swap``: x padded to 16 rows, the decode
   straight into the MMA operand; ~4.7 instructions per weight in the SASS against 7-10 for the
@@ -1115,13 +1136,6 @@ def m1dot_cases(variants):
     kws = [{}] + [dict(t, split_k=sk) for t in tiles
                   for sk in ((2, 4) if name == "o_proj" else (1,))]
     yield from _nv_gemv_variants("m1dot", name, f"{name} M=1", sets, wb + k * 2 + n * 2, kws)
-  router = randn((E, D), jnp.float32, D ** -0.5)
-  experts, shared = prescale_state(moe_weights("nvfp4"))
-  xs, logits, _, bytes_ = moe_inputs(1, router, experts, shared)
-  sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
-  lbl = "routed nvfp4 M=1"
-  yield ("m1dot/moe/xla", "m1dot", lbl, "xla", jax.jit(MOE.moe_decode_routed_reference), sets,
-         bytes_)
   moe_kws = [{}]
   for bn, bk, nw in [(64, 256, 4), (32, 512, 4), (32, 256, 4), (16, 512, 4)]:
     moe_kws.append(dict(method="dot", block_n=bn, block_k=bk, num_warps=nw, num_stages=3))
@@ -1129,9 +1143,7 @@ def m1dot_cases(variants):
     moe_kws.append(dict(method_down="dot", block_n_down=bnd, block_k_down=bkd,
                         num_warps_down=4, num_stages_down=3))
   moe_kws.append(dict(moe_kws[2], **moe_kws[-2]))
-  for kw in moe_kws:
-    yield (f"m1dot/moe/{_tag(kw)}", "m1dot", lbl, _tag(kw),
-           functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
+  yield from _routed_nvfp4_cases("m1dot", (1,), lambda m: _kw_variants(moe_kws))
 
 
 def _with_asm(fn, asm):
@@ -1149,17 +1161,9 @@ def asmdec_cases(variants):
   if variants:
     return
   from flint_jax.nvfp4 import prescale_state
-  router = randn((E, D), jnp.float32, D ** -0.5)
-  experts, shared = prescale_state(moe_weights("nvfp4"))
-  for m in (1, 8):
-    xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
-    sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
-    lbl = f"routed nvfp4 M={m}"
-    yield (f"asmdec/moe/M{m}/xla", "asmdec", lbl, "xla",
-           jax.jit(MOE.moe_decode_routed_reference), sets, bytes_)
-    for asm in ("shift", "mul_bf16", "mul", "shift#2", "mul_bf16#2", "mul#2"):   # twice each
-      yield (f"asmdec/moe/M{m}/{asm}", "asmdec", lbl, asm,
-             _with_asm(MOE.moe_decode_routed, asm.split("#")[0]), sets, bytes_)
+  seqs = ("shift", "mul_bf16", "mul", "shift#2", "mul_bf16#2", "mul#2")   # twice each
+  yield from _routed_nvfp4_cases("asmdec", (1, 8), lambda m: [
+      (asm, _with_asm(MOE.moe_decode_routed, asm.split("#")[0])) for asm in seqs])
   ws = prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
                        for _ in range(8)])
   for m in (1, 8):
@@ -1222,18 +1226,7 @@ def moetune_cases(variants):
   ``mul`` sequence): gate_up then down variants at M = 8, both kernels at M = 1."""
   if variants:
     return
-  from flint_jax.nvfp4 import prescale_state
-  router = randn((E, D), jnp.float32, D ** -0.5)
-  experts, shared = prescale_state(moe_weights("nvfp4"))
-  for m in (8, 1):
-    xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
-    sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
-    lbl = f"routed nvfp4 M={m}"
-    yield (f"moetune/M{m}/xla", "moetune", lbl, "xla",
-           jax.jit(MOE.moe_decode_routed_reference), sets, bytes_)
-    for kw in MOETUNE[m]:
-      yield (f"moetune/M{m}/{_tag(kw)}", "moetune", lbl, _tag(kw),
-             functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
+  yield from _routed_nvfp4_cases("moetune", (8, 1), lambda m: _kw_variants(MOETUNE[m]))
 
 
 _SWAP8 = [dict(method="swap", block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
@@ -1249,18 +1242,10 @@ def m8swap_cases(variants):
   if variants:
     return
   from flint_jax.nvfp4 import prescale_state
-  router = randn((E, D), jnp.float32, D ** -0.5)
-  experts, shared = prescale_state(moe_weights("nvfp4"))
-  xs, logits, _, bytes_ = moe_inputs(8, router, experts, shared)
-  sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
-  lbl = "routed nvfp4 M=8"
-  yield ("m8swap/moe/xla", "m8swap", lbl, "xla", jax.jit(MOE.moe_decode_routed_reference), sets,
-         bytes_)
   down = [_dn(128, 128, 8, 3, method_down="swap"), _dn(64, 128, 4, 3, method_down="swap"),
           _dn(128, 256, 8, 3, method_down="swap")]
-  for kw in [{}, {}] + _SWAP8 + down + [dict(_SWAP8[0], **down[0]), dict(_SWAP8[0], **down[1])]:
-    yield (f"m8swap/moe/{_tag(kw)}", "m8swap", lbl, _tag(kw),
-           functools.partial(MOE.moe_decode_routed, **kw), sets, bytes_)
+  kws = [{}] + _SWAP8 + down + [dict(_SWAP8[0], **down[0]), dict(_SWAP8[0], **down[1])]
+  yield from _routed_nvfp4_cases("m8swap", (8,), lambda m: _kw_variants(kws))
   ws = prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
                        for _ in range(8)])
   lbl, bytes_ = "qkv nvfp4 M=8", nbytes(ws[0]) + 8 * D * 2 + 8 * 5120 * 2

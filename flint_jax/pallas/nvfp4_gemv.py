@@ -161,48 +161,32 @@ _ASM_SHIFT = (_ASM_TEMPLATE.format(sm=6, ss=12),   # low nibble: bits 0-2 -> 6-8
 # at bit p of each lane (p = 0 low, 4 high), ``t * (2^(6-p) + 2^(12-p))`` puts a copy of it at
 # bit 6 (e1 e0 m -> bits 6-8) and one at bit 12 (s -> bit 15); the copies do not overlap, so no
 # carries, and the lane's product stays below bit 16. Mask, then the scale multiply.
-_ASM_MUL_TEMPLATE = """{{
-.reg .b32 a, b, t0, t1, z;
-mov.b32 z, 0;
-prmt.b32 a, $2, z, 0x4140;
-prmt.b32 b, $2, z, 0x4342;
-and.b32 t0, a, {iso};
-mul.lo.u32 t0, t0, {mul};
-and.b32 t0, t0, 0x81C081C0;
-mul.rn.bf16x2 $0, t0, $3;
-and.b32 t1, b, {iso};
-mul.lo.u32 t1, t1, {mul};
-and.b32 t1, t1, 0x81C081C0;
-mul.rn.bf16x2 $1, t1, $4;
-}}"""
-_ASM_MUL = (_ASM_MUL_TEMPLATE.format(iso="0x000F000F", mul="0x1040"),   # x (2^6 + 2^12)
-            _ASM_MUL_TEMPLATE.format(iso="0x00F000F0", mul="0x104"))    # x (2^2 + 2^8)
-_ASM = {"mul": _ASM_MUL, "mul_bf16": _ASM_MUL, "shift": _ASM_SHIFT}
+# With ``f32`` (for the CUDA-core tiles, which multiply in fp32) each bf16x2 product is then
+# split into two f32 (shl 16 / and 0xffff0000: one instruction per value, where the compiler's
+# bf16 -> f32 conversion of each lane takes two, a PRMT and a shift).
+def _mul_decode_asm(iso: str, mul: str, f32: bool) -> str:
+  """Operands: the outputs (two bf16x2, or four f32 with ``f32``), then four code bytes and the
+  two bf16x2 scales."""
+  n_out = 4 if f32 else 2
+  q = f"${n_out}"
+  lines = [".reg .b32 a, b, t0, t1, z;", "mov.b32 z, 0;", f"prmt.b32 a, {q}, z, 0x4140;",
+           f"prmt.b32 b, {q}, z, 0x4342;"]
+  for i, (src, t) in enumerate((("a", "t0"), ("b", "t1"))):
+    scale = f"${n_out + 1 + i}"
+    lines += [f"and.b32 {t}, {src}, {iso};", f"mul.lo.u32 {t}, {t}, {mul};",
+              f"and.b32 {t}, {t}, 0x81C081C0;"]
+    if f32:
+      lines += [f"mul.rn.bf16x2 {t}, {t}, {scale};", f"shl.b32 ${2 * i}, {t}, 16;",
+                f"and.b32 ${2 * i + 1}, {t}, 0xFFFF0000;"]
+    else:
+      lines.append(f"mul.rn.bf16x2 ${i}, {t}, {scale};")
+  return "{\n" + "\n".join(lines) + "\n}"
 
-# The CUDA-core tiles (reduce, rows, lanes) multiply in fp32: the same decode, then each bf16x2
-# product split into two f32 in the asm (shl 16 / and 0xffff0000: one instruction per value,
-# where the compiler's bf16 -> f32 conversion of each lane takes two, a PRMT and a shift).
-# $0..$3: four f32 outputs; $4: four code bytes; $5, $6: bf16x2 scales.
-_ASM_F32_TEMPLATE = """{{
-.reg .b32 a, b, t0, t1, z;
-mov.b32 z, 0;
-prmt.b32 a, $4, z, 0x4140;
-prmt.b32 b, $4, z, 0x4342;
-and.b32 t0, a, {iso};
-mul.lo.u32 t0, t0, {mul};
-and.b32 t0, t0, 0x81C081C0;
-mul.rn.bf16x2 t0, t0, $5;
-shl.b32 $0, t0, 16;
-and.b32 $1, t0, 0xFFFF0000;
-and.b32 t1, b, {iso};
-mul.lo.u32 t1, t1, {mul};
-and.b32 t1, t1, 0x81C081C0;
-mul.rn.bf16x2 t1, t1, $6;
-shl.b32 $2, t1, 16;
-and.b32 $3, t1, 0xFFFF0000;
-}}"""
-_ASM_F32 = (_ASM_F32_TEMPLATE.format(iso="0x000F000F", mul="0x1040"),
-            _ASM_F32_TEMPLATE.format(iso="0x00F000F0", mul="0x104"))
+
+_LO, _HI = ("0x000F000F", "0x1040"), ("0x00F000F0", "0x104")   # x (2^6 + 2^12), x (2^2 + 2^8)
+_ASM_MUL = tuple(_mul_decode_asm(*half, f32=False) for half in (_LO, _HI))
+_ASM_F32 = tuple(_mul_decode_asm(*half, f32=True) for half in (_LO, _HI))
+_ASM = {"mul": _ASM_MUL, "mul_bf16": _ASM_MUL, "shift": _ASM_SHIFT}
 
 #: Which instruction sequence the ``asm`` decode emits: "mul" (default; SASS of the M = 8 MoE
 #: gate_up 1045 instructions per thread and K step against 1173; the CUDA-core tiles get f32

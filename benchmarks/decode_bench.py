@@ -245,8 +245,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     `DecodeOptions.ring_splits`), "pallas_qw" (`qkv_wait`: each layer's end and the next q|k|v
     as one producer / consumer kernel), "pallas_allrows" / "pallas_tokrows" (the routed MoE's
     `moe_slot_rows` forced to "all" / "token"), "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
-    the NVFP4 GEMVs at batch > 1), "pallas_lanes" / "pallas_reduce" (`nvfp4_m1_method`: the
-    NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" tile method), "pallas_rin"
+    the NVFP4 GEMVs at batch > 1), "pallas_lanes" / "pallas_reduce" / "pallas_blocks" (`nvfp4_m1_method`: the
+    NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" / "blocks" tile method), "pallas_rin"
     (`router_in_norm` forced on: add + norm + router GEMV in one kernel; the default at batch 1
     only), "pallas_norin" (forced off), "pallas_xgu" (`bf16_dense_pallas=False`: the BF16 dense
     gate|up on XLA at batch 1 too), "pallas_gusk2" / "pallas_gusk4" (`moe_gate_up_split_k`: the
@@ -296,6 +296,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "mulbf16": DecodeOptions(nvfp4_asm="mul_bf16"),
                "noswap": DecodeOptions(nvfp4_swap=False),
                "reduce": DecodeOptions(nvfp4_m1_method="reduce"),
+               "blocks": DecodeOptions(nvfp4_m1_method="blocks"),
                "gusk2": DecodeOptions(moe_gate_up_split_k=2),
                "gusk4": DecodeOptions(moe_gate_up_split_k=4),
                "qsk1": DecodeOptions(qkv_split_k=1),

@@ -135,7 +135,8 @@ class DecodeOptions:
       True / False force it; "latency" / "streams": only the latency-bound kernels (attention,
       merge, norms, MoE combine) / only the weight-streaming ones trigger (`pdl.triggers`).
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
-      kernels: "reduce" (row sums on every K step), "lanes" (per-lane FFMAs, one reduction
+      kernels: "reduce" (row sums on every K step), "blocks" (per-block sums in the thread,
+      one reduction after the K loop; not yet measured on a GPU), "lanes" (per-lane FFMAs, one reduction
       after the K loop) or None (the kernels' defaults). For A/B measurements.
     moe_down_shared_cols: the routed MoE down kernel's ``down_shared_cols`` (the shared
       expert's columns of each block over that many programs, its K being 2x a routed
@@ -290,8 +291,9 @@ class DecodeOptions:
         if self.moe_slot_rows not in (None, "all", "token"):
             raise ValueError("DecodeOptions.moe_slot_rows must be None|'all'|'token', got "
                              f"{self.moe_slot_rows!r}")
-        if self.nvfp4_m1_method not in (None, "reduce", "lanes"):
-            raise ValueError("DecodeOptions.nvfp4_m1_method must be None|'reduce'|'lanes', got "
+        if self.nvfp4_m1_method not in (None, "reduce", "lanes", "blocks"):
+            raise ValueError("DecodeOptions.nvfp4_m1_method must be None|'reduce'|'lanes'|"
+                             "'blocks', got "
                              f"{self.nvfp4_m1_method!r}")
         if self.early_trigger not in (None, True, False, "all", "latency", "streams"):
             raise ValueError("DecodeOptions.early_trigger must be None, a bool or "

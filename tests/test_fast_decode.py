@@ -134,7 +134,7 @@ def test_nvfp4_swap_batch_five_equals_xla(swap):
     assert_generate_equal("nvfp4", 12, DecodeOptions(nvfp4_swap=swap), rows, 4)
 
 
-@pytest.mark.parametrize("method", ["lanes", "reduce"])
+@pytest.mark.parametrize("method", ["lanes", "reduce", "blocks"])
 def test_nvfp4_m1_method_batch_one_equals_xla(method):
     """One NVFP4 row with every NVFP4 GEMV and the MoE on the given M = 1 tile method."""
     assert_generate_equal("nvfp4", 8, DecodeOptions(nvfp4_m1_method=method),

@@ -66,13 +66,13 @@ def test_gemv_reduce_lowers():
 @pytest.mark.parametrize("layout", ["tile", "chunk"])
 @pytest.mark.parametrize("m,method", [(8, "dot"), (8, "swap"), (1, "reduce"), (1, "swap"),
                                       (8, "rows"), (2, None),    # None: the default (rows / dot)
-                                      (1, "lanes")])
+                                      (1, "lanes"), (1, "blocks")])
 @pytest.mark.parametrize("n,k", [(4096, D), (D, DENSE), (V, D)])
 def test_nvfp4_gemv_lowers(decode, layout, m, method, n, k):
   out = F32 if n == V else BF
   fn = functools.partial(nvfp4_gemv, out_dtype=out, decode=decode, layout=layout, method=method)
-  if method == "lanes" and layout == "chunk":
-    with pytest.raises(ValueError, match="lanes.*needs layout='tile'"):
+  if method in ("lanes", "blocks") and layout == "chunk":
+    with pytest.raises(ValueError, match=f"{method}.*needs layout='tile'"):
       lower(fn, S((m, k), BF), *nv(n, k))
     return
   lower(fn, S((m, k), BF), *nv(n, k))
@@ -111,11 +111,11 @@ def test_multi_gemv_lowers(fmt, decode, m, ns):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m,method", [(1, "dot"), (1, "swap"), (1, "reduce"), (8, "swap"),
-                                      (8, "rows"), (3, "rows"), (1, "lanes")])
+                                      (8, "rows"), (3, "rows"), (1, "lanes"), (1, "blocks")])
 def test_multi_gemv_methods_lower(fmt, m, method):
   ws = tuple(S((n, D), BF) if fmt == "bf16" else nv(n, D) for n in QKV)
   lower(functools.partial(multi_gemv, method=method), S((m, D), BF), ws)
-  if fmt == "nvfp4" and method != "lanes":   # lanes is tile-layout only (a ValueError)
+  if fmt == "nvfp4" and method not in ("lanes", "blocks"):   # tile-layout only (a ValueError)
     lower(functools.partial(multi_gemv, method=method, layout="chunk"), S((m, D), BF), ws)
 
 
@@ -167,9 +167,10 @@ def test_moe_routed_lowers(fmt, m):
   assert text.count("__gpu$xla.gpu.triton") == 2
   lower(functools.partial(moe_decode_routed, top_k=4), S((m, D), BF), S((m, 200), F32),
         *moe_weights(fmt, 200))   # E not a power of two: masked logits load
-  if m == 1:  # the per-lane accumulation in both kernels
-    lower(functools.partial(moe_decode_routed, method="lanes"), S((m, D), BF), S((m, E), F32),
-          experts, shared)
+  if m == 1:  # the per-lane / per-block accumulation in both kernels
+    for method in ("lanes", "blocks"):
+      lower(functools.partial(moe_decode_routed, method=method), S((m, D), BF), S((m, E), F32),
+            experts, shared)
   if fmt == "bf16":   # gate_up in K slices, the down kernel summing the partials
     text = lower(functools.partial(moe_decode_routed, gate_up_split_k=2), S((m, D), BF),
                  S((m, E), F32), experts, shared)

@@ -54,6 +54,7 @@ def test_route_and_slots():
     ("nvfp4", 1, None, None, {}),                       # defaults: reduce tiles, split down
     ("nvfp4", 1, None, True, dict(method="lanes", down_split=False)),   # lanes, fused combine
     ("mixed", 1, None, None, dict(method="lanes")),     # bf16 experts' lanes: [BN, BK] lanes
+    ("nvfp4", 1, None, None, dict(method="blocks")),    # per-block sums, split down
     ("nvfp4", 8, True, None, {}),                       # 48 slots, tokens share experts
     ("mixed", 2, False, None, dict(method="swap", method_down="dot")),
     ("nvfp4", 3, True, None, dict(method="rows")),      # CUDA-core rows, Mp = 4, both kernels

@@ -58,6 +58,7 @@ def test_multi_gemv_bf16(m, ns, k, kw):
 @pytest.mark.parametrize("m,ns,k,kw", [
     (1, (256, 64, 64), 256, {}),                                   # default reduce
     (1, (256, 64, 64), 384, dict(method="lanes", block_k=128)),    # per-lane FFMAs, 3 K steps
+    (1, (256, 64, 64), 384, dict(method="blocks", block_k=128)),   # per-block sums, 3 K steps
     (1, (128, 64), 128, dict(method="swap")),
     (1, (128, 64), 256, dict(layout="chunk", block_k=64)),
     (3, (256, 64, 64), 128, {}),                                   # odd M

@@ -51,6 +51,8 @@ def test_dequantize_matches_codec():
     (1, 48, 256, "tile", jnp.bfloat16, dict(method="lanes", block_n=16, block_k=128)),
     (1, 64, 512, "tile", jnp.float32, dict(method="lanes", split_k=2, block_k=128)),
     (1, 32, 2048, "tile", jnp.bfloat16, dict(method="lanes", block_k=1024)),   # one K step
+    (1, 48, 384, "tile", jnp.bfloat16, dict(method="blocks", block_n=16, block_k=128)),
+    (1, 64, 512, "tile", jnp.float32, dict(method="blocks", split_k=2, block_k=128)),
     (1, 32, 256, "tile", jnp.bfloat16, dict(method="dot", split_k=2, block_k=64)),
     (3, 48, 128, "chunk", jnp.bfloat16, dict(block_n=16, block_k=64)),
     (3, 64, 256, "tile", jnp.bfloat16, dict(method="swap")),
@@ -75,7 +77,8 @@ def test_nvfp4_gemv(decode, m, n, k, layout, out_dtype, kw):
 @pytest.mark.parametrize("m,n,k,layout,block_k,method", [(1, 64, 256, "tile", None, None),
                                                          (8, 96, 512, "chunk", 64, None),
                                                          (2, 64, 512, "tile", None, None),  # rows
-                                                         (1, 80, 384, "tile", 128, "lanes")])
+                                                         (1, 80, 384, "tile", 128, "lanes"),
+                                                         (1, 48, 256, "tile", 64, "blocks")])
 def test_nvfp4_gemv_silu_mul(decode, m, n, k, layout, block_k, method):
   gen = rng(decode, m, n, k, layout, method)
   x = randn(gen, (m, k))
@@ -134,6 +137,7 @@ def test_nvfp4_gemv_sum_splits_without_split_k():
     (1, 48, 128, dict(block_n=16, block_k=64, programs=7)),        # more programs than tiles
     (1, 64, 256, dict(block_n=32, block_k=128, programs=2, preload=False)),
     (1, 48, 256, dict(method="lanes", block_n=16, block_k=128, programs=2)),
+    (1, 48, 256, dict(method="blocks", block_n=16, block_k=64, programs=2)),
     (3, 64, 128, dict(method="rows", block_n=16, block_k=64, programs=3)),
     (8, 64, 256, dict(block_n=16, block_k=128, programs=3)),       # dot
     (1, 2048, 2048, dict(block_n=16, block_k=1024, programs=132)),  # Flint size
@@ -163,6 +167,7 @@ def test_nvfp4_gemv_streamed_rejects_split_k():
 
 @pytest.mark.skipif(INTERPRET, reason="the asm decode runs only compiled on a GPU")
 @pytest.mark.parametrize("m,kw", [(1, {}), (1, dict(method="lanes")), (8, {}), (2, {}),
+                                  (1, dict(method="blocks")),
                                   (1, dict(layout="chunk")), (3, dict(method="rows"))])
 def test_asm_decode_sequences_bit_identical(m, kw):
   """The ``asm`` decode's instruction sequences (``asm_decode``: "mul" with f32 weights and

@@ -74,9 +74,13 @@ def dot_nn(a, b):
                          preferred_element_type=jnp.float32)
 
 
-METHODS = ("dot", "swap", "reduce", "rows", "lanes")
-CUDA_CORE_M1 = ("reduce", "lanes")   # single-row methods: x is one [BK] row
+METHODS = ("dot", "swap", "reduce", "rows", "lanes", "blocks")
+CUDA_CORE_M1 = ("reduce", "lanes", "blocks")   # single-row methods: x is one [BK] row
 NO_LANES = ("dot", "swap", "reduce", "rows")   # kernels without the lanes accumulator
+# ``blocks`` (NVFP4 tile layout only): ``lanes`` with each 16-value block's products summed in
+# the thread first, so the accumulator is [BN, nb, 2] (one value per block) instead of one per
+# weight: the per-K-step cross-warp reduction of ``reduce`` without ``lanes``' registers.
+LANE_ACCS = ("lanes", "blocks")   # methods whose accumulator ``finish_acc`` still reduces
 
 
 def check_method(method: str, m: int, allowed=METHODS):
@@ -120,6 +124,8 @@ def acc_shape(mp: int, bn: int, method: str, lanes: tuple = ()):
   ``lanes`` method only: [BK] for bf16 tiles, ``nvfp4_gemv.lanes_shape`` for NVFP4)."""
   if method == "lanes":
     return (bn, *lanes)
+  if method == "blocks":
+    return (bn, *lanes[:-1])
   return {"dot": (mp, bn), "rows": (mp, bn), "swap": (bn, mp), "reduce": (bn,)}[method]
 
 
@@ -129,13 +135,13 @@ def acc_zeros(mp: int, bn: int, method: str, lanes: tuple = ()):
 
 def finish_method(method: str) -> str:
   """The method whose ``acc_shape`` a finished accumulator has (``lanes`` -> ``reduce``)."""
-  return "reduce" if method == "lanes" else method
+  return "reduce" if method in LANE_ACCS else method
 
 
 def finish_acc(acc, method: str):
   """The K loop's accumulator in ``store_tile`` layout: ``lanes`` sums its lane axes (one axis
   at a time, the innermost first), the other methods are already reduced."""
-  if method != "lanes":
+  if method not in LANE_ACCS:
     return acc
   while acc.ndim > 1:
     acc = jnp.sum(acc, axis=acc.ndim - 1)
@@ -257,7 +263,7 @@ def as_index_array(x, name: str) -> jax.Array:
 
 
 __all__ = [
-    "METHODS", "CUDA_CORE_M1", "NO_LANES", "check_method", "mm_tile", "load_x", "acc_shape",
+    "METHODS", "CUDA_CORE_M1", "NO_LANES", "LANE_ACCS", "check_method", "mm_tile", "load_x", "acc_shape",
     "acc_zeros", "finish_method", "finish_acc", "store_tile",
     "MASK_VALUE", "next_pow2", "pad_rows", "is_pow2", "pow2_divisor", "row_load_index",
     "row_store_index", "load_tile", "dot_nt", "dot_nn", "scalar_f32",

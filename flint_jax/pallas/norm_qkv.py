@@ -358,7 +358,8 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
   fmt = MG._format(weights)  # pylint: disable=protected-access
   m, d = h.shape
   ns = tuple(MG._n_rows(w, fmt) for w in weights)  # pylint: disable=protected-access
-  method, decode = MG.resolve_method(fmt, m, method, layout, decode, interpret)
+  method, decode = MG.resolve_method(fmt, m, method, layout, decode, interpret,
+                                     allowed=tuple(x for x in C.METHODS if x != "blocks"))
   dbn, dbk, dwarps = MG.default_multi_gemv_blocks(ns, d, m=m, fmt=fmt, method=method)
   if block_k is None and split_k > 1:        # the default K step, shrunk to fit a slice
     while dbk > (16 if fmt == "bf16" else 64) and d % (dbk * split_k):

@@ -280,7 +280,8 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
   x_ref: view [..., M, K/64, 2, 2, 16] bf16 indexed by ``x_idx`` (leading indices), rows 0..m-1
   padded to mp; q_ref / s_ref: views from ``nvfp4_views``, indexed by ``w_idx``. Returns
   ``_common.acc_shape(mp, bn, method)``: [Mp, BN] (dot, rows), [BN, Mp] (swap) or [BN] (reduce,
-  M=1), or ``acc`` plus it when ``acc`` is given. ``lanes`` (M=1, tile layout) needs ``acc``
+  M=1), or ``acc`` plus it when ``acc`` is given. ``blocks`` (M=1, tile layout) needs ``acc``
+  [BN, nb, 2] and adds each 16-value block's sum (``blocks_fma``). ``lanes`` (M=1, tile layout) needs ``acc``
   [BN, nb, 2, 16] (``lanes_shape``) and returns acc + w_lo * x_lo + w_hi * x_hi, two FFMAs per
   code byte and no reduction (``_common.finish_acc`` after the K loop).
   The result carries the decode's power of two (``decode_factor``). ``codes`` (tile layout):
@@ -288,7 +289,7 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
   """
   part = _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb,
                          decode=decode, layout=layout, method=method, acc=acc, codes=codes)
-  return part if acc is None or method == "lanes" else acc + part
+  return part if acc is None or method in C.LANE_ACCS else acc + part
 
 
 def load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb):
@@ -324,6 +325,15 @@ def lanes_fma(acc, w_lo, w_hi, x_half):
   return acc
 
 
+def blocks_fma(acc, w_lo, w_hi, x_half):
+  """The ``blocks`` K step: acc [BN, nb, 2] + the sum over each 16-value block (in the thread:
+  the 16 bytes are one vector load) of w_lo * x_half(0) + w_hi * x_half(1)."""
+  for half, w in enumerate((w_lo, w_hi)):
+    x = x_half(half).astype(jnp.float32)                                  # [nb, 2, 16]
+    acc = acc + jnp.sum(w.astype(jnp.float32) * x[None], axis=3)
+  return acc
+
+
 def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
                     layout, method, acc, codes=None):
   ds = slice(None)
@@ -332,11 +342,14 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
   if layout == "tile":
     blk = pl.ds(b0, nb)
     w_lo, w_hi = decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode, codes,
-                             f32=method in ("lanes", "reduce", "rows"))
+                             f32=method in ("lanes", "blocks", "reduce", "rows"))
+    x_half = lambda h: x_to_f32(x_ref[(*x_idx, 0, blk, h, ds, ds)], decode)  # noqa: E731
     if method == "lanes":
       C.check(acc is not None, "method='lanes' accumulates into acc: pass acc=")
-      return lanes_fma(acc, w_lo, w_hi,
-                       lambda h: x_to_f32(x_ref[(*x_idx, 0, blk, h, ds, ds)], decode))
+      return lanes_fma(acc, w_lo, w_hi, x_half)
+    if method == "blocks":
+      C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
+      return blocks_fma(acc, w_lo, w_hi, x_half)
     if method in ("reduce", "rows"):
       wf = (w_lo.astype(jnp.float32), w_hi.astype(jnp.float32))
 
@@ -361,7 +374,7 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
     x_hi = x_ref[(*x_idx, rows, blk, 1, ds, ds)].reshape(mp, nb * 32)
     w_lo, w_hi = w_lo.reshape(bn, nb * 32), w_hi.reshape(bn, nb * 32)
     return C.mm_tile(x_lo, w_lo, method) + C.mm_tile(x_hi, w_hi, method)
-  C.check(method != "lanes", "method='lanes' needs layout='tile'")
+  C.check(method not in C.LANE_ACCS, f"method={method!r} needs layout='tile'")
   C.check(codes is None, "preloaded codes need layout='tile'")
   acc = None
   for bb in range(nb):

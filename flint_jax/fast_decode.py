@@ -23,7 +23,6 @@ so both paths can run from one loaded model and be compared.
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +38,7 @@ from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, de
                               qk_norm_rope_attention, rms_norm, router_logits)
 from flint_jax.pallas.gemv import gemv
 from flint_jax.pallas.moe import moe_decode_routed_combine
-import flint_jax.pallas.nvfp4_gemv  # noqa: F401  (the module; the package re-exports the function)
-
-NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
+from flint_jax.pallas.nvfp4_gemv import asm_decode as nvfp4_asm_decode
 
 # KVCache.counters entries of the MoE down kernel's combine (`moe_decode_routed_combine`): one
 # for the column blocks and one per block (<= 129 at D = 2048), above the gate_up kernel's
@@ -136,8 +133,8 @@ class DecodeOptions:
       merge, norms, MoE combine) / only the weight-streaming ones trigger (`pdl.triggers`).
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "blocks" (per-block sums in the thread,
-      one reduction after the K loop; not yet measured on a GPU), "lanes" (per-lane FFMAs, one reduction
-      after the K loop) or None (the kernels' defaults). For A/B measurements.
+      one reduction after the K loop; not yet measured on a GPU), "lanes" (per-lane FFMAs,
+      one reduction after the K loop) or None (the kernels' defaults). For A/B measurements.
     moe_down_shared_cols: the routed MoE down kernel's ``down_shared_cols`` (the shared
       expert's columns of each block over that many programs, its K being 2x a routed
       expert's); None = 1 (measured no faster: run 58, BF16 1x1K in-loop 2.550 against 2.573
@@ -478,7 +475,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # read when the kernels are traced (part of the trace context: cached per value)
         trigger, kinds = opts.early_trigger_for(quant)
         with pdl.early_trigger(trigger), pdl.early_trigger_kernels(kinds), \
-                ffi_launch.enabled(opts.launch == "ffi"), NV.asm_decode(opts.nvfp4_asm):
+                ffi_launch.enabled(opts.launch == "ffi"), nvfp4_asm_decode(opts.nvfp4_asm):
             return pallas_step(m, cache, tokens, quant)
 
     def pallas_step(m, cache: KVCache, tokens, quant: bool):

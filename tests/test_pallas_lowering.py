@@ -83,9 +83,8 @@ def test_nvfp4_gemv_lowers(decode, layout, m, method, n, k):
                                                 ("shift", "shl.b32 t0", "mul.lo.u32")])
 def test_nvfp4_asm_decode_sequence_lowers(asm, emitted, absent):
   """``nvfp4_gemv.asm_decode`` picks the instruction sequence the kernels' inline asm carries."""
-  import sys   # the module (the package re-exports the function under the same name)
-  nv_mod = sys.modules["flint_jax.pallas.nvfp4_gemv"]
-  with nv_mod.asm_decode(asm):
+  from flint_jax.pallas.nvfp4_gemv import asm_decode
+  with asm_decode(asm):
     text = lower(functools.partial(nvfp4_gemv, decode="asm"), S((1, D), BF), *nv(4096, D))
   assert emitted in text and absent not in text
 

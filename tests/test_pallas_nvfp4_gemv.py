@@ -173,9 +173,8 @@ def test_asm_decode_sequences_bit_identical(m, kw):
   """The ``asm`` decode's instruction sequences (``asm_decode``: "mul" with f32 weights and
   activations from the asm on the CUDA-core tiles, "mul_bf16", "shift") give the same bits,
   with e4m3 and with pre-scaled block scales, every code and sign included."""
-  import sys
   from flint_jax.nvfp4 import prescale_block_scales
-  nv_mod = sys.modules["flint_jax.pallas.nvfp4_gemv"]
+  from flint_jax.pallas.nvfp4_gemv import asm_decode
   g = rng("asm_seq", m, kw)
   x = randn(g, (m, 1024))
   w = random_nvfp4(g, (256, 1024))
@@ -183,7 +182,7 @@ def test_asm_decode_sequences_bit_identical(m, kw):
   for scales in ("e4m3", "bf16"):
     s = w.weight_scale if scales == "e4m3" else prescale_block_scales(w.weight_scale)
     for asm in ("mul", "mul_bf16", "shift"):
-      with nv_mod.asm_decode(asm):
+      with asm_decode(asm):
         outs[scales, asm] = np.asarray(
             nvfp4_gemv(x, w.qweight, s, w.weight_scale_2, decode="asm", out_dtype=jnp.float32,
                        **kw))

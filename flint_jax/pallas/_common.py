@@ -263,8 +263,8 @@ def as_index_array(x, name: str) -> jax.Array:
 
 
 __all__ = [
-    "METHODS", "CUDA_CORE_M1", "NO_LANES", "LANE_ACCS", "check_method", "mm_tile", "load_x", "acc_shape",
-    "acc_zeros", "finish_method", "finish_acc", "store_tile",
+    "METHODS", "CUDA_CORE_M1", "NO_LANES", "LANE_ACCS", "check_method", "mm_tile", "load_x",
+    "acc_shape", "acc_zeros", "finish_method", "finish_acc", "store_tile",
     "MASK_VALUE", "next_pow2", "pad_rows", "is_pow2", "pow2_divisor", "row_load_index",
     "row_store_index", "load_tile", "dot_nt", "dot_nn", "scalar_f32",
     "silu_mul_f32", "compiler_params", "pallas_call", "check", "cdiv",

@@ -573,19 +573,18 @@ def default_moe_tiling(fe: str, m: int) -> dict:
     bn64 bk256 w4); the down kernel's swap tiles gain under 4 us: it stays ``dot``. ``method`` /
     ``method_down`` keys: the tile methods where they differ from the format's default.
   """
+  methods = {}
   if fe == "nvfp4" and m == 1:
     gu, dn = (16, 1024, 16, 2), (16, 512, 4, 2)
   elif fe == "nvfp4":
     gu, dn = (128, 256, 8, 3), (64, 128, 4, 3)
-    names = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down", "block_k_down",
-             "num_warps_down", "num_stages_down")
-    return dict(zip(names, gu + dn), method="swap", method_down="dot")
+    methods = dict(method="swap", method_down="dot")
   elif m == 1:
     gu, dn = (64, 256, 4, 3), (64, 128, 4, 3)
   else:
     gu, dn = (64, 64, 4, 5), (64, 64, 4, 4)
   return dict(zip(("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
-                   "block_k_down", "num_warps_down", "num_stages_down"), gu + dn))
+                   "block_k_down", "num_warps_down", "num_stages_down"), gu + dn), **methods)
 
 
 _TUNING = ("block_n", "block_k", "block_n_down", "block_k_down", "decode", "layout",

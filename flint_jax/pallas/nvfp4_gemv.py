@@ -212,14 +212,11 @@ def x_to_f32(x, decode):
 
 
 def _asm_decode(q, scale_bf16, asm, f32=False):
-  if f32:
-    (w,) = plgpu.elementwise_inline_asm(
-        asm, args=[q, scale_bf16], constraints="=r,=r,=r,=r,r,r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.float32)])
-    return w
+  """Four values per code register: two bf16x2 outputs, or four f32 with ``f32``."""
+  outs = "=r," * (4 if f32 else 2)
   (w,) = plgpu.elementwise_inline_asm(
-      asm, args=[q, scale_bf16], constraints="=r,=r,r,r,r", pack=4,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)])
+      asm, args=[q, scale_bf16], constraints=outs + "r,r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.float32 if f32 else jnp.bfloat16)])
   return w
 
 
@@ -281,9 +278,10 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
   padded to mp; q_ref / s_ref: views from ``nvfp4_views``, indexed by ``w_idx``. Returns
   ``_common.acc_shape(mp, bn, method)``: [Mp, BN] (dot, rows), [BN, Mp] (swap) or [BN] (reduce,
   M=1), or ``acc`` plus it when ``acc`` is given. ``blocks`` (M=1, tile layout) needs ``acc``
-  [BN, nb, 2] and adds each 16-value block's sum (``blocks_fma``). ``lanes`` (M=1, tile layout) needs ``acc``
-  [BN, nb, 2, 16] (``lanes_shape``) and returns acc + w_lo * x_lo + w_hi * x_hi, two FFMAs per
-  code byte and no reduction (``_common.finish_acc`` after the K loop).
+  [BN, nb, 2] and adds each 16-value block's sum (``blocks_fma``). ``lanes`` (M=1, tile
+  layout) needs ``acc`` [BN, nb, 2, 16] (``lanes_shape``) and returns acc + w_lo * x_lo +
+  w_hi * x_hi, two FFMAs per code byte and no reduction (``_common.finish_acc`` after the K
+  loop).
   The result carries the decode's power of two (``decode_factor``). ``codes`` (tile layout):
   the weight tile already loaded by ``load_codes``.
   """
@@ -351,7 +349,7 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
       C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
       return blocks_fma(acc, w_lo, w_hi, x_half)
     if method in ("reduce", "rows"):
-      wf = (w_lo.astype(jnp.float32), w_hi.astype(jnp.float32))
+      wf = (w_lo, w_hi)   # f32 already (decode_tile's f32)
 
       def row_sum(row):   # the decoded tile times x row ``row``, summed over K: [BN]
         acc = None
@@ -503,20 +501,20 @@ def _nvfp4_gemv_stream_kernel(x_ref, q_ref, s_ref, s2_ref, o_ref, *, m, mp, bn, 
   steps = C.cdiv(n_tiles, programs) * n_iter
   scale = s2_ref[0] * decode_factor(decode)
 
-  def where(i):   # (tile, kstep, n0, b0) of flat step i; n0 clamped so loads stay in range
+  def step_at(i):   # (tile, kstep, n0, b0) of flat step i; n0 clamped so loads stay in range
     j, kstep = lax.div(i, n_iter), lax.rem(i, n_iter)   # (jnp's // and % fail to lower)
     tile = pid + j * programs
     n0 = pl.multiple_of(jnp.minimum(tile, n_tiles - 1) * bn, bn)
     return tile, kstep, n0, pl.multiple_of(kstep * nb, nb)
 
   def load(i):
-    _, _, n0, b0 = where(jnp.minimum(i, steps - 1))
+    _, _, n0, b0 = step_at(jnp.minimum(i, steps - 1))
     return load_codes(q_ref, s_ref, (), n0, bn, b0, nb)
 
   def body(i, carry):
     acc, codes = carry
     ahead = load(i + 1) if preload else None   # in flight while this step is decoded
-    tile, kstep, n0, b0 = where(i)
+    tile, kstep, n0, b0 = step_at(i)
     acc = jnp.where(kstep == 0, jnp.zeros_like(acc), acc)
     acc = nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb, decode=decode,
                          layout=layout, method=method, acc=acc, codes=codes)

@@ -1265,6 +1265,62 @@ def m8swap_cases(variants):
                                  wb + m * k * 2 + m * n * 2, kws, out=out)
 
 
+def _blk(bn, bk, nw, **extra):
+  return dict(method="blocks", block_n=bn, block_k=bk, num_warps=nw, **extra)
+
+
+def blocks_cases(variants):
+  """The NVFP4 ``blocks`` tile method (per-block sums in the thread, the M = 1 default since
+  run 84) on its own tiles: the routed MoE (gate_up, then down tiles), the LM head, o_proj,
+  dense gate|up and down, q|k|v (``lanes`` default) at M = 1; ``reduce`` on the default tiles
+  for comparison; block scales pre-scaled."""
+  if variants:
+    return
+  from flint_jax.nvfp4 import prescale_state
+  moe = ([{}, dict(method="reduce")]
+         + [_gu(*t, method="blocks") for t in [(16, 512, 8, 2), (16, 1024, 8, 2),
+                                               (16, 2048, 16, 1), (32, 1024, 16, 2),
+                                               (16, 512, 16, 2), (16, 1024, 16, 3),
+                                               (32, 512, 8, 2)]]
+         + [_dn(*t, method_down="blocks") for t in [(16, 512, 8, 2), (16, 256, 4, 3),
+                                                    (32, 512, 8, 2), (16, 512, 4, 3),
+                                                    (16, 256, 8, 2)]])
+  yield from _routed_nvfp4_cases("blocks", (1,), lambda m: _kw_variants(moe))
+  tables = {
+      "lm_head": (V, D, jnp.float32, [_blk(16, 512, 8), _blk(32, 512, 4), _blk(64, 256, 8),
+                                      _blk(16, 256, 4), _blk(32, 256, 8), _blk(64, 128, 4),
+                                      _blk(32, 128, 4)]),
+      "o_proj": (D, 4096, BF, [_blk(16, 512, 8, split_k=4), _blk(16, 1024, 4, split_k=4),
+                               _blk(32, 1024, 8, split_k=4), _blk(16, 1024, 8, split_k=2)]),
+      "dense_down": (D, 6144, BF, [_blk(16, 512, 8, split_k=3), _blk(16, 1024, 8, split_k=2),
+                                   _blk(32, 1024, 8, split_k=3)]),
+  }
+  for name, (n, k, out, extra) in tables.items():
+    wb = n * k // 2 + n * k // 8
+    sets = [(randn((1, k)), *prescale_state(rand_nvfp4((n, k))))
+            for _ in range(n_sets(wb, cap=4 if name == "lm_head" else 8))]
+    yield from _nv_gemv_variants("blocks", name, f"nvfp4 {name} M=1", sets, wb + k * 2 + n * 2,
+                                 [{}, dict(method="reduce")] + extra, out=out)
+  gate_up = [prescale_state((rand_nvfp4((DENSE, D)), rand_nvfp4((DENSE, D)))) for _ in range(6)]
+  wb = 2 * (DENSE * D // 2 + DENSE * D // 8)
+  sets = [(randn((1, D)), g, u) for g, u in gate_up]
+  yield from _nv_gemv_variants("blocks", "gate_up", "nvfp4 dense gate|up M=1", sets,
+                               wb + D * 2 + DENSE * 2,
+                               [{}, dict(method="reduce"), _blk(32, 512, 8), _blk(32, 1024, 8),
+                                _blk(64, 256, 4), _blk(16, 1024, 8), _blk(128, 512, 8)],
+                               silu_mul=True)
+  ws = prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
+                       for _ in range(8)])
+  lbl, bytes_ = "qkv nvfp4 M=1", nbytes(ws[0]) + D * 2 + 5120 * 2
+  sets = [(randn((1, D)), w) for w in ws]
+  yield ("blocks/qkv/xla", "blocks", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
+         bytes_)
+  for kw in [{}, _blk(16, 512, 8), _blk(16, 1024, 16), _blk(16, 1024, 8), _blk(16, 512, 4),
+             _blk(32, 512, 8)]:
+    yield (f"blocks/qkv/{_tag(kw)}", "blocks", lbl, _tag(kw),
+           functools.partial(MULTI.multi_gemv, **kw), sets, bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
@@ -1273,7 +1329,7 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "nqlanes": nqlanes_cases, "gusk": gusk_cases, "router": router_cases,
           "prescale": prescale_cases, "stream": stream_cases, "m1dot": m1dot_cases,
           "asmdec": asmdec_cases, "moetune": moetune_cases,
-          "m8swap": m8swap_cases}
+          "m8swap": m8swap_cases, "blocks": blocks_cases}
 
 
 # ------------------------------------------------------------------------------------------

@@ -133,8 +133,9 @@ class DecodeOptions:
       merge, norms, MoE combine) / only the weight-streaming ones trigger (`pdl.triggers`).
     nvfp4_m1_method: at batch 1, the tile method of every NVFP4 GEMV and of the NVFP4 MoE
       kernels: "reduce" (row sums on every K step), "blocks" (per-block sums in the thread,
-      one reduction after the K loop; not yet measured on a GPU), "lanes" (per-lane FFMAs,
-      one reduction after the K loop) or None (the kernels' defaults). For A/B measurements.
+      one reduction after the K loop), "lanes" (per-lane FFMAs, one reduction after the K
+      loop) or None (the kernels' defaults: blocks since runs 84-85, 2.270 against 2.304 ms
+      in-loop at 1x1K with reduce). For A/B measurements.
     moe_down_shared_cols: the routed MoE down kernel's ``down_shared_cols`` (the shared
       expert's columns of each block over that many programs, its K being 2x a routed
       expert's); None = 1 (measured no faster: run 58, BF16 1x1K in-loop 2.550 against 2.573

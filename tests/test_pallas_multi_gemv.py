@@ -124,6 +124,8 @@ def test_default_blocks():
   assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=1) == (64, 256, 4)
   assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=8) == (64, 256, 4)
   assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=1, fmt="nvfp4") == (16, 512, 8)
+  assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=1, fmt="nvfp4",
+                                   method="blocks") == (16, 1024, 16)
   assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=8, fmt="nvfp4") == (64, 256, 4)
   assert default_multi_gemv_blocks((4096, 48), 2048, m=1)[0] == 16
   # NVFP4 rows (the M = 2..4 default) takes the M = 1 tiles
@@ -132,19 +134,23 @@ def test_default_blocks():
 
 
 def test_default_methods():
-  """The measured tile-method defaults (runs 25, 30, 32): NVFP4 q|k|v on rows at M = 2..4 and
-  on lanes at M = 1 (reduce with the chunk layout and in norm_qkv, which have no lanes), NVFP4
-  single GEMVs on rows at M = 2 below 16384 rows, reduce at M = 1; tensor cores otherwise."""
+  """The measured tile-method defaults (runs 25, 30, 84, 85): NVFP4 q|k|v on rows at M = 2..4 and
+  on blocks at M = 1 (lanes in norm_qkv, which has no blocks; reduce with the chunk layout and
+  in kernels with neither), NVFP4 single GEMVs on rows at M = 2 below 16384 rows, blocks at M = 1
+  (reduce with the chunk layout); tensor cores otherwise."""
   from flint_jax.pallas import _common as C
   from flint_jax.pallas.multi_gemv import resolve_method
   from flint_jax.pallas.nvfp4_gemv import default_method
   assert [resolve_method("nvfp4", m, None, "tile", "asm", False)[0] for m in (1, 2, 4, 5, 8)] == [
-      "lanes", "rows", "rows", "dot", "dot"]
+      "blocks", "rows", "rows", "dot", "dot"]
+  no_blocks = tuple(x for x in C.METHODS if x != "blocks")
+  assert resolve_method("nvfp4", 1, None, "tile", "asm", False, allowed=no_blocks)[0] == "lanes"
   assert resolve_method("nvfp4", 1, None, "chunk", "asm", False)[0] == "reduce"
   assert resolve_method("nvfp4", 1, None, "tile", "asm", False, allowed=C.NO_LANES)[0] == "reduce"
   assert resolve_method("bf16", 2, None, "tile", "asm", False)[0] != "rows"
-  assert [default_method(m, 2048) for m in (1, 2, 3, 8)] == ["reduce", "rows", "dot", "dot"]
-  assert [default_method(m, 150144) for m in (1, 2, 8)] == ["reduce", "swap", "swap"]   # LM head
+  assert [default_method(m, 2048) for m in (1, 2, 3, 8)] == ["blocks", "rows", "dot", "dot"]
+  assert default_method(1, 2048, "chunk") == "reduce"
+  assert [default_method(m, 150144) for m in (1, 2, 8)] == ["blocks", "swap", "swap"]   # LM head
 
 
 def test_multi_gemv_rejects_bad_inputs():

@@ -87,12 +87,15 @@ def default_multi_gemv_blocks(ns, k: int, *, m: int = 1, fmt: str = "bf16",
   block_n lowered to the largest power of two <= that default dividing every N_i (the H200 sweep
   of session 3 found nothing faster for Flint's q|k|v: BF16 M=1 swap bn64 bk256 9.8 us).
   NVFP4 at M = 1: 16-row blocks, K steps of 512, 8 warps (Flint q|k|v 6.35 us against 10.4 us
-  at bn32 bk512 w4: the CUDA-core decode needs many warps per SM, docs/kernels.md). NVFP4
-  ``rows`` (M row sums per decoded tile) takes the same tiles.
+  at bn32 bk512 w4: the CUDA-core decode needs many warps per SM, docs/kernels.md); ``blocks``
+  K steps of 1024 with 16 warps (run 85: 5.33 us against 5.76 at bk512 w8). NVFP4 ``rows`` (M
+  row sums per decoded tile) takes the M = 1 tiles.
   """
   nmax = max(ns)
   if fmt == "bf16":
     bn, bk, _, warps = G.default_gemv_blocks(nmax, k, m=m)
+  elif method == "blocks":   # q|k|v 5.33 us at bk1024 w16 against 5.76 at bk512 w8 (run 85)
+    bn, bk, warps = 16, C.pow2_divisor(k, 1024), 16
   elif m == 1 or method == "rows":
     bn, bk, warps = 16, C.pow2_divisor(k, 512), 8
   else:
@@ -112,11 +115,13 @@ def resolve_method(fmt: str, m: int, method, layout: str, decode: str, interpret
     decode = NV.resolve_decode(decode, interpret)
     # rows at M = 2..4: Flint q|k|v 9.9 / 16.9 us against 24.7 / 23.1 for the tensor-core tile
     # (M = 2 / 4; at M = 8 rows loses, 31.0 against 19.6; run 25). lanes at M = 1: 5.92 against
-    # 6.34 us for reduce (run 32; 6.11 against 6.56 inside the step), where every other NVFP4
-    # GEMV kept reduce (lanes slower there: MoE 20.5 against 15.9, LM head 140 against 97)
-    lanes = "lanes" in allowed and layout == "tile"
-    method = method or ("rows" if 2 <= m <= 4 else "lanes" if m == 1 and lanes
-                        else NV.default_method(m))
+    # 6.34 us for reduce (run 32; 6.11 against 6.56 inside the step)
+    # blocks at M = 1 (q|k|v 5.33 against 5.70 us for lanes, run 85), lanes where the kernel
+    # has no blocks (norm_qkv), reduce with the chunk layout
+    fallback = NV.default_method(m, layout=layout)
+    if fallback not in allowed:
+      fallback = "lanes" if "lanes" in allowed and layout == "tile" else "reduce"
+    method = method or ("rows" if 2 <= m <= 4 else fallback)
   C.check_method(method, m, allowed)
   return method, decode
 

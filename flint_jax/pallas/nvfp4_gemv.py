@@ -392,15 +392,18 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
   return acc
 
 
-def default_method(m: int, n: int = 0) -> str:
-  """``reduce`` at M = 1 (CUDA-core multiply + row sum: 1.5-2.2x faster than the tensor-core
-  tile, which wastes 15 of its 16 MMA rows and needs large tiles per program); ``rows`` (the
+def default_method(m: int, n: int = 0, layout: str = "tile") -> str:
+  """``blocks`` at M = 1 in the tile layout (per-block sums in the thread, one cross-warp
+  reduction per program; H200 run 84, in the batch-1 step: MoE gate_up 8.77 against 9.44 us for
+  ``reduce``, LM head 75.8 against 79.6, dense gate|up 13.8 against 15.2), ``reduce`` at M = 1
+  otherwise (CUDA-core multiply + row sum: 1.5-2.2x faster than the tensor-core tile, which
+  wastes 15 of its 16 MMA rows and needs large tiles per program); ``rows`` (the
   same per row) at M = 2 for N < 16384 rows (H200, run 30: o_proj 8.2 against 16.8 us, dense
   down 14.7 against 21.3, dense gate|up 25.6 against 39.8; at M = 4 it wins only for the o_proj,
   and the LM head keeps a tensor-core method: 190 against 215 us at M = 2); for N >= 16384 (the
   LM head) ``swap`` (session 12: 142.6 against 185.6 us at M = 8); ``dot`` otherwise."""
   if m == 1:
-    return "reduce"
+    return "blocks" if layout == "tile" else "reduce"
   if n >= 16384:   # the LM head: swap-AB tiles (wgmma, register A), 142.6 against 185.6 us at
     return "swap"  # M = 8 (H200 run 80; dot 190 against rows 215 at M = 2, run 30)
   return "rows" if m == 2 else "dot"
@@ -427,14 +430,21 @@ def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1,
   """
   if method == "rows":
     m = 1
+  blocks = method == "blocks"
   if m == 1 and n <= 2048 and n_mats == 1:
-    bk = C.pow2_divisor(k, 1024 if k >= 4096 else 512)
+    # blocks: K steps of 512 (run 85: o_proj split-K 4 4.83 against 4.98 us at bk1024, dense
+    # down split-K 3 6.61 against 6.95)
+    bk = C.pow2_divisor(k, 1024 if k >= 4096 and not blocks else 512)
     bn = C.pow2_divisor(n, 16)
     split = next((c for c in (4, 3, 2) if k % (bk * c) == 0), 1)
     return bn, bk, split, 8
-  if m == 1:   # N >= 16384 (the LM head): bk256, 79.9 against 86.3 us at bk512 (run 82)
+  if m == 1 and blocks and n_mats == 2:   # dense gate|up: 8.82 us against 13.65 at bn64 bk512
+    return C.pow2_divisor(n, 16), C.pow2_divisor(k, 1024), 1, 8    # (run 85)
+  if m == 1:   # N >= 16384 (the LM head): bk256, 79.9 against 86.3 us at bk512 (run 82); blocks
+    # on 16-row tiles: 72.9 against 74.5 us at bn32 (run 85)
     bk = C.pow2_divisor(k, 256 if (n >= 16384 and n_mats == 1) else 512)
-    bn = C.pow2_divisor(n, 32 if (n >= 4096 and n_mats == 1) else 64 if n >= 1024 else 16)
+    lm_bn = 16 if blocks else 32
+    bn = C.pow2_divisor(n, lm_bn if (n >= 4096 and n_mats == 1) else 64 if n >= 1024 else 16)
   else:   # N >= 16384 on swap tiles: bn128 bk128 w8 (run 80: 142.6 us at M = 8, bk256 151.9)
     bk = C.pow2_divisor(k, 128 if (n >= 16384 and method == "swap") else 256)
     bn = C.pow2_divisor(n, 128 if n >= 16384 else 64)
@@ -552,7 +562,7 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   as its ``y`` (one launch less). Without split-K the result is [M, N] ``out_dtype`` either way.
   """
   n, kh = qweight.shape
-  method = method or default_method(x.shape[0], n)
+  method = method or default_method(x.shape[0], n, layout)
   dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], method=method)
   if split_k is None:
     same_tiles = (block_n or dbn, block_k or dbk) == (dbn, dbk)
@@ -661,7 +671,7 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   """
   gate, up = NVFP4Weight(*gate), NVFP4Weight(*up)
   n, kh = gate.qweight.shape
-  method = method or default_method(x.shape[0], n)
+  method = method or default_method(x.shape[0], n, layout)
   dbn, dbk, _, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], n_mats=2, method=method)
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps

@@ -88,6 +88,22 @@ def test_nvfp4_gemv_silu_mul(decode, m, n, k, layout, block_k, method):
   assert_close(out, nvfp4_gemv_silu_mul_reference(x, g, u), what="nvfp4_gemv_silu_mul")
 
 
+def test_default_tiles_at_batch_one():
+  """The M = 1 defaults measured on the H200 (runs 84-85): the blocks method on the tile layout
+  (reduce on the chunk layout), with its own tiles: LM head bn16 bk256 w4, o_proj / dense down
+  K steps of 512 with split-K, dense gate|up bn16 bk1024 w8; reduce keeps its bk1024 o_proj."""
+  from flint_jax.pallas.nvfp4_gemv import default_method, default_nvfp4_blocks
+  assert default_method(1, 150144) == "blocks" and default_method(1, 2048, "chunk") == "reduce"
+  assert default_nvfp4_blocks(150144, 2048, method="blocks") == (16, 256, 1, 4)
+  assert default_nvfp4_blocks(150144, 2048, method="reduce") == (32, 256, 1, 4)
+  assert default_nvfp4_blocks(2048, 4096, method="blocks") == (16, 512, 4, 8)
+  assert default_nvfp4_blocks(2048, 4096, method="reduce") == (16, 1024, 4, 8)
+  assert default_nvfp4_blocks(2048, 6144, method="blocks") == (16, 512, 4, 8)
+  assert default_nvfp4_blocks(6144, 2048, n_mats=2, method="blocks") == (16, 1024, 1, 8)
+  # odd sizes: the tiles shrink to divide N and K
+  assert default_nvfp4_blocks(48, 384, n_mats=2, method="blocks") == (16, 128, 1, 8)
+
+
 def test_nvfp4_rejects_bad_shapes():
   x = jnp.zeros((2, 96), jnp.bfloat16)
   w = random_nvfp4(rng(0), (32, 96))

@@ -170,7 +170,10 @@ class DecodeOptions:
       (``nvfp4_gemv.asm_decode``): "mul" (default: one integer multiply places a nibble's
       magnitude and sign bits, and the CUDA-core tiles get f32 weights and activations from
       inline PTX, one instruction per value), "mul_bf16" (the multiply, compiler conversions)
-      or "shift" (session 11's shifts and or). Bit-identical; for A/B measurements.
+      or "shift" (session 11's shifts and or): bit-identical; "post": the batch-1 ``blocks``
+      tiles decode without the scale multiply and scale each 16-value block's sum (SASS: MoE
+      gate_up 338 -> 317 instructions per K step, 82 -> 64 registers; down 326 -> 300; the
+      same products, summed in another order). For A/B measurements.
     nvfp4_swap: at batch > 1, the NVFP4 MoE gate_up and LM head on swap-AB tiles (the decoded
       weights as wgmma's register A operand; their defaults since session 12: H200 run 80, M = 8
       MoE 144.7 against 160.2 us, LM head 142.6 against 185.6). False: session 11's ``dot``
@@ -303,9 +306,9 @@ class DecodeOptions:
                 self.PREFETCH_SITES):
             raise ValueError("DecodeOptions.l2_prefetch must be a bool or a comma-separated "
                              f"subset of {self.PREFETCH_SITES}, got {self.l2_prefetch!r}")
-        if self.nvfp4_asm not in ("mul", "mul_bf16", "shift"):
-            raise ValueError(f"DecodeOptions.nvfp4_asm must be 'mul', 'mul_bf16' or 'shift', "
-                             f"got {self.nvfp4_asm!r}")
+        if self.nvfp4_asm not in ("mul", "mul_bf16", "shift", "post"):
+            raise ValueError("DecodeOptions.nvfp4_asm must be 'mul', 'mul_bf16', 'shift' or "
+                             f"'post', got {self.nvfp4_asm!r}")
         if self.launch not in ("xla", "ffi"):
             raise ValueError(f"DecodeOptions.launch must be 'xla' or 'ffi', got {self.launch!r}")
         if self.moe not in ("routed", "slots", "xla", "v1"):

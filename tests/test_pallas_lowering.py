@@ -80,13 +80,30 @@ def test_nvfp4_gemv_lowers(decode, layout, m, method, n, k):
 
 @pytest.mark.parametrize("asm,emitted,absent", [("mul", "and.b32 $1, t0, 0xFFFF0000", "shl.b32 t0"),
                                                 ("mul_bf16", "mul.lo.u32", "shl.b32"),
-                                                ("shift", "shl.b32 t0", "mul.lo.u32")])
+                                                ("shift", "shl.b32 t0", "mul.lo.u32"),
+                                                ("post", "mul.lo.u32", "mul.rn.bf16x2")])
 def test_nvfp4_asm_decode_sequence_lowers(asm, emitted, absent):
   """``nvfp4_gemv.asm_decode`` picks the instruction sequence the kernels' inline asm carries."""
   from flint_jax.pallas.nvfp4_gemv import asm_decode
   with asm_decode(asm):
     text = lower(functools.partial(nvfp4_gemv, decode="asm"), S((1, D), BF), *nv(4096, D))
   assert emitted in text and absent not in text
+
+
+def test_post_scaled_decode_lowers_in_every_batch_one_kernel():
+  """``asm_decode("post")``: the batch-1 NVFP4 kernels on blocks tiles (dense gate|up, q|k|v,
+  the routed MoE's two kernels) lower with the raw decode, no bf16x2 scale multiply left."""
+  from flint_jax.pallas.nvfp4_gemv import asm_decode
+  experts, shared = moe_weights("nvfp4")
+  with asm_decode("post"):
+    texts = [lower(functools.partial(nvfp4_gemv_silu_mul, decode="asm"), S((1, D), BF),
+                   nv(DENSE, D), nv(DENSE, D)),
+             lower(functools.partial(multi_gemv, decode="asm"), S((1, D), BF),
+                   tuple(nv(n, D) for n in (4096, 512, 512))),
+             lower(functools.partial(moe_decode_routed, decode="asm"), S((1, D), BF),
+                   S((1, E), F32), experts, shared)]
+  for text in texts:
+    assert "mul.lo.u32" in text and "mul.rn.bf16x2" not in text
 
 
 @pytest.mark.parametrize("decode", ["fp8", "asm"])

@@ -181,6 +181,57 @@ def test_nvfp4_gemv_streamed_rejects_split_k():
     nvfp4_gemv(randn(g, (1, 256)), *w, programs=2, split_k=2, block_k=64, interpret=True)
 
 
+def _rel_l2(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.skipif(INTERPRET, reason="the asm decode runs only compiled on a GPU")
+@pytest.mark.parametrize("scales", ["e4m3", "bf16"])
+@pytest.mark.parametrize("n,k,kw", [(256, 1024, {}), (48, 384, dict(block_n=16, block_k=128)),
+                                    (2048, 4096, {}), (64, 512, dict(split_k=2, block_k=128))])
+def test_post_scale_blocks_decode(scales, n, k, kw):
+  """``asm_decode("post")``: the blocks tiles decode without the scale multiply (the code 0.5 as
+  an f32 subnormal) and scale each 16-value block's sum. Same products as "mul", summed in
+  another order: within f32 rounding of it and of the reference -- a flushed subnormal (every
+  code +-0.5, 1 in 8) would be a percent-level error."""
+  from flint_jax.nvfp4 import prescale_block_scales
+  from flint_jax.pallas.nvfp4_gemv import asm_decode
+  g = rng("post", n, k, scales, tuple(kw.items()))
+  x = randn(g, (1, k))
+  w = random_nvfp4(g, (n, k))
+  s = w.weight_scale if scales == "e4m3" else prescale_block_scales(w.weight_scale)
+  outs = {}
+  for asm in ("mul", "post"):
+    with asm_decode(asm):
+      outs[asm] = nvfp4_gemv(x, w.qweight, s, w.weight_scale_2, decode="asm", method="blocks",
+                             out_dtype=jnp.float32, **kw)
+  assert _rel_l2(outs["post"], outs["mul"]) < 1e-5
+  assert_close(outs["post"], nvfp4_gemv_reference(x, *w, out_dtype=jnp.float32),
+               what="post-scaled blocks decode")
+
+
+@pytest.mark.skipif(INTERPRET, reason="the asm decode runs only compiled on a GPU")
+def test_post_scale_blocks_silu_mul_and_multi_gemv():
+  """The dense gate|up (``nvfp4_gemv_silu_mul``) and the q|k|v ``multi_gemv`` on the blocks tiles
+  with the post-scaled decode against the scaled one and the references."""
+  from flint_jax.pallas import multi_gemv, multi_gemv_reference
+  from flint_jax.pallas.nvfp4_gemv import asm_decode
+  g = rng("post_fused")
+  x = randn(g, (1, 512))
+  gate, up = random_nvfp4(g, (96, 512)), random_nvfp4(g, (96, 512))
+  qkv = tuple(random_nvfp4(g, (rows, 512)) for rows in (256, 64, 64))
+  outs = {}
+  for asm in ("mul", "post"):
+    with asm_decode(asm):
+      outs[asm] = (nvfp4_gemv_silu_mul(x, gate, up, decode="asm", method="blocks"),
+                   multi_gemv(x, qkv, decode="asm", method="blocks"))
+  assert _rel_l2(outs["post"][0], outs["mul"][0]) < 1e-2    # bf16 outputs: rounding flips
+  assert_close(outs["post"][0], nvfp4_gemv_silu_mul_reference(x, gate, up), what="silu_mul post")
+  for i, (o, ref) in enumerate(zip(outs["post"][1], multi_gemv_reference(x, qkv))):
+    assert_close(o, ref, what=f"multi_gemv post [{i}]")
+
+
 @pytest.mark.skipif(INTERPRET, reason="the asm decode runs only compiled on a GPU")
 @pytest.mark.parametrize("m,kw", [(1, {}), (1, dict(method="lanes")), (8, {}), (2, {}),
                                   (1, dict(method="blocks")),

@@ -135,6 +135,9 @@ def main():
   ap.add_argument("--kw", nargs="*", help="kernel keyword arguments, e.g. method=lanes block_n=16")
   ap.add_argument("--prescaled", action="store_true",
                   help="NVFP4 block scales pre-scaled to bf16 (prescale_block_scales)")
+  ap.add_argument("--asm", default="mul",
+                  help="the NVFP4 asm decode's sequence (nvfp4_gemv.asm_decode): mul | "
+                       "mul_bf16 | shift | post")
   ap.add_argument("--out", default="/tmp/flint_sass", help="directory for TTIR/TTGIR/PTX/SASS")
   ap.add_argument("--triton-python", default=sys.executable,
                   help="a Python with the triton package (default: this one)")
@@ -142,7 +145,10 @@ def main():
   fn, fargs = build(args.kernel, args.m, args.n, args.k, _parse_kw(args.kw), args.prescaled)
   os.makedirs(args.out, exist_ok=True)
   bases = []
-  for i, c in enumerate(capture_triton_modules(fn, *fargs)):
+  nv = importlib.import_module("flint_jax.pallas.nvfp4_gemv")
+  with nv.asm_decode(args.asm):
+    modules = capture_triton_modules(fn, *fargs)
+  for i, c in enumerate(modules):
     base = os.path.join(args.out, f"{i}_{c['name']}")
     with open(base + ".ttir", "w") as f:
       f.write(c["asm"])

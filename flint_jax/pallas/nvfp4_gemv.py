@@ -183,19 +183,40 @@ def _mul_decode_asm(iso: str, mul: str, f32: bool) -> str:
   return "{\n" + "\n".join(lines) + "\n}"
 
 
+# Without the scale multiply (``post``: the ``blocks`` tiles scale each 16-value block's sum
+# instead): the placed bits read as bf16 are the E2M1 value times 2^-126 -- the normal codes
+# (exponent 1-3) are normal numbers, the code 0.5 a subnormal -- split into f32 as above. The
+# CUDA-core FFMAs keep subnormals (Triton emits no .ftz for f32 arithmetic), so the products
+# are exact to 2^-150 (2^-24 of the E2M1 value times x), far below the f32 sums' own rounding.
+def _raw_decode_asm(iso: str, mul: str) -> str:
+  """Operands: four f32 outputs, then four code bytes."""
+  lines = [".reg .b32 a, b, t0, t1, z;", "mov.b32 z, 0;", "prmt.b32 a, $4, z, 0x4140;",
+           "prmt.b32 b, $4, z, 0x4342;"]
+  for i, (src, t) in enumerate((("a", "t0"), ("b", "t1"))):
+    lines += [f"and.b32 {t}, {src}, {iso};", f"mul.lo.u32 {t}, {t}, {mul};",
+              f"and.b32 {t}, {t}, 0x81C081C0;", f"shl.b32 ${2 * i}, {t}, 16;",
+              f"and.b32 ${2 * i + 1}, {t}, 0xFFFF0000;"]
+  return "{\n" + "\n".join(lines) + "\n}"
+
+
 _LO, _HI = ("0x000F000F", "0x1040"), ("0x00F000F0", "0x104")   # x (2^6 + 2^12), x (2^2 + 2^8)
 _ASM_MUL = tuple(_mul_decode_asm(*half, f32=False) for half in (_LO, _HI))
 _ASM_F32 = tuple(_mul_decode_asm(*half, f32=True) for half in (_LO, _HI))
-_ASM = {"mul": _ASM_MUL, "mul_bf16": _ASM_MUL, "shift": _ASM_SHIFT}
+_ASM_RAW = tuple(_raw_decode_asm(*half) for half in (_LO, _HI))
+_ASM = {"mul": _ASM_MUL, "mul_bf16": _ASM_MUL, "shift": _ASM_SHIFT, "post": _ASM_MUL}
+#: The raw decode's values are the E2M1 values times this (before the block scale).
+RAW_FACTOR = 2.0 ** -126
 
 #: Which instruction sequence the ``asm`` decode emits: "mul" (default; SASS of the M = 8 MoE
 #: gate_up 1045 instructions per thread and K step against 1173; the CUDA-core tiles get f32
 #: values straight from the asm), "mul_bf16" (the same multiply, bf16 outputs converted by the
-#: compiler) or "shift" (session 11's). The values are identical. Read when a kernel is traced
-#: (part of jax's trace context); the decode step sets it from ``DecodeOptions.nvfp4_asm``. For
-#: measurements.
+#: compiler) or "shift" (session 11's): identical values. "post": as "mul", but the ``blocks``
+#: tiles decode without the scale multiply and scale each 16-value block's sum (one HMUL2 per
+#: two weights fewer; the same products summed in another order, so not bit-identical). Read
+#: when a kernel is traced (part of jax's trace context); the decode step sets it from
+#: ``DecodeOptions.nvfp4_asm``. For measurements.
 asm_decode = config.enum_state(
-    "flint_jax_nvfp4_asm_decode", ["mul", "mul_bf16", "shift"], default="mul",
+    "flint_jax_nvfp4_asm_decode", ["mul", "mul_bf16", "shift", "post"], default="mul",
     include_in_trace_context=True, help="instruction sequence of the NVFP4 asm decode")
 
 
@@ -203,7 +224,7 @@ def x_to_f32(x, decode):
   """An activation tile bf16 -> f32 for the CUDA-core tiles; with the ``asm`` decode (``mul``)
   two values per register in inline PTX, one instruction each (the compiler's conversion takes
   a PRMT and a shift per value)."""
-  if decode != "asm" or asm_decode.value != "mul" or x.dtype != jnp.bfloat16:
+  if decode != "asm" or asm_decode.value not in ("mul", "post") or x.dtype != jnp.bfloat16:
     return x.astype(jnp.float32)
   (y,) = plgpu.elementwise_inline_asm(
       "shl.b32 $0, $2, 16;\nand.b32 $1, $2, 0xFFFF0000;", args=[x], constraints="=r,=r,r",
@@ -217,6 +238,14 @@ def _asm_decode(q, scale_bf16, asm, f32=False):
   (w,) = plgpu.elementwise_inline_asm(
       asm, args=[q, scale_bf16], constraints=outs + "r,r,r", pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.float32 if f32 else jnp.bfloat16)])
+  return w
+
+
+def _asm_decode_raw(q, asm):
+  """Four f32 values per code register, without the block scale (``_ASM_RAW``)."""
+  (w,) = plgpu.elementwise_inline_asm(
+      asm, args=[q], constraints="=r,=r,=r,=r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.float32)])
   return w
 
 
@@ -240,7 +269,7 @@ def _decode_pair(q, s_lo, s_hi, decode, f32=False):
       s_lo, s_hi = ((s * PRESCALE).astype(jnp.bfloat16) for s in (s_lo, s_hi))
     s_lo = jnp.broadcast_to(s_lo, q.shape)
     s_hi = jnp.broadcast_to(s_hi, q.shape)
-    if f32 and asm_decode.value == "mul":
+    if f32 and asm_decode.value in ("mul", "post"):
       return _asm_decode(q, s_lo, _ASM_F32[0], True), _asm_decode(q, s_hi, _ASM_F32[1], True)
     asm_lo, asm_hi = _ASM[asm_decode.value]
     w_lo, w_hi = _asm_decode(q, s_lo, asm_lo), _asm_decode(q, s_hi, asm_hi)
@@ -332,6 +361,20 @@ def blocks_fma(acc, w_lo, w_hi, x_half):
   return acc
 
 
+def blocks_fma_post(acc, codes, x_half):
+  """The ``blocks`` K step with the block scales applied after the sums (``asm_decode`` "post"):
+  acc [BN, nb, 2] + s_lo * sum_16(w_lo * x_half(0)) + s_hi * sum_16(w_hi * x_half(1)), w the raw
+  decode (E2M1 values x 2^-126) of the ``load_codes`` tile ``codes``; the same decode factor as
+  the scaled decode (pre-scaled scales are ``scale * 2^119``)."""
+  q, s_lo, s_hi = codes
+  w = (_asm_decode_raw(q, _ASM_RAW[0]), _asm_decode_raw(q, _ASM_RAW[1]))    # [BN, nb, 2, 16]
+  for half, s in enumerate((s_lo, s_hi)):                                  # s [BN, nb, 2]
+    s = s.astype(jnp.float32) * (1.0 if s.dtype == jnp.bfloat16 else PRESCALE)
+    x = x_half(half).astype(jnp.float32)                                  # [nb, 2, 16]
+    acc = acc + s * jnp.sum(w[half] * x[None], axis=3)
+  return acc
+
+
 def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
                     layout, method, acc, codes=None):
   ds = slice(None)
@@ -339,6 +382,12 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
   rows = C.row_load_index(m, mp)
   if layout == "tile":
     blk = pl.ds(b0, nb)
+    if method == "blocks" and decode == "asm" and asm_decode.value == "post":
+      C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
+      if codes is None:
+        codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
+      x_half = lambda h: x_to_f32(x_ref[(*x_idx, 0, blk, h, ds, ds)], decode)  # noqa: E731
+      return blocks_fma_post(acc, codes, x_half)
     w_lo, w_hi = decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode, codes,
                              f32=method in ("lanes", "blocks", "reduce", "rows"))
     x_half = lambda h: x_to_f32(x_ref[(*x_idx, 0, blk, h, ds, ds)], decode)  # noqa: E731

@@ -1,0 +1,143 @@
+"""The NVFP4 ``asm`` decode's inline PTX, executed by a small emulator on the CPU.
+
+Inline PTX runs only compiled on a GPU (interpret mode decodes through float8 instead), so these
+tests run the emitted instruction text itself -- every code byte, both nibble halves, both signs
+-- through a numpy model of the few PTX instructions it uses, and compare with the E2M1 table.
+"""
+
+import importlib
+
+import numpy as np
+import pytest
+
+NV = importlib.import_module("flint_jax.pallas.nvfp4_gemv")   # the module, not the function
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,
+                 -4.0, -6.0], np.float32)
+
+
+def _bf16_lanes_to_f32(r):
+  lo = (r & np.uint32(0xFFFF)) << np.uint32(16)
+  hi = r & np.uint32(0xFFFF0000)
+  return lo.view(np.float32), hi.view(np.float32)
+
+
+def _f32_to_bf16_bits(f):
+  """Round-to-nearest-even f32 -> bf16 bits (uint32 in the low 16 bits)."""
+  b = f.astype(np.float32).view(np.uint32)
+  b = b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))
+  return b >> np.uint32(16)
+
+
+def _prmt(a, b, sel):
+  """prmt.b32 default mode: output byte i = byte (sel nibble i & 7) of {b, a}; bit 3 of the
+  nibble replicates that byte's sign bit."""
+  src = [(a >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)]
+  src += [(b >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)]
+  out = np.zeros_like(a)
+  for i in range(4):
+    nib = (sel >> (4 * i)) & 0xF
+    byte = src[nib & 7]
+    if nib & 8:
+      byte = np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0))
+    out |= byte.astype(np.uint32) << np.uint32(8 * i)
+  return out
+
+
+def run_ptx(asm: str, operands: dict) -> dict:
+  """Executes ``asm`` (the ``{ ... }`` block of an inline-asm call) on uint32 arrays.
+  ``operands``: {"$4": codes, ...}; returns every register, outputs included."""
+  regs = dict(operands)
+  shape = next(iter(operands.values())).shape
+
+  def val(t):
+    return regs[t] if t in regs else np.full(shape, int(t, 0), np.uint32)
+
+  for raw in asm.strip().strip("{}").split("\n"):
+    line = raw.strip().rstrip(";")
+    if not line or line.startswith(".reg"):
+      continue
+    op, args = line.split(None, 1)
+    a = [x.strip() for x in args.split(",")]
+    if op == "mov.b32":
+      regs[a[0]] = val(a[1])
+    elif op == "prmt.b32":
+      regs[a[0]] = _prmt(val(a[1]), val(a[2]), int(a[3], 0))
+    elif op == "and.b32":
+      regs[a[0]] = val(a[1]) & val(a[2])
+    elif op == "or.b32":
+      regs[a[0]] = val(a[1]) | val(a[2])
+    elif op == "shl.b32":
+      regs[a[0]] = val(a[1]) << val(a[2])
+    elif op == "mul.lo.u32":
+      regs[a[0]] = (val(a[1]).astype(np.uint64) * val(a[2]).astype(np.uint64)).astype(np.uint32)
+    elif op == "mul.rn.bf16x2":   # exact products here (<= 7 significant bits), rounded anyway
+      (xl, xh), (yl, yh) = _bf16_lanes_to_f32(val(a[1])), _bf16_lanes_to_f32(val(a[2]))
+      regs[a[0]] = _f32_to_bf16_bits(xl * yl) | (_f32_to_bf16_bits(xh * yh) << np.uint32(16))
+    else:
+      raise NotImplementedError(f"PTX emulator: {op}")
+  return regs
+
+
+def _all_code_words():
+  """Every byte value at every byte position of a 32-bit register: [256 * 4] words."""
+  vals = np.arange(256, dtype=np.uint32)
+  words = []
+  for pos in range(4):
+    other = (vals[::-1] * np.uint32(7)) & np.uint32(0xFF)   # varied neighbours
+    w = np.zeros(256, np.uint32)
+    for p in range(4):
+      w |= (vals if p == pos else (other + np.uint32(p)) & np.uint32(0xFF)) << np.uint32(8 * p)
+    words.append(w)
+  return np.concatenate(words)
+
+
+def _expected(words, half):
+  """E2M1 values [N, 4] of each byte's low (half 0) or high (half 1) nibble."""
+  bytes_ = np.stack([(words >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)], axis=1)
+  nib = (bytes_ >> np.uint32(4 * half)) & np.uint32(15)
+  return E2M1[nib]
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_raw_decode_is_e2m1_times_2_pow_minus_126(half):
+  """``post``'s decode without the scale multiply: four f32 per code register, each the E2M1
+  value of its byte's nibble times 2^-126 exactly (the code 0.5 as an f32 subnormal), signs
+  (also of zero) kept."""
+  words = _all_code_words()
+  regs = run_ptx(NV._ASM_RAW[half], {"$4": words})
+  got = np.stack([regs[f"${i}"].view(np.float32) for i in range(4)], axis=1)
+  want = _expected(words, half) * np.float32(NV.RAW_FACTOR)
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("half", [0, 1])
+@pytest.mark.parametrize("seq", ["f32", "bf16", "shift"])
+def test_scaled_decode_sequences(half, seq):
+  """The scaled sequences ("mul" with f32 outputs, "mul" / "mul_bf16" with bf16 outputs,
+  "shift") give E2M1 x scale x 2^-7 for pre-scaled bf16 scales (scale x 2^119), exactly."""
+  from flint_jax.nvfp4 import prescale_block_scales
+  import jax.numpy as jnp
+  words = _all_code_words()
+  g = np.random.default_rng(half)
+  e4m3 = g.integers(0x08, 0x7F, size=(words.size, 4)).astype(np.uint8)   # normal e4m3 scales
+  scale = np.asarray(jnp.asarray(e4m3.view(jnp.float8_e4m3fn)).astype(jnp.float32))
+  pre = np.asarray(prescale_block_scales(jnp.asarray(e4m3.view(jnp.float8_e4m3fn)))
+                   .view(jnp.uint16)).astype(np.uint32)
+  s01 = pre[:, 0] | (pre[:, 1] << np.uint32(16))
+  s23 = pre[:, 2] | (pre[:, 3] << np.uint32(16))
+  asm = {"f32": NV._ASM_F32, "bf16": NV._ASM_MUL, "shift": NV._ASM_SHIFT}[seq][half]
+  if seq == "f32":
+    regs = run_ptx(asm, {"$4": words, "$5": s01, "$6": s23})
+    got = np.stack([regs[f"${i}"].view(np.float32) for i in range(4)], axis=1)
+  else:
+    regs = run_ptx(asm, {"$2": words, "$3": s01, "$4": s23})
+    got = np.stack([*_bf16_lanes_to_f32(regs["$0"]), *_bf16_lanes_to_f32(regs["$1"])], axis=1)
+  want = _expected(words, half) * scale * np.float32(2.0 ** -7)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_emulator_rejects_unknown_instructions():
+  with pytest.raises(NotImplementedError, match="cvt"):
+    run_ptx("{\ncvt.rn.f32.f16 $0, $1;\n}", {"$1": np.zeros(2, np.uint32)})

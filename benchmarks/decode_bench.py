@@ -268,7 +268,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     session 11's dot tiles), "pallas_shift" (`nvfp4_asm="shift"`: the NVFP4 decode's session-11 instruction sequence),
     "pallas_mulbf16" (`nvfp4_asm="mul_bf16"`: the multiply decode without the f32 outputs),
     "pallas_post" (`nvfp4_asm="post"`: the batch-1 blocks tiles scale each block's sum instead of
-    each decoded weight),
+    each decoded weight, in every kernel), "pallas_mul" (`nvfp4_asm="mul"` in every kernel: the
+    default until run 91, which gives q|k|v and the MoE down kernel "post"),
     "pallas_e4m3" (NVFP4: the default step on the state's e4m3 block scales; every other Pallas
     path gets them pre-scaled to bf16, `nvfp4.prescale_state`, as `flint_jax.load` does)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
@@ -297,6 +298,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "shift": DecodeOptions(nvfp4_asm="shift"),
                "mulbf16": DecodeOptions(nvfp4_asm="mul_bf16"),
                "post": DecodeOptions(nvfp4_asm="post"),
+               "mul": DecodeOptions(nvfp4_asm="mul"),
                "noswap": DecodeOptions(nvfp4_swap=False),
                "reduce": DecodeOptions(nvfp4_m1_method="reduce"),
                "blocks": DecodeOptions(nvfp4_m1_method="blocks"),

@@ -167,13 +167,17 @@ class DecodeOptions:
       50) found our own PDL launch at parity with XLA's, and no gain from loading weights
       before the wait.
     nvfp4_asm: the instruction sequence of the NVFP4 kernels' ``asm`` decode
-      (``nvfp4_gemv.asm_decode``): "mul" (default: one integer multiply places a nibble's
-      magnitude and sign bits, and the CUDA-core tiles get f32 weights and activations from
-      inline PTX, one instruction per value), "mul_bf16" (the multiply, compiler conversions)
-      or "shift" (session 11's shifts and or): bit-identical; "post": the batch-1 ``blocks``
-      tiles decode without the scale multiply and scale each 16-value block's sum (SASS: MoE
-      gate_up 338 -> 317 instructions per K step, 82 -> 64 registers; down 326 -> 300; the
-      same products, summed in another order). For A/B measurements.
+      (``nvfp4_gemv.asm_decode``): "mul" (one integer multiply places a nibble's magnitude and
+      sign bits, and the CUDA-core tiles get f32 weights and activations from inline PTX, one
+      instruction per value), "mul_bf16" (the multiply, compiler conversions) or "shift"
+      (session 11's shifts and or): bit-identical; "post": the batch-1 ``blocks`` tiles decode
+      without the scale multiply and scale each 16-value block's sum (SASS: MoE gate_up 338 ->
+      317 instructions per K step, 82 -> 64 registers; down 326 -> 300; the same products,
+      summed in another order). One of these applies to every kernel. "auto" (default): "post"
+      for the kernels it made faster on the H200 -- q|k|v (5.43 against 5.61 us in the step)
+      and the MoE down kernel (8.39 against 8.65) -- and "mul" elsewhere (the MoE gate_up
+      9.10 against 8.77, the LM head 75.2 against 73.8; run 91, batch 1; ``nvfp4_asm_at``).
+      At batch > 1 "post" equals "mul" (it changes only the ``blocks`` tiles).
     nvfp4_swap: at batch > 1, the NVFP4 MoE gate_up and LM head on swap-AB tiles (the decoded
       weights as wgmma's register A operand; their defaults since session 12: H200 run 80, M = 8
       MoE 144.7 against 160.2 us, LM head 142.6 against 185.6). False: session 11's ``dot``
@@ -209,10 +213,20 @@ class DecodeOptions:
     moe_combine_in_down: bool | None = None
     bf16_o_proj_pallas: bool | None = None
     launch: str = "xla"
-    nvfp4_asm: str = "mul"
+    nvfp4_asm: str = "auto"
     nvfp4_swap: bool = True
 
     PREFETCH_SITES = ("attn", "router", "down")
+
+    #: The kernels ``nvfp4_asm="auto"`` gives the "post" decode (H200 run 91).
+    POST_SITES = ("qkv", "moe_down")
+
+    def nvfp4_asm_at(self, site: str) -> str:
+        """The ``asm`` decode sequence of one kernel site: "qkv" (the fused q|k|v GEMV),
+        "moe_down" (the routed MoE's down kernel) or "step" (every other kernel)."""
+        if self.nvfp4_asm != "auto":
+            return self.nvfp4_asm
+        return "post" if site in self.POST_SITES else "mul"
 
     def combine_in_down_at(self, batch: int) -> bool:
         """Whether the routed MoE's combine runs in the down kernel at this batch size."""
@@ -306,9 +320,9 @@ class DecodeOptions:
                 self.PREFETCH_SITES):
             raise ValueError("DecodeOptions.l2_prefetch must be a bool or a comma-separated "
                              f"subset of {self.PREFETCH_SITES}, got {self.l2_prefetch!r}")
-        if self.nvfp4_asm not in ("mul", "mul_bf16", "shift", "post"):
-            raise ValueError("DecodeOptions.nvfp4_asm must be 'mul', 'mul_bf16', 'shift' or "
-                             f"'post', got {self.nvfp4_asm!r}")
+        if self.nvfp4_asm not in ("auto", "mul", "mul_bf16", "shift", "post"):
+            raise ValueError("DecodeOptions.nvfp4_asm must be 'auto', 'mul', 'mul_bf16', "
+                             f"'shift' or 'post', got {self.nvfp4_asm!r}")
         if self.launch not in ("xla", "ffi"):
             raise ValueError(f"DecodeOptions.launch must be 'xla' or 'ffi', got {self.launch!r}")
         if self.moe not in ("routed", "slots", "xla", "v1"):
@@ -479,7 +493,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # read when the kernels are traced (part of the trace context: cached per value)
         trigger, kinds = opts.early_trigger_for(quant)
         with pdl.early_trigger(trigger), pdl.early_trigger_kernels(kinds), \
-                ffi_launch.enabled(opts.launch == "ffi"), nvfp4_asm_decode(opts.nvfp4_asm):
+                ffi_launch.enabled(opts.launch == "ffi"), \
+                nvfp4_asm_decode(opts.nvfp4_asm_at("step")):
             return pallas_step(m, cache, tokens, quant)
 
     def pallas_step(m, cache: KVCache, tokens, quant: bool):
@@ -507,6 +522,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method
+        if moe_quant and opts.nvfp4_asm_at("moe_down") != opts.nvfp4_asm_at("step"):
+            moe_kw["asm_down"] = opts.nvfp4_asm_at("moe_down")
         # nvfp4_swap=False: session 11's mma.sync tiles where the kernels now pick swap-AB
         swap_off = b > 1 and opts.nvfp4_swap is False
         all_rows = opts.moe_slot_rows == "all" or (opts.moe_slot_rows is None and b > 4)
@@ -544,7 +561,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                             split_k=qkv_split, sum_splits=False,
                                             interpret=interpret)
                 else:
-                    q, k, v = _qkv(attn, x, opts.fused_qkv, interpret, nv_method)
+                    with nvfp4_asm_decode(opts.nvfp4_asm_at("qkv")):
+                        q, k, v = _qkv(attn, x, opts.fused_qkv, interpret, nv_method)
                 q = q.reshape(*q.shape[:-1], h_, hd)
                 k, v = k.reshape(*k.shape[:-1], kvh, hd), v.reshape(*v.shape[:-1], kvh, hd)
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)

@@ -183,6 +183,7 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(l2_prefetch="attn,qkv"), "l2_prefetch"),
     (dict(l2_prefetch=1), "l2_prefetch"),
     (dict(qkv_split_k=2, attention="split"), "qkv_split_k > 1 needs"),
+    (dict(nvfp4_asm="raw"), "nvfp4_asm"),
 ])
 def test_decode_options_reject_inconsistent_choices(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -207,6 +208,31 @@ def test_early_trigger_per_format(quant, options, want):
                           jax.ShapeDtypeStruct((1,), jnp.int32))
     assert len(mods) > 5
     assert all(("griddepcontrol.launch_dependents" in m["asm"]) == want for m in mods)
+
+
+@pytest.mark.parametrize("options,post", [
+    (DecodeOptions(), {"multi_gemv3", "moe_down"}),
+    (DecodeOptions(nvfp4_asm="mul"), set()),
+    (DecodeOptions(nvfp4_asm="post"), None)])     # None: every NVFP4 kernel on blocks tiles
+def test_nvfp4_asm_auto_sites(options, post):
+    """``nvfp4_asm="auto"`` (default): the NVFP4 batch-1 step's q|k|v and MoE down kernels lower
+    with the "post" decode (no bf16x2 scale multiply), every other NVFP4 kernel with "mul";
+    "mul" / "post" apply to every kernel. Checked in the Triton IR lowered for an H200."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    cfg = flint_jax.preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
+    step = fast_decode.make_decode_step(graphdef, cfg, options=options)
+    mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
+                          jax.ShapeDtypeStruct((1,), jnp.int32))
+    kinds = ("multi_gemv3", "moe_gate_up", "moe_down", "nvfp4_gemv", "nvfp4_silu_mul")
+    decoders = {m["name"]: m["asm"] for m in mods if "mul.lo.u32" in m["asm"]}
+    sites = {n: next(k for k in kinds if k in n) for n in decoders}
+    assert set(sites.values()) == set(kinds), sorted(decoders)
+    scaled_sums = {sites[n] for n, asm in decoders.items() if "mul.rn.bf16x2" not in asm}
+    assert scaled_sums == (set(kinds) if post is None else post)
 
 
 @pytest.mark.parametrize("split_k", [2, 4])

@@ -106,6 +106,23 @@ def test_post_scaled_decode_lowers_in_every_batch_one_kernel():
     assert "mul.lo.u32" in text and "mul.rn.bf16x2" not in text
 
 
+@pytest.mark.parametrize("asm_down", [None, "post"])
+def test_moe_asm_down_picks_only_the_down_kernels_decode(asm_down):
+  """``moe_decode_routed(asm_down="post")`` (the default step's choice at batch 1): the down
+  kernel lowers with the raw decode (no bf16x2 scale multiply), the gate_up kernel keeps the
+  ambient "mul" decode."""
+  experts, shared = moe_weights("nvfp4")
+  text = lower(functools.partial(moe_decode_routed, decode="asm", asm_down=asm_down),
+               S((1, D), BF), S((1, E), F32), experts, shared)
+  calls = text.split("__gpu$xla.gpu.triton")[1:]    # the text after each Triton custom call
+  gate_up = [c for c in calls if "flint_moe_gate_up" in c]
+  down = [c for c in calls if "flint_moe_down" in c]
+  assert len(gate_up) == len(down) == 1
+  assert "mul.rn.bf16x2" in gate_up[0]
+  assert ("mul.rn.bf16x2" in down[0]) == (asm_down is None)
+  assert "mul.lo.u32" in down[0]
+
+
 @pytest.mark.parametrize("decode", ["fp8", "asm"])
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_nvfp4_gemv_silu_mul_lowers(decode, m):

@@ -189,16 +189,19 @@ def test_moe_decode_routed(fmt, m, e, top_k, d, inter, inter_s, ties, slot_rows)
 
 
 @pytest.mark.skipif(INTERPRET, reason="the asm decode runs only compiled on a GPU")
-def test_moe_decode_routed_post_scaled_decode():
-  """The NVFP4 routed MoE at M = 1 (blocks tiles) with ``asm_decode("post")``: the block scales
-  applied to each 16-value block's sum, against the reference."""
+@pytest.mark.parametrize("ambient,asm_down", [("post", None), ("mul", "post"), ("post", "mul")])
+def test_moe_decode_routed_post_scaled_decode(ambient, asm_down):
+  """The NVFP4 routed MoE at M = 1 (blocks tiles) with the "post" decode (the block scales
+  applied to each 16-value block's sum) in both kernels, or in one of them (``asm_down``, what
+  ``DecodeOptions(nvfp4_asm="auto")`` runs), against the reference."""
   from flint_jax.pallas.nvfp4_gemv import asm_decode
   _, experts, shared, x, _, logits = _routed_case("nvfp4", 1, 16, 6, 256, 128, 256, False,
                                                   "post")
-  with asm_decode("post"):
-    y, _ = moe_decode_routed(x, logits, experts, shared, top_k=6, decode="asm")
+  with asm_decode(ambient):
+    y, _ = moe_decode_routed(x, logits, experts, shared, top_k=6, decode="asm",
+                             asm_down=asm_down)
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
-  assert_routed_close(y, ref, 6, "all", "moe routed nvfp4 post")
+  assert_routed_close(y, ref, 6, "all", f"moe routed nvfp4 {ambient} / down {asm_down}")
 
 
 @pytest.mark.parametrize("m,d,split_k,kw", [

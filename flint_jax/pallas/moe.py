@@ -79,6 +79,7 @@ x [M, D] bf16, M <= 8 (up to 16 works); returns [M, D] bf16.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from typing import NamedTuple
@@ -597,12 +598,12 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
             gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
-            down_shared_cols=None, combine=None):
+            down_shared_cols=None, combine=None, asm_down=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
   reads the ids. coef [U, M] only for down_split=False. slot_rows: see ``moe_decode_routed``.
-  gate_up_split_k, gate_up_counter: see ``moe_decode_routed``. Returns (y / out, route,
+  gate_up_split_k, gate_up_counter, asm_down: see ``moe_decode_routed``. Returns (y / out, route,
   counter) (counter None unless ``gate_up_counter`` was given).
   y [U + 1, M, D] (down_split) or out [M, D]; MoERoute or None."""
   C.check(slot_rows in (None, "all", "token"),
@@ -802,16 +803,18 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       out_shape += [jax.ShapeDtypeStruct((m, d), x.dtype)] * 2 + [
           jax.ShapeDtypeStruct(c_counter.shape, jnp.int32)]
       aliases = {len(args) - 1: 3}     # the counter, in place
-    res = C.pallas_call(
-        kernel, grid=(d // bn_dn, u + down_shared_cols), out_shape=tuple(out_shape),
-        input_output_aliases=aliases,
-        compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
-        prefetch=len(down_prefetch),
-        name=(f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}"
-              f"{f'_sc{down_shared_cols}' if down_shared_cols > 1 else ''}"
-              f"{'_combine' if combine is not None else ''}"
-              f"{'_pf' if down_prefetch else ''}"),
-    )(*args, *down_prefetch)
+    # the down kernel's body is traced inside this call: ``asm_down`` picks its decode sequence
+    with contextlib.nullcontext() if asm_down is None else NV.asm_decode(asm_down):
+      res = C.pallas_call(
+          kernel, grid=(d // bn_dn, u + down_shared_cols), out_shape=tuple(out_shape),
+          input_output_aliases=aliases,
+          compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
+          prefetch=len(down_prefetch),
+          name=(f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}"
+                f"{f'_sc{down_shared_cols}' if down_shared_cols > 1 else ''}"
+                f"{'_combine' if combine is not None else ''}"
+                f"{'_pf' if down_prefetch else ''}"),
+      )(*args, *down_prefetch)
     y = res[0].reshape(u + 1, m, d)
     if combine is not None:
       return (y, *res[1:]), route_out, counter_out
@@ -886,7 +889,7 @@ def _check_top_logits(top_logits, m) -> int:
   return top_logits.shape[1]
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows") + _TUNING)
+@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows", "asm_down") + _TUNING)
 def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: str | None = None,
                       block_n: int | None = None, block_k: int | None = None,
                       block_n_down: int | None = None,
@@ -897,7 +900,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       block_k_down: int | None = None, num_warps_down: int | None = None,
                       num_stages_down: int | None = None, gate_up_split_k: int | None = None,
                       gate_up_counter=None, down_prefetch=(),
-                      down_shared_cols: int | None = None, interpret: bool = False):
+                      down_shared_cols: int | None = None, asm_down: str | None = None,
+                      interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls) and the routing.
 
   logits: router logits f32 [M, E] (``moe_router_logits``). Slot u = t * top_k + j is token t's
@@ -926,6 +930,10 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   ``down_shared_cols``: the shared expert's down columns of each block cut over this many
   programs (its K is I_s / I times a routed expert's), each >= 16 columns wide; None = 1 (2
   measured no faster in the step, H200 run 58).
+  ``asm_down``: the down kernel's NVFP4 ``asm`` decode sequence (``nvfp4_gemv.asm_decode``:
+  "mul", "post", ...); None = the one in effect (the gate_up kernel always uses that one).
+  H200 run 91, batch 1: "post" down 8.39 us against 8.65 with "mul", while gate_up is slower
+  with "post" (9.10 against 8.77), hence the separate knob.
   """
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
@@ -939,11 +947,12 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                  block_k_down=block_k_down, num_warps_down=num_warps_down,
                  num_stages_down=num_stages_down, slot_rows=slot_rows,
                  gate_up_split_k=gate_up_split_k, gate_up_counter=gate_up_counter,
-                 down_prefetch=down_prefetch, down_shared_cols=down_shared_cols)
+                 down_prefetch=down_prefetch, down_shared_cols=down_shared_cols,
+                 asm_down=asm_down)
   return (y, route_out) if gate_up_counter is None else (y, route_out, counter)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows", "counter_base", "eps")
+@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows", "counter_base", "eps", "asm_down")
                    + _TUNING)
 def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               counter_base: int, eps: float = 1e-6, top_k: int = 6,
@@ -957,7 +966,7 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               num_stages_down: int | None = None,
                               gate_up_split_k: int | None = None,
                               down_shared_cols: int | None = None, down_prefetch=(),
-                              interpret: bool = False):
+                              asm_down: str | None = None, interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its
@@ -976,7 +985,7 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
       interpret=interpret, block_k_down=block_k_down, num_warps_down=num_warps_down,
       num_stages_down=num_stages_down, slot_rows=slot_rows, gate_up_split_k=gate_up_split_k,
       down_prefetch=down_prefetch, down_shared_cols=down_shared_cols,
-      combine=(h, w_next, counter, counter_base, eps))
+      combine=(h, w_next, counter, counter_base, eps), asm_down=asm_down)
   return s_out, x_out, route_out, counter
 
 

@@ -266,7 +266,10 @@ def test_grad_through_forward_matches_finite_differences(tiny_c):
     2.5e-4) at which the routing at theta +- eps*v equals the routing at theta (checked via
     `capture=("router_ids",)`). The model computes in fp32 (router, softmax and norms are fp32 by
     design, so float64 is not available); the central difference then has O(eps^2) truncation
-    error and ~1e-7 |L| / eps rounding noise, a few 1e-4 relative, hence rtol 5e-3.
+    error, hence rtol 5e-3, and rounding noise of at least the spacing of fp32 values at |L|
+    (9.5e-7 at L = 8.7) over 2 eps: the difference quotient moves in steps of 4.8e-4 at eps 1e-3,
+    which for the sinks' small directional derivative (~0.05) is 1% by itself, so the absolute
+    tolerance is three such steps.
     Directions: all parameters (x2), router weights, sinks, embeddings, routed experts; each leaf
     perturbed proportionally to its RMS.
     """
@@ -327,7 +330,8 @@ def test_grad_through_forward_matches_finite_differences(tiny_c):
             key0 = routing_key(r0)
             if np.array_equal(routing_key(rp), key0) and np.array_equal(routing_key(rm), key0):
                 fd = (float(lp) - float(lm)) / (2 * eps)
-                assert abs(gv - fd) <= 5e-3 * abs(gv) + 2e-4, (part, eps, gv, fd)
+                fd_step = float(np.spacing(np.float32(l0))) / (2 * eps)   # fp32 resolution
+                assert abs(gv - fd) <= 5e-3 * abs(gv) + 3 * fd_step, (part, eps, gv, fd, fd_step)
                 checked += 1
                 break
     assert checked >= 5, f"routing changed within every step for {6 - checked} directions"

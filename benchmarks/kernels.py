@@ -1146,6 +1146,29 @@ def m1dot_cases(variants):
   yield from _routed_nvfp4_cases("m1dot", (1,), lambda m: _kw_variants(moe_kws))
 
 
+def _qkv_nvfp4_weights():
+  """Eight q|k|v weight triples, NVFP4 with pre-scaled block scales (as the GPU step holds them)."""
+  from flint_jax.nvfp4 import prescale_state
+  return prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
+                         for _ in range(8)])
+
+
+def _qkv_nvfp4_sets(m, ws):
+  """(label, sets, bytes) of the q|k|v ``multi_gemv`` at M = m on the weights ``ws``."""
+  bytes_ = nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
+  return f"qkv nvfp4 M={m}", [(randn((m, D)), w) for w in ws], bytes_
+
+
+def _m1_nvfp4_sets(name, n, k):
+  """(sets, packed weight + scale bytes) of an [n, k] NVFP4 GEMV at M = 1, block scales
+  pre-scaled; fewer sets for the LM head."""
+  from flint_jax.nvfp4 import prescale_state
+  wb = n * k // 2 + n * k // 8
+  sets = [(randn((1, k)), *prescale_state(rand_nvfp4((n, k))))
+          for _ in range(n_sets(wb, cap=4 if name == "lm_head" else 8))]
+  return sets, wb
+
+
 def _with_asm(fn, asm):
   """``fn`` traced with the NVFP4 ``asm`` decode's instruction sequence ``asm``."""
   def wrapped(*args):
@@ -1164,11 +1187,9 @@ def asmdec_cases(variants):
   seqs = ("shift", "mul_bf16", "mul", "shift#2", "mul_bf16#2", "mul#2")   # twice each
   yield from _routed_nvfp4_cases("asmdec", (1, 8), lambda m: [
       (asm, _with_asm(MOE.moe_decode_routed, asm.split("#")[0])) for asm in seqs])
-  ws = prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
-                       for _ in range(8)])
+  ws = _qkv_nvfp4_weights()
   for m in (1, 8):
-    lbl, bytes_ = f"qkv nvfp4 M={m}", nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
-    sets = [(randn((m, D)), w) for w in ws]
+    lbl, sets, bytes_ = _qkv_nvfp4_sets(m, ws)
     yield (f"asmdec/qkv/M{m}/xla", "asmdec", lbl, "xla", jax.jit(MULTI.multi_gemv_reference),
            sets, bytes_)
     for asm in ("shift", "mul_bf16", "mul"):
@@ -1246,10 +1267,7 @@ def m8swap_cases(variants):
           _dn(128, 256, 8, 3, method_down="swap")]
   kws = [{}] + _SWAP8 + down + [dict(_SWAP8[0], **down[0]), dict(_SWAP8[0], **down[1])]
   yield from _routed_nvfp4_cases("m8swap", (8,), lambda m: _kw_variants(kws))
-  ws = prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
-                       for _ in range(8)])
-  lbl, bytes_ = "qkv nvfp4 M=8", nbytes(ws[0]) + 8 * D * 2 + 8 * 5120 * 2
-  sets = [(randn((8, D)), w) for w in ws]
+  lbl, sets, bytes_ = _qkv_nvfp4_sets(8, _qkv_nvfp4_weights())
   yield ("m8swap/qkv/xla", "m8swap", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
          bytes_)
   for kw in [{}] + _SWAP8:
@@ -1296,9 +1314,7 @@ def blocks_cases(variants):
                                    _blk(32, 1024, 8, split_k=3)]),
   }
   for name, (n, k, out, extra) in tables.items():
-    wb = n * k // 2 + n * k // 8
-    sets = [(randn((1, k)), *prescale_state(rand_nvfp4((n, k))))
-            for _ in range(n_sets(wb, cap=4 if name == "lm_head" else 8))]
+    sets, wb = _m1_nvfp4_sets(name, n, k)
     yield from _nv_gemv_variants("blocks", name, f"nvfp4 {name} M=1", sets, wb + k * 2 + n * 2,
                                  [{}, dict(method="reduce")] + extra, out=out)
   gate_up = [prescale_state((rand_nvfp4((DENSE, D)), rand_nvfp4((DENSE, D)))) for _ in range(6)]
@@ -1309,10 +1325,7 @@ def blocks_cases(variants):
                                [{}, dict(method="reduce"), _blk(32, 512, 8), _blk(32, 1024, 8),
                                 _blk(64, 256, 4), _blk(16, 1024, 8), _blk(128, 512, 8)],
                                silu_mul=True)
-  ws = prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
-                       for _ in range(8)])
-  lbl, bytes_ = "qkv nvfp4 M=1", nbytes(ws[0]) + D * 2 + 5120 * 2
-  sets = [(randn((1, D)), w) for w in ws]
+  lbl, sets, bytes_ = _qkv_nvfp4_sets(1, _qkv_nvfp4_weights())
   yield ("blocks/qkv/xla", "blocks", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
          bytes_)
   for kw in [{}, _blk(16, 512, 8), _blk(16, 1024, 16), _blk(16, 1024, 8), _blk(16, 512, 4),
@@ -1328,7 +1341,6 @@ def post_cases(variants):
   tiles, then gate_up tiles the freed registers may allow), the LM head, o_proj and q|k|v."""
   if variants:
     return
-  from flint_jax.nvfp4 import prescale_state
   post = lambda fn: _with_asm(fn, "post")   # noqa: E731
   moe_kws = [{}] + [_gu(*t, method="blocks") for t in [(16, 1024, 16, 3), (32, 1024, 16, 2),
                                                        (16, 2048, 16, 2), (16, 1024, 8, 2)]]
@@ -1339,9 +1351,7 @@ def post_cases(variants):
   for name, n, k, out, kws in [("lm_head", V, D, jnp.float32, [{}, _blk(16, 512, 8)]),
                                ("o_proj", D, 4096, BF, [{}]),
                                ("dense_down", D, DENSE, BF, [{}])]:
-    wb = n * k // 2 + n * k // 8
-    sets = [(randn((1, k)), *prescale_state(rand_nvfp4((n, k))))
-            for _ in range(n_sets(wb, cap=4 if name == "lm_head" else 8))]
+    sets, wb = _m1_nvfp4_sets(name, n, k)
     fn = functools.partial(NV.nvfp4_gemv, out_dtype=out)
     lbl = f"nvfp4 {name} M=1"
     yield (f"post/{name}/xla", "post", lbl, "xla",
@@ -1350,10 +1360,7 @@ def post_cases(variants):
     for kw in kws:
       yield (f"post/{name}/post {_tag(kw)}", "post", lbl, f"post {_tag(kw)}",
              post(functools.partial(fn, **kw)), sets, wb)
-  ws = prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
-                       for _ in range(8)])
-  lbl, bytes_ = "qkv nvfp4 M=1", nbytes(ws[0]) + D * 2 + 5120 * 2
-  sets = [(randn((1, D)), w) for w in ws]
+  lbl, sets, bytes_ = _qkv_nvfp4_sets(1, _qkv_nvfp4_weights())
   yield ("post/qkv/xla", "post", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets, bytes_)
   yield ("post/qkv/mul", "post", lbl, "mul", MULTI.multi_gemv, sets, bytes_)
   yield ("post/qkv/post", "post", lbl, "post", post(MULTI.multi_gemv), sets, bytes_)

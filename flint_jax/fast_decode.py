@@ -522,7 +522,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method
-        if moe_quant and opts.nvfp4_asm_at("moe_down") != opts.nvfp4_asm_at("step"):
+        if moe_quant:
             moe_kw["asm_down"] = opts.nvfp4_asm_at("moe_down")
         # nvfp4_swap=False: session 11's mma.sync tiles where the kernels now pick swap-AB
         swap_off = b > 1 and opts.nvfp4_swap is False

@@ -79,7 +79,6 @@ x [M, D] bf16, M <= 8 (up to 16 works); returns [M, D] bf16.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from typing import NamedTuple
@@ -804,7 +803,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
           jax.ShapeDtypeStruct(c_counter.shape, jnp.int32)]
       aliases = {len(args) - 1: 3}     # the counter, in place
     # the down kernel's body is traced inside this call: ``asm_down`` picks its decode sequence
-    with contextlib.nullcontext() if asm_down is None else NV.asm_decode(asm_down):
+    with NV.asm_decode(asm_down or NV.asm_decode.value):
       res = C.pallas_call(
           kernel, grid=(d // bn_dn, u + down_shared_cols), out_shape=tuple(out_shape),
           input_output_aliases=aliases,

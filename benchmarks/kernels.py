@@ -1096,9 +1096,10 @@ def stream_cases(variants):
                                  wb + k * 2 + n * 2, kws)
 
 
-def _routed_nvfp4_cases(group, ms, variants_for):
+def _routed_nvfp4_cases(group, ms, variants_for, wrap=lambda fn: fn):
   """The routed NVFP4 MoE (``moe_decode_routed``, block scales pre-scaled) at each M in ``ms``:
-  its XLA reference, then one case per (impl label, callable) of ``variants_for(m)``."""
+  its XLA reference, then one case per (impl label, callable) of ``variants_for(m)``; ``wrap``
+  applies to every callable (``_used_rows``: only the rows every ``slot_rows`` mode defines)."""
   from flint_jax.nvfp4 import prescale_state
   router = randn((E, D), jnp.float32, D ** -0.5)
   experts, shared = prescale_state(moe_weights("nvfp4"))
@@ -1106,10 +1107,10 @@ def _routed_nvfp4_cases(group, ms, variants_for):
     xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
     sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
     lbl = f"routed nvfp4 M={m}"
-    yield (f"{group}/moe/M{m}/xla", group, lbl, "xla", jax.jit(MOE.moe_decode_routed_reference),
-           sets, bytes_)
+    yield (f"{group}/moe/M{m}/xla", group, lbl, "xla",
+           jax.jit(wrap(MOE.moe_decode_routed_reference)), sets, bytes_)
     for impl, fn in variants_for(m):
-      yield (f"{group}/moe/M{m}/{impl}", group, lbl, impl, fn, sets, bytes_)
+      yield (f"{group}/moe/M{m}/{impl}", group, lbl, impl, wrap(fn), sets, bytes_)
 
 
 def _kw_variants(kws):
@@ -1366,6 +1367,34 @@ def post_cases(variants):
   yield ("post/qkv/post", "post", lbl, "post", post(MULTI.multi_gemv), sets, bytes_)
 
 
+def _tok(gu=None, dn=None, **extra):
+  """``slot_rows="token"`` options with optional gate_up / down tiles (bn, bk, warps, stages)."""
+  return dict(slot_rows="token", **(_gu(*gu) if gu else {}), **(_dn(*dn) if dn else {}), **extra)
+
+
+M8TOKEN = {
+    8: [{}, _tok(), _tok(token_method="reduce")]
+       + [_tok(gu=t) for t in [(16, 1024, 8, 2), (16, 512, 8, 2), (16, 512, 4, 2),
+                               (32, 1024, 16, 2), (16, 1024, 16, 3), (16, 2048, 16, 1),
+                               (32, 512, 8, 2), (64, 512, 8, 2)]]
+       + [_tok(dn=t) for t in [(16, 256, 4, 2), (16, 512, 8, 2), (32, 512, 4, 2),
+                               (16, 512, 2, 2), (64, 512, 8, 2)]],
+    4: [{}, _tok(token_method="reduce"), dict(slot_rows="all")],
+    2: [{}, _tok(token_method="reduce"), dict(slot_rows="all")],
+}
+
+
+def m8token_cases(variants):
+  """Session 15: the routed NVFP4 MoE at M = 8 (and 4, 2) with per-token slots (``slot_rows=
+  "token"``: M * top_k GEMVs at M = 1) on the ``blocks`` tiles of the batch-1 step, against the
+  default (M = 8: every slot multiplied by all 8 tokens on swap-AB tensor-core tiles) and the
+  token mode's old ``reduce`` tiles; token-mode tile sweeps at M = 8; block scales pre-scaled."""
+  if variants:
+    return
+  yield from _routed_nvfp4_cases("m8token", (8, 4, 2), lambda m: _kw_variants(M8TOKEN[m]),
+                                 wrap=_used_rows)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
@@ -1375,7 +1404,7 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "prescale": prescale_cases, "stream": stream_cases, "m1dot": m1dot_cases,
           "asmdec": asmdec_cases, "moetune": moetune_cases,
           "m8swap": m8swap_cases, "blocks": blocks_cases,
-          "post": post_cases}
+          "post": post_cases, "m8token": m8token_cases}
 
 
 # ------------------------------------------------------------------------------------------

@@ -264,13 +264,40 @@ def test_moe_gate_up_split_k_rejects_nvfp4_and_bad_slices():
 
 def test_moe_decode_routed_token_rows_equal_all_rows():
   """slot_rows "token" and "all" agree on the rows both define (NVFP4, M = 4): the per-token
-  reduce tiles and the all-rows tensor-core tiles compute the same expert outputs."""
+  blocks tiles and the all-rows tensor-core tiles compute the same expert outputs."""
   _, experts, shared, x, _, logits = _routed_case("nvfp4", 4, 16, 3, 128, 64, 128, False, "eq")
   kw = dict(top_k=3, decode=DECODE, interpret=INTERPRET)
   y_tok, r_tok = moe_decode_routed(x, logits, experts, shared, slot_rows="token", **kw)
   y_all, r_all = moe_decode_routed(x, logits, experts, shared, slot_rows="all", **kw)
   np.testing.assert_array_equal(np.asarray(r_tok.ids), np.asarray(r_all.ids))
   assert_close(used_rows(y_tok, 3), used_rows(y_all, 3), what="token vs all rows")
+
+
+@pytest.mark.parametrize("fmt,m,token_method", [("nvfp4", 8, None), ("nvfp4", 5, "reduce"),
+                                                ("nvfp4", 3, "lanes"), ("nvfp4", 2, "dot"),
+                                                ("bf16", 8, "reduce"), ("bf16", 3, None)])
+def test_moe_decode_routed_token_methods(fmt, m, token_method):
+  """Per-token slots (slot_rows "token") on each M = 1 tile method, including M = 8 (the NVFP4
+  default there is "all") and the default (None: blocks for NVFP4, dot for BF16), against the
+  reference: each slot's own token's rows and the shared expert's rows."""
+  _, experts, shared, x, _, logits = _routed_case(fmt, m, 32, 6, 256, 128, 256, False,
+                                                  f"tm{token_method}")
+  y, route = moe_decode_routed(x, logits, experts, shared, top_k=6, decode=DECODE,
+                               slot_rows="token", token_method=token_method,
+                               interpret=INTERPRET)
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
+  assert_route_is_top_k(route, logits, 6)
+  assert_routed_close(y, ref, 6, "token", f"token slots {fmt} M={m} {token_method}")
+
+
+def test_moe_decode_routed_rejects_bad_token_method():
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", 4, 16, 2, 128, 64, 64, False, "btm")
+  with pytest.raises(ValueError, match="needs slot_rows='token'"):
+    moe_decode_routed(x, logits, experts, shared, top_k=2, slot_rows="all",
+                      token_method="blocks", interpret=True)
+  with pytest.raises(ValueError, match="method must be one of"):
+    moe_decode_routed(x, logits, experts, shared, top_k=2, slot_rows="token",
+                      token_method="rows", interpret=True)
 
 
 def test_moe_decode_routed_rejects_bad_slot_rows():

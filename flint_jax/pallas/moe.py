@@ -596,7 +596,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
-            gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
+            token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
             down_shared_cols=None, combine=None, asm_down=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
@@ -614,8 +614,15 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     # not measured: "all"). BF16: equal at M = 8 (86 / 88 us), "all".
     slot_rows = "token" if fe == "nvfp4" and 2 <= m <= 4 else "all"
   token = route is not None and m > 1 and slot_rows == "token"
-  # routed slots of one token each: an M = 1 GEMV per slot (NVFP4: the CUDA-core decode)
-  token_method = ("reduce" if fe == "nvfp4" else "dot") if token else None
+  C.check(token_method is None or token,
+          f"token_method={token_method!r} needs slot_rows='token' at M > 1 on the routed path")
+  # routed slots of one token each: an M = 1 GEMV per slot, on the M = 1 tile method (NVFP4:
+  # the CUDA-core decode, ``blocks`` in the tile layout)
+  if token:
+    token_method = token_method or (NV.default_method(1, layout=layout) if fe == "nvfp4"
+                                    else "dot")
+    C.check_method(token_method, 1, allowed=C.CUDA_CORE_M1 + ("dot",) if fe == "nvfp4"
+                   else ("dot", "reduce"))
   nv_m1 = fe == "nvfp4" and m == 1
   # NVFP4 token mode: the shared expert's M rows on CUDA-core rows tiles too (tensor-core tiles
   # at the NVFP4 M = 1 tiling (bn16, bk1024, 16 warps) made the call 4x slower at M = 2, run 25;
@@ -888,8 +895,10 @@ def _check_top_logits(top_logits, m) -> int:
   return top_logits.shape[1]
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows", "asm_down") + _TUNING)
+@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows", "token_method", "asm_down")
+                   + _TUNING)
 def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: str | None = None,
+                      token_method: str | None = None,
                       block_n: int | None = None, block_k: int | None = None,
                       block_n_down: int | None = None,
                       decode: str = "asm", layout: str = "tile",
@@ -929,6 +938,9 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   ``down_shared_cols``: the shared expert's down columns of each block cut over this many
   programs (its K is I_s / I times a routed expert's), each >= 16 columns wide; None = 1 (2
   measured no faster in the step, H200 run 58).
+  ``token_method`` (``slot_rows="token"`` only): the routed slots' M = 1 tile method; None = the
+  M = 1 default (NVFP4: ``blocks`` in the tile layout, ``reduce`` before session 15; BF16:
+  ``dot``).
   ``asm_down``: the down kernel's NVFP4 ``asm`` decode sequence (``nvfp4_gemv.asm_decode``:
   "mul", "post", ...); None = the one in effect (the gate_up kernel always uses that one).
   H200 run 91, batch 1: "post" down 8.39 us against 8.65 with "mul", while gate_up is slower
@@ -944,18 +956,19 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                  unroll_slots=unroll_slots, method=method, method_down=method_down,
                  num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                  block_k_down=block_k_down, num_warps_down=num_warps_down,
-                 num_stages_down=num_stages_down, slot_rows=slot_rows,
+                 num_stages_down=num_stages_down, slot_rows=slot_rows, token_method=token_method,
                  gate_up_split_k=gate_up_split_k, gate_up_counter=gate_up_counter,
                  down_prefetch=down_prefetch, down_shared_cols=down_shared_cols,
                  asm_down=asm_down)
   return (y, route_out) if gate_up_counter is None else (y, route_out, counter)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows", "counter_base", "eps", "asm_down")
-                   + _TUNING)
+@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows", "token_method", "counter_base",
+                                             "eps", "asm_down") + _TUNING)
 def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               counter_base: int, eps: float = 1e-6, top_k: int = 6,
-                              slot_rows: str | None = None, block_n: int | None = None,
+                              slot_rows: str | None = None, token_method: str | None = None,
+                              block_n: int | None = None,
                               block_k: int | None = None, block_n_down: int | None = None,
                               decode: str = "asm", layout: str = "tile",
                               unroll_slots: bool | None = None, method: str | None = None,
@@ -982,8 +995,8 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
       block_n_down=block_n_down, decode=decode, layout=layout, unroll_slots=unroll_slots,
       method=method, method_down=method_down, num_warps=num_warps, num_stages=num_stages,
       interpret=interpret, block_k_down=block_k_down, num_warps_down=num_warps_down,
-      num_stages_down=num_stages_down, slot_rows=slot_rows, gate_up_split_k=gate_up_split_k,
-      down_prefetch=down_prefetch, down_shared_cols=down_shared_cols,
+      num_stages_down=num_stages_down, slot_rows=slot_rows, token_method=token_method,
+      gate_up_split_k=gate_up_split_k, down_prefetch=down_prefetch, down_shared_cols=down_shared_cols,
       combine=(h, w_next, counter, counter_base, eps), asm_down=asm_down)
   return s_out, x_out, route_out, counter
 

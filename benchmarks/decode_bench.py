@@ -244,7 +244,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     session-2 default step), "pallas_rsN" (the sliding layers' attention in N splits,
     `DecodeOptions.ring_splits`), "pallas_qw" (`qkv_wait`: each layer's end and the next q|k|v
     as one producer / consumer kernel), "pallas_allrows" / "pallas_tokrows" (the routed MoE's
-    `moe_slot_rows` forced to "all" / "token"), "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
+    `moe_slot_rows` forced to "all" / "token"), "pallas_tokpre" / "pallas_tokpresf" /
+    "pallas_allpresf" (`moe_slot_rows` "token" / "all" with `moe_prerouted`, and
+    `moe_shared_first`), "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
     the NVFP4 GEMVs at batch > 1), "pallas_lanes" / "pallas_reduce" / "pallas_blocks" (`nvfp4_m1_method`: the
     NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" / "blocks" tile method), "pallas_rin"
     (`router_in_norm` forced on: add + norm + router GEMV in one kernel; the default at batch 1
@@ -290,6 +292,11 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "qw": DecodeOptions(qkv_wait=True),
                "allrows": DecodeOptions(moe_slot_rows="all"),
                "tokrows": DecodeOptions(moe_slot_rows="token"),
+               "tokpre": DecodeOptions(moe_slot_rows="token", moe_prerouted=True),
+               "tokpresf": DecodeOptions(moe_slot_rows="token", moe_prerouted=True,
+                                         moe_shared_first=True),
+               "allpresf": DecodeOptions(moe_slot_rows="all", moe_prerouted=True,
+                                         moe_shared_first=True),
                "rows": DecodeOptions(nvfp4_rows=True),
                "rin": DecodeOptions(router_in_norm=True),
                "norin": DecodeOptions(router_in_norm=False),

@@ -1395,6 +1395,92 @@ def m8token_cases(variants):
                                  wrap=_used_rows)
 
 
+def m8diag_cases(variants):
+  """Why a per-token slot costs more than a batch-1 slot: the slot path (``moe_decode``, the
+  experts given) at M = 1 with 6 / 12 / 24 / 48 distinct experts per token (every slot on the
+  batch-1 ``blocks`` tiles, the shared expert once, as at batch 1), then the token mode at M = 8
+  on more tiles (the shared expert's 8 rows on ``rows`` or ``dot`` tiles)."""
+  if variants:
+    return
+  from flint_jax.nvfp4 import prescale_state
+  experts, shared = prescale_state(moe_weights("nvfp4"))
+  per_expert = nbytes({k: v[0] for k, v in experts.items()})
+  for k in (6, 12, 24, 48):
+    sets = []
+    for _ in range(16):
+      ids = jax.random.permutation(_key(), E)[:k][None].astype(jnp.int32)
+      w = jax.random.uniform(_key(), (1, k), jnp.float32, 0.1, 1.0)
+      sets.append((randn((1, D)), ids, w / w.sum(), experts, shared))
+    lbl, bytes_ = f"slots nvfp4 M=1 k={k}", k * per_expert + nbytes(shared) + 2 * D * 2
+    yield (f"m8diag/slots{k}/xla", "m8diag", lbl, "xla", jax.jit(MOE.moe_decode_reference),
+           sets, bytes_)
+    kws = [{}] + ([_gu(16, 1024, 8, 2), _gu(16, 512, 4, 2)] if k == 48 else [])
+    for kw in kws:
+      yield (f"m8diag/slots{k}/{_tag(kw)}", "m8diag", lbl, _tag(kw),
+             functools.partial(MOE.moe_decode, **kw), sets, bytes_)
+  tok = [_tok(gu=(16, 1024, 8, 2)), _tok(gu=(16, 1024, 8, 2), dn=(16, 512, 8, 2)),
+         _tok(gu=(16, 1024, 8, 2), method="dot"), _tok(gu=(16, 1024, 4, 2)),
+         _tok(gu=(16, 2048, 8, 1)), _tok(gu=(16, 1024, 8, 3)), _tok(gu=(16, 1024, 4, 1))]
+  yield from _routed_nvfp4_cases("m8diag", (8,), lambda m: _kw_variants([{}] + tok),
+                                 wrap=_used_rows)
+
+
+def m8diag2_cases(variants):
+  """What makes a per-token slot at M = 8 cost more than a batch-1 one (session 15, after run
+  97: 48 slots of M = 1 work take 66 us on the slot path, 182 in the token mode): the routed MoE
+  at M = 1 with top_k = 48 (the in-kernel top-k grows, the slots equal run 97's), and the token
+  and all modes at M = 8 with a 64-wide shared expert (its M rows nearly gone)."""
+  if variants:
+    return
+  from flint_jax.nvfp4 import prescale_state
+  router = randn((E, D), jnp.float32, D ** -0.5)
+  experts, shared = prescale_state(moe_weights("nvfp4"))
+  tiny = prescale_state(dict(gate_proj=rand_nvfp4((64, D)), up_proj=rand_nvfp4((64, D)),
+                             down_proj=rand_nvfp4((D, 64))))
+  for m, top_k, sh, kws in [
+      (1, 48, shared, [{}, _gu(16, 1024, 8, 2)]),
+      (8, 6, tiny, [{}, _tok(gu=(16, 1024, 8, 2)), _tok()]),
+      (8, 6, shared, [_tok(gu=(16, 1024, 8, 2))])]:
+    xs, logits, _, bytes_ = moe_inputs(m, router, experts, sh)
+    sets = [(x, lg, experts, sh) for x, lg in zip(xs, logits)]
+    lbl = f"routed nvfp4 M={m} k={top_k} shared {sh['gate_proj'][0].shape[0]}"
+    ref = functools.partial(MOE.moe_decode_routed_reference, top_k=top_k)
+    yield (f"m8diag2/{lbl}/xla", "m8diag2", lbl, "xla", jax.jit(_used_rows(ref, top_k)), sets,
+           bytes_)
+    for kw in kws:
+      fn = functools.partial(MOE.moe_decode_routed, top_k=top_k, **kw)
+      yield (f"m8diag2/{lbl}/{_tag(kw)}", "m8diag2", lbl, _tag(kw), _used_rows(fn, top_k), sets,
+             bytes_)
+
+
+M8PRE = {
+    8: [{}, dict(prerouted=True), dict(prerouted=True, shared_first=True), _tok(),
+        _tok(prerouted=True), _tok(shared_first=True), _tok(prerouted=True, shared_first=True),
+        _tok(gu=(16, 1024, 16, 2), prerouted=True, shared_first=True),
+        _tok(gu=(16, 512, 4, 2), prerouted=True, shared_first=True),
+        _tok(gu=(16, 1024, 4, 2), prerouted=True, shared_first=True),
+        _tok(gu=(16, 512, 8, 2), prerouted=True, shared_first=True),
+        _tok(dn=(16, 512, 8, 2), prerouted=True, shared_first=True),
+        _tok(dn=(32, 512, 4, 2), prerouted=True, shared_first=True)],
+    4: [{}, _tok(prerouted=True, shared_first=True),
+        _tok(gu=(16, 1024, 8, 2), prerouted=True, shared_first=True),
+        _tok(gu=(16, 1024, 8, 2))],
+    2: [{}, _tok(prerouted=True, shared_first=True),
+        _tok(gu=(16, 1024, 8, 2), prerouted=True, shared_first=True)],
+    1: [{}, dict(prerouted=True), dict(shared_first=True)],
+}
+
+
+def m8pre_cases(variants):
+  """Session 15: the routed NVFP4 MoE with the routing computed once by XLA (``prerouted``)
+  and the shared expert's programs first (``shared_first``), in both slot modes at M = 8, 4, 2
+  and at M = 1; the token mode's tiles again with both; block scales pre-scaled."""
+  if variants:
+    return
+  yield from _routed_nvfp4_cases("m8pre", (8, 4, 2, 1), lambda m: _kw_variants(M8PRE[m]),
+                                 wrap=_used_rows)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
@@ -1404,7 +1490,9 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "prescale": prescale_cases, "stream": stream_cases, "m1dot": m1dot_cases,
           "asmdec": asmdec_cases, "moetune": moetune_cases,
           "m8swap": m8swap_cases, "blocks": blocks_cases,
-          "post": post_cases, "m8token": m8token_cases}
+          "post": post_cases, "m8token": m8token_cases,
+          "m8diag": m8diag_cases, "m8diag2": m8diag2_cases,
+          "m8pre": m8pre_cases}
 
 
 # ------------------------------------------------------------------------------------------

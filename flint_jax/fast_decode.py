@@ -98,6 +98,11 @@ class DecodeOptions:
       M = 1 kernels) or None (the kernel's measured default: "token" for NVFP4 experts at batch
       2-4, "all" otherwise; at batch 2 the NVFP4 step takes 4.51 ms with "token" against 5.59
       with "all", at batch 8 12.34 against 9.49; run 28).
+    moe_prerouted: the routed MoE's top-k computed once per layer by XLA (`moe_topk_route`, one
+      more kernel) instead of in every gate_up program (`moe_decode_routed(prerouted=True)`).
+      None = off.
+    moe_shared_first: the routed MoE kernels launch the shared expert's programs first
+      (`moe_decode_routed(shared_first=True)`). None = off.
     nvfp4_rows: at batch > 1, the NVFP4 q|k|v, o_proj, dense MLP and LM head GEMVs all use the
       CUDA-core ``rows`` tiles (one decode, one row sum per token) instead of the kernels'
       defaults. Off: at batch 8 the step is slower (16.1 against 9.5 ms, run 25); the q|k|v
@@ -201,6 +206,8 @@ class DecodeOptions:
     qkv_wait_block_n: int = 16
     qkv_wait_preload: int | None = 1
     moe_slot_rows: str | None = None
+    moe_prerouted: bool | None = None
+    moe_shared_first: bool | None = None
     nvfp4_rows: bool = False
     nvfp4_m1_method: str | None = None
     bf16_dense_pallas: bool | None = None
@@ -518,7 +525,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         nv_method = opts.nvfp4_m1_method if b == 1 else ("rows" if opts.nvfp4_rows else None)
         bf16_dense_pallas = opts.bf16_dense_pallas_at(b)
         moe_kw = dict(slot_rows=opts.moe_slot_rows if b > 1 else None,
-                      down_shared_cols=opts.moe_down_shared_cols)
+                      down_shared_cols=opts.moe_down_shared_cols,
+                      prerouted=bool(opts.moe_prerouted),
+                      shared_first=bool(opts.moe_shared_first))
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method

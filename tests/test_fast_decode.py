@@ -33,11 +33,15 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            # the NVFP4 GEMVs (q|k|v, o_proj, dense MLP, LM head) on CUDA-core rows tiles
            "allrows": DecodeOptions(moe_slot_rows="all"),
            "tokrows": DecodeOptions(moe_slot_rows="token"),
-           "rows": DecodeOptions(nvfp4_rows=True)}
+           "rows": DecodeOptions(nvfp4_rows=True),
+           # the routing once per layer (XLA top_k), the shared expert's programs first
+           "tokpresf": DecodeOptions(moe_slot_rows="token", moe_prerouted=True,
+                                     moe_shared_first=True)}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
          ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
          ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait"),
-         ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "tokrows"), ("nvfp4", "rows")]
+         ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "tokrows"), ("nvfp4", "rows"),
+         ("nvfp4", "tokpresf")]
 
 
 def assert_generate_equal(fmt, seed, options, rows, max_new_tokens, cfg=None):

@@ -215,6 +215,11 @@ def test_moe_routed_lowers(fmt, m):
   if m > 1:   # the other slot_rows mode (the default at M = 8 is "all" for both formats)
     lower(functools.partial(moe_decode_routed, slot_rows="token"), S((m, D), BF), S((m, E), F32),
           experts, shared)
+  # the routing given (XLA's top_k) and the shared expert's programs first
+  text = lower(functools.partial(moe_decode_routed, prerouted=True, shared_first=True,
+                                 slot_rows="token" if m > 1 else None),
+               S((m, D), BF), S((m, E), F32), experts, shared)
+  assert text.count("__gpu$xla.gpu.triton") == 2
   lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 6 + 1, m, D), BF), S((m, 6), F32),
         S((D,), BF))
   lower(moe_combine_add_rms_norm, S((m, D), BF), S((m * 4 + 1, m, D), BF), S((m, 4), F32),

@@ -290,6 +290,52 @@ def test_moe_decode_routed_token_methods(fmt, m, token_method):
   assert_routed_close(y, ref, 6, "token", f"token slots {fmt} M={m} {token_method}")
 
 
+@pytest.mark.parametrize("fmt,m,slot_rows,prerouted,shared_first", [
+    ("nvfp4", 8, "token", True, True), ("nvfp4", 8, "token", True, False),
+    ("nvfp4", 3, None, False, True), ("nvfp4", 1, None, True, True),
+    ("bf16", 5, "all", True, True), ("mixed", 2, "token", False, True),
+    ("bf16", 1, None, True, False)])
+def test_moe_decode_routed_prerouted_shared_first(fmt, m, slot_rows, prerouted, shared_first):
+  """The routing computed once outside the kernels (``prerouted``: the gate_up kernel loads each
+  slot's id) and the shared expert's programs launched first (``shared_first``, both kernels)
+  change no value: y and the routing equal the default call's bit for bit, and the reference."""
+  _, experts, shared, x, _, logits = _routed_case(fmt, m, 32, 6, 256, 128, 256, m == 3,
+                                                  f"pre{prerouted}{shared_first}")
+  kw = dict(top_k=6, decode=DECODE, slot_rows=slot_rows, interpret=INTERPRET)
+  y, route = moe_decode_routed(x, logits, experts, shared, prerouted=prerouted,
+                               shared_first=shared_first, **kw)
+  y0, route0 = moe_decode_routed(x, logits, experts, shared, **kw)
+  assert_route_is_top_k(route, logits, 6)
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(route0.ids))
+  mode = slot_rows or ("token" if fmt == "nvfp4" and 2 <= m <= 4 else "all")
+  np.testing.assert_array_equal(np.asarray(used_rows(y, 6), np.float32),
+                                np.asarray(used_rows(y0, 6), np.float32))
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
+  assert_routed_close(y, ref, 6, mode, f"prerouted={prerouted} shared_first={shared_first}")
+
+
+@pytest.mark.parametrize("m,shared_cols", [(1, 1), (4, 2)])
+def test_moe_decode_routed_combine_prerouted_shared_first(m, shared_cols):
+  """The down kernel's combine with the shared expert's programs first (over 1 or 2 programs
+  per column block) and the routing given: the same (s, x_next) and routing as the default."""
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", m, 16, 3, 256, 64, 128, False, "cpf")
+  gen = rng("cpf-h")
+  h = randn(gen, (m, 256))
+  w_next = randn(gen, (256,)) + 1.0
+  kw = dict(top_k=3, decode=DECODE, interpret=INTERPRET, block_n_down=32,
+            down_shared_cols=shared_cols)
+  counter = jnp.zeros((64,), jnp.int32)
+  s0, x0, r0, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
+                                                  counter_base=20, **kw)
+  s1, x1, r1, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
+                                                  counter_base=20, prerouted=True,
+                                                  shared_first=True, **kw)
+  np.testing.assert_array_equal(np.asarray(r1.ids), np.asarray(r0.ids))
+  np.testing.assert_array_equal(np.asarray(s1, np.float32), np.asarray(s0, np.float32))
+  np.testing.assert_array_equal(np.asarray(x1, np.float32), np.asarray(x0, np.float32))
+  assert not np.asarray(counter).any(), "the counter entries must come back zeroed"
+
+
 def test_moe_decode_routed_rejects_bad_token_method():
   _, experts, shared, x, _, logits = _routed_case("nvfp4", 4, 16, 2, 128, 64, 64, False, "btm")
   with pytest.raises(ValueError, match="needs slot_rows='token'"):

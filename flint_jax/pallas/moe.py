@@ -261,11 +261,14 @@ def _slot_route(l_ref, u, route):
 
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
                     decode, layout, method, route=None, token_method=None, split_k=1,
-                    finish=False, interpret=False):
+                    finish=False, shared_first=False, interpret=False):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
-  ``route_ids`` / ``route_logits`` [u // top_k, u % top_k].
+  ``route_ids`` / ``route_logits`` [u // top_k, u % top_k]; with a ``route_ids_in`` input
+  (``prerouted``) slot u's expert is ``route_ids_in[u // top_k, u % top_k]`` instead (no top-k,
+  nothing stored). shared_first: the shared expert's programs take the first program ids (they
+  are launched first, so their longer work does not trail the routed slots').
   token_method (routed only): slot u multiplies only its own token t = u // top_k (x row t, the
   tile method ``token_method`` at M = 1) and writes h [U, 1, I]; otherwise all M rows.
   split_k > 1 (bf16): grid axis 1 is the K slice s; the program writes fp32 partial g and u
@@ -280,6 +283,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   ks = pl.program_id(1) if split_k > 1 else 0
   n_i = inter // bn
   n_routed = n_slots_max * n_i
+  n_shared = inter_s // bn
   xs = (r["x"], r["x5"])
 
   def gemv2(wg, wu, w_idx, ng, nu, fmt, step, xs=xs, x_idx=(), m=m, mp=mp, method=method):
@@ -319,8 +323,9 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       plgpu.store(r["counter_out"].at[pid], jnp.int32(0))
 
   def routed():
-    u = pid // n_i
-    j = pid % n_i
+    p = pid - n_shared if shared_first else pid
+    u = p // n_i
+    j = p % n_i
     if token_method is None:
       operand = dict(xs=xs, x_idx=(), m=m, mp=mp, method=method)
     else:      # x viewed as [M, 1, D]: token t's row is a one-row operand
@@ -330,6 +335,8 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     def slot():
       if route is None:
         e = r["slot_expert"][u]
+      elif "route_ids_in" in r:
+        e = r["route_ids_in"][u // route[0], u % route[0]]
       else:
         e, lg = _slot_route(r["logits"], u, route)
         top_k = route[0]
@@ -353,7 +360,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       slot()
 
   def shared():
-    j = pid - n_routed
+    j = pid if shared_first else pid - n_routed
     if fs == "bf16":
       wg, wu = [r["sg_w"]], [r["su_w"]]
     else:
@@ -365,12 +372,16 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       au = au * (r["su_s2"][0] * f)
     store_h("hs", (), ag, au, j * bn, m, mp, method)
 
-  lax.cond(pid < n_routed, routed, shared)
+  if shared_first:
+    lax.cond(pid < n_shared, shared, routed)
+  else:
+    lax.cond(pid < n_routed, routed, shared)
 
 
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
                  decode, layout, unroll, method, split, route_top_k=None, token_method=None,
-                 gu_split_k=1, shared_cols=1, combine=None, interpret=False):
+                 gu_split_k=1, shared_cols=1, combine=None, shared_first=False,
+                 interpret=False):
   """split=False: grid (D/BN,), every slot + shared + combine in one program, out [M, D].
   split=True: grid (D/BN, slots + 1), one (slot | shared) per program, y [(slots + 1) * M, D]
   bf16 (the caller's [slots + 1, M, D]; the combine is one XLA fusion, or
@@ -388,7 +399,8 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
   stores its y tile, then counts itself done on its column block's counter entry
   (``base + 1 + block``); the last of a block counts the block done on entry ``base``; the last
   block's program reads all of y back (volatile) and writes (s, x) for every token. Each entry
-  returns to zero, so the counters are zeros again after the call."""
+  returns to zero, so the counters are zeros again after the call. shared_first (split only):
+  the shared expert's programs are grid rows 0 .. shared_cols - 1, the slots' after them."""
   r = dict(zip(names, refs))
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   dt = r["out"].dtype
@@ -448,7 +460,10 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
     return acc.astype(dt)
 
   if split:
-    s_id = pl.program_id(1)
+    s_pid = pl.program_id(1)
+    # the slot (or, from n_slots_max on, the shared expert's part) of this program
+    s_id = (jnp.where(s_pid < shared_cols, n_slots_max + s_pid, s_pid - shared_cols)
+            if shared_first else s_pid)
 
     def routed():
       if route_top_k is None:
@@ -555,8 +570,11 @@ def _shapes(x, experts, shared):
   return fe, fs, m, d, e, i2 // 2, inter_s
 
 
-def default_moe_tiling(fe: str, m: int) -> dict:
-  """Tile sizes of the two MoE kernels for expert format ``fe`` and M tokens on an H200.
+def default_moe_tiling(fe: str, m: int, token: bool = False) -> dict:
+  """Tile sizes of the two MoE kernels for expert format ``fe`` and M tokens on an H200;
+  ``token``: the per-token slots of ``slot_rows="token"`` (M = 1 tiles, except the NVFP4
+  gate_up at M >= 5: bn16 bk1024 with 8 warps, run 96: 180 us for both kernels at M = 8 against
+  288 with the M = 1 tile's 16 warps, whose one program per SM stalls on each slot's routing).
 
   From the session-3 sweep (docs/kernels.md; Flint sizes, device us of gate_up + down):
   - BF16 M=1: gate_up bn64 bk256 w4 (13.0); down bn64 bk128 (7.7, against 10.8 with the old
@@ -574,7 +592,11 @@ def default_moe_tiling(fe: str, m: int) -> dict:
     ``method_down`` keys: the tile methods where they differ from the format's default.
   """
   methods = {}
-  if fe == "nvfp4" and m == 1:
+  if token and fe == "nvfp4" and m >= 5:
+    gu, dn = (16, 1024, 8, 2), (16, 512, 4, 2)
+  elif token:
+    return default_moe_tiling(fe, 1)
+  elif fe == "nvfp4" and m == 1:
     gu, dn = (16, 1024, 16, 2), (16, 512, 4, 2)
   elif fe == "nvfp4":
     gu, dn = (128, 256, 8, 3), (64, 128, 4, 3)
@@ -597,13 +619,16 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
             token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
-            down_shared_cols=None, combine=None, asm_down=None):
+            down_shared_cols=None, combine=None, asm_down=None, route_given=None,
+            shared_first=False):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
   reads the ids. coef [U, M] only for down_split=False. slot_rows: see ``moe_decode_routed``.
   gate_up_split_k, gate_up_counter, asm_down: see ``moe_decode_routed``. Returns (y / out, route,
-  counter) (counter None unless ``gate_up_counter`` was given).
+  counter) (counter None unless ``gate_up_counter`` was given). route_given (routed only): the
+  ``MoERoute`` computed outside (route_names/route_args then ["route_ids_in"] / [its ids]): the
+  gate_up kernel reads the ids, outputs no routing, and route_given is returned.
   y [U + 1, M, D] (down_split) or out [M, D]; MoERoute or None."""
   C.check(slot_rows in (None, "all", "token"),
           f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
@@ -627,7 +652,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   # NVFP4 token mode: the shared expert's M rows on CUDA-core rows tiles too (tensor-core tiles
   # at the NVFP4 M = 1 tiling (bn16, bk1024, 16 warps) made the call 4x slower at M = 2, run 25;
   # BF16's M = 1 tiling is the tensor-core one, where rows spills: 4.4 ms at M = 8, run 28)
-  tiling = default_moe_tiling(fe, 1 if token else m)
+  tiling = default_moe_tiling(fe, m, token=token)
   # NVFP4 M = 1: per-block sums (run 84: gate_up 8.77 / down 8.69 us in the step against 9.44 /
   # 8.87 for reduce)
   base_method = (NV.default_method(1, layout=layout) if nv_m1
@@ -709,6 +734,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   if route is not None:
     top_k = route[0]
     C.check(u == m * top_k, f"routed: {u=} slots != M * top_k = {m * top_k}")
+  if route is not None and route_given is None:
     names += ["route_ids", "route_logits"]
     out_shape += [jax.ShapeDtypeStruct((m, top_k), jnp.int32),
                   jax.ShapeDtypeStruct((m, top_k), jnp.float32)]
@@ -723,7 +749,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter,
       inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
       layout=layout, method=method, route=route, token_method=token_method, split_k=sk,
-      finish=finish, interpret=interpret)
+      finish=finish, shared_first=shared_first, interpret=interpret)
   tag += "_token" if token else ""
   res = C.pallas_call(
       kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
@@ -734,8 +760,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   )(*args)
   res = list(res)
   counter_out = res.pop() if finish else None
-  n_h = len(out_shape) - (2 if route is not None else 0) - finish   # the h / partial outputs
-  route_out = None if route is None else MoERoute(*res[n_h:])
+  n_h = len(out_shape) - (2 if route is not None and route_given is None else 0) - finish
+  route_out = (route_given if route_given is not None
+               else None if route is None else MoERoute(*res[n_h:]))
   # what the down kernel reads: h (unsplit, or finished by the last slice) or the partials
   down_parts = 1 if finish else sk
   h_parts = res[n_h - 2:n_h] if down_parts == 1 else res[:4]
@@ -800,7 +827,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
       method=method_down, split=down_split, route_top_k=None if route is None else route[0],
       token_method=token_method, gu_split_k=down_parts, shared_cols=down_shared_cols,
-      combine=combine_kw, interpret=interpret)
+      combine=combine_kw, shared_first=shared_first and down_split, interpret=interpret)
   if down_split:
     down_prefetch = tuple(down_prefetch)
     out_shape = [jax.ShapeDtypeStruct(((u + 1) * m, d), x.dtype)]
@@ -886,6 +913,15 @@ def _check_logits(logits, m, n_exp, top_k):
   C.check(1 <= top_k <= n_exp, f"need 1 <= top_k <= E, got {top_k=} {n_exp=}")
 
 
+def _route_inputs(logits, top_k, prerouted):
+  """(route_given, route_names, route_args) of the routed ``_launch``: the logits (top-k in the
+  gate_up kernel), or (``prerouted``) the ids of ``moe_topk_route``."""
+  if not prerouted:
+    return None, ["logits"], [logits]
+  given = moe_topk_route(logits, top_k=top_k)
+  return given, ["route_ids_in"], [given.ids]
+
+
 def _check_top_logits(top_logits, m) -> int:
   """Checks the selected logits [M, top_k] f32 (``MoERoute.logits``); returns top_k."""
   C.check(top_logits.ndim == 2 and top_logits.shape[0] == m and top_logits.shape[1] >= 1
@@ -895,8 +931,10 @@ def _check_top_logits(top_logits, m) -> int:
   return top_logits.shape[1]
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows", "token_method", "asm_down")
-                   + _TUNING)
+_ROUTED_KNOBS = ("top_k", "slot_rows", "token_method", "asm_down", "prerouted", "shared_first")
+
+
+@functools.partial(jax.jit, static_argnames=_ROUTED_KNOBS + _TUNING)
 def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: str | None = None,
                       token_method: str | None = None,
                       block_n: int | None = None, block_k: int | None = None,
@@ -909,6 +947,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       num_stages_down: int | None = None, gate_up_split_k: int | None = None,
                       gate_up_counter=None, down_prefetch=(),
                       down_shared_cols: int | None = None, asm_down: str | None = None,
+                      prerouted: bool = False, shared_first: bool = False,
                       interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls) and the routing.
 
@@ -945,26 +984,30 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   "mul", "post", ...); None = the one in effect (the gate_up kernel always uses that one).
   H200 run 91, batch 1: "post" down 8.39 us against 8.65 with "mul", while gate_up is slower
   with "post" (9.10 against 8.77), hence the separate knob.
+  ``prerouted``: the routing computed once by ``moe_topk_route`` (XLA's top_k, one more kernel)
+  instead of in every gate_up program (12 cross-warp reductions before its first weight load:
+  under 1 us at M = 1, but paid by every one of the token mode's thousands of programs at M = 8);
+  the outputs are the same. ``shared_first``: the shared expert's programs are launched first in
+  both kernels (at M > 1 on ``rows`` tiles they are the longest and would otherwise end last).
   """
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
   route = (top_k, n_exp, C.next_pow2(n_exp))
+  given, r_names, r_args = _route_inputs(logits, top_k, prerouted)
   y, route_out, counter = _launch(
-      x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, ["logits"],
-                 [logits], route=route, coef=None, down_split=True, block_n=block_n,
-                 block_k=block_k, block_n_down=block_n_down, decode=decode, layout=layout,
-                 unroll_slots=unroll_slots, method=method, method_down=method_down,
-                 num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                 block_k_down=block_k_down, num_warps_down=num_warps_down,
-                 num_stages_down=num_stages_down, slot_rows=slot_rows, token_method=token_method,
-                 gate_up_split_k=gate_up_split_k, gate_up_counter=gate_up_counter,
-                 down_prefetch=down_prefetch, down_shared_cols=down_shared_cols,
-                 asm_down=asm_down)
+      x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
+      route=route, route_given=given, shared_first=shared_first, coef=None, down_split=True,
+      block_n=block_n, block_k=block_k, block_n_down=block_n_down, decode=decode,
+      layout=layout, unroll_slots=unroll_slots, method=method, method_down=method_down,
+      num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+      block_k_down=block_k_down, num_warps_down=num_warps_down,
+      num_stages_down=num_stages_down, slot_rows=slot_rows, token_method=token_method,
+      gate_up_split_k=gate_up_split_k, gate_up_counter=gate_up_counter,
+      down_prefetch=down_prefetch, down_shared_cols=down_shared_cols, asm_down=asm_down)
   return (y, route_out) if gate_up_counter is None else (y, route_out, counter)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "slot_rows", "token_method", "counter_base",
-                                             "eps", "asm_down") + _TUNING)
+@functools.partial(jax.jit, static_argnames=("counter_base", "eps") + _ROUTED_KNOBS + _TUNING)
 def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               counter_base: int, eps: float = 1e-6, top_k: int = 6,
                               slot_rows: str | None = None, token_method: str | None = None,
@@ -978,7 +1021,8 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               num_stages_down: int | None = None,
                               gate_up_split_k: int | None = None,
                               down_shared_cols: int | None = None, down_prefetch=(),
-                              asm_down: str | None = None, interpret: bool = False):
+                              asm_down: str | None = None, prerouted: bool = False,
+                              shared_first: bool = False, interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its
@@ -989,15 +1033,18 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
   route = (top_k, n_exp, C.next_pow2(n_exp))
+  given, r_names, r_args = _route_inputs(logits, top_k, prerouted)
   (_, s_out, x_out, counter), route_out, _ = _launch(
-      x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, ["logits"], [logits],
-      route=route, coef=None, down_split=True, block_n=block_n, block_k=block_k,
-      block_n_down=block_n_down, decode=decode, layout=layout, unroll_slots=unroll_slots,
-      method=method, method_down=method_down, num_warps=num_warps, num_stages=num_stages,
-      interpret=interpret, block_k_down=block_k_down, num_warps_down=num_warps_down,
+      x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
+      route=route, route_given=given, shared_first=shared_first, coef=None, down_split=True,
+      block_n=block_n, block_k=block_k, block_n_down=block_n_down, decode=decode,
+      layout=layout, unroll_slots=unroll_slots, method=method, method_down=method_down,
+      num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+      block_k_down=block_k_down, num_warps_down=num_warps_down,
       num_stages_down=num_stages_down, slot_rows=slot_rows, token_method=token_method,
-      gate_up_split_k=gate_up_split_k, down_prefetch=down_prefetch, down_shared_cols=down_shared_cols,
-      combine=(h, w_next, counter, counter_base, eps), asm_down=asm_down)
+      gate_up_split_k=gate_up_split_k, down_prefetch=down_prefetch,
+      down_shared_cols=down_shared_cols, combine=(h, w_next, counter, counter_base, eps),
+      asm_down=asm_down)
   return s_out, x_out, route_out, counter
 
 

@@ -98,9 +98,9 @@ class DecodeOptions:
       M = 1 kernels) or None (the kernel's measured default: "token" for NVFP4 experts at batch
       2-4, "all" otherwise; at batch 2 the NVFP4 step takes 4.51 ms with "token" against 5.59
       with "all", at batch 8 12.34 against 9.49; run 28).
-    moe_prerouted: the routed MoE's top-k computed once per layer by XLA (`moe_topk_route`, one
-      more kernel) instead of in every gate_up program (`moe_decode_routed(prerouted=True)`).
-      None = off.
+    moe_prerouted: the routed MoE's top-k computed once per token by its own kernel
+      (`moe_topk_route_pallas`) instead of in every gate_up program
+      (`moe_decode_routed(prerouted=True)`). None = off.
     moe_shared_first: the routed MoE kernels launch the shared expert's programs first
       (`moe_decode_routed(shared_first=True)`). None = off.
     nvfp4_rows: at batch > 1, the NVFP4 q|k|v, o_proj, dense MLP and LM head GEMVs all use the

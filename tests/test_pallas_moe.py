@@ -18,6 +18,7 @@ from flint_jax.pallas import (MoERoute, add_rms_norm_reference, moe_block,
                               moe_route_weights, moe_router_logits, moe_topk_route)
 from flint_jax.pallas import _common as C
 from flint_jax.pallas.moe import moe_decode_routed_combine, moe_route, moe_slots
+from flint_jax.pallas.moe import moe_topk_route_pallas
 from flint_jax.pallas.testing import (assert_close, lower_for_h200, randn, random_moe_weights, rng,
                                      tie_logits)
 
@@ -312,6 +313,18 @@ def test_moe_decode_routed_prerouted_shared_first(fmt, m, slot_rows, prerouted, 
                                 np.asarray(used_rows(y0, 6), np.float32))
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
   assert_routed_close(y, ref, 6, mode, f"prerouted={prerouted} shared_first={shared_first}")
+
+
+@pytest.mark.parametrize("m,e,top_k,ties", [(1, 256, 6, False), (8, 256, 6, True),
+                                            (5, 20, 4, True), (3, 16, 16, False)])
+def test_moe_topk_route_pallas(m, e, top_k, ties):
+  """The one-program-per-token top-k kernel equals lax.top_k bit for bit (ids, lowest index
+  first among equal logits, and the selected logits), E not a power of two and top_k = E
+  included."""
+  gen = rng("topk", m, e, top_k, ties)
+  logits = tie_logits(gen, m, e) if ties else randn(gen, (m, e), jnp.float32)
+  assert_route_is_top_k(moe_topk_route_pallas(logits, top_k=top_k, interpret=INTERPRET),
+                        logits, top_k)
 
 
 @pytest.mark.parametrize("m,shared_cols", [(1, 1), (4, 2)])

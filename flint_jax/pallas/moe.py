@@ -98,7 +98,7 @@ ARN = sys.modules["flint_jax.pallas.add_rms_norm"]
 
 __all__ = ["moe_route", "moe_slots", "moe_decode", "moe_decode_reference", "moe_block",
            "moe_block_reference", "expert_format", "moe_router_logits", "moe_route_from_logits",
-           "MoERoute", "moe_topk_route", "moe_route_weights",
+           "MoERoute", "moe_topk_route", "moe_topk_route_pallas", "moe_route_weights",
            "moe_decode_routed", "moe_decode_routed_reference", "moe_decode_routed_combine",
            "moe_combine_add_rms_norm",
            "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
@@ -573,8 +573,9 @@ def _shapes(x, experts, shared):
 def default_moe_tiling(fe: str, m: int, token: bool = False) -> dict:
   """Tile sizes of the two MoE kernels for expert format ``fe`` and M tokens on an H200;
   ``token``: the per-token slots of ``slot_rows="token"`` (M = 1 tiles, except the NVFP4
-  gate_up at M >= 5: bn16 bk1024 with 8 warps, run 96: 180 us for both kernels at M = 8 against
-  288 with the M = 1 tile's 16 warps, whose one program per SM stalls on each slot's routing).
+  gate_up at M >= 5: bn16 bk512 with 4 warps; H200 runs 96 and 99, both kernels at M = 8: 288 us
+  on the M = 1 tile (bn16 bk1024, 16 warps), 180 with 8 warps; with the routing given and the
+  shared expert first 231 / 123, and **114.5** on bn16 bk512 w4).
 
   From the session-3 sweep (docs/kernels.md; Flint sizes, device us of gate_up + down):
   - BF16 M=1: gate_up bn64 bk256 w4 (13.0); down bn64 bk128 (7.7, against 10.8 with the old
@@ -593,7 +594,7 @@ def default_moe_tiling(fe: str, m: int, token: bool = False) -> dict:
   """
   methods = {}
   if token and fe == "nvfp4" and m >= 5:
-    gu, dn = (16, 1024, 8, 2), (16, 512, 4, 2)
+    gu, dn = (16, 512, 4, 2), (16, 512, 4, 2)
   elif token:
     return default_moe_tiling(fe, 1)
   elif fe == "nvfp4" and m == 1:
@@ -913,12 +914,12 @@ def _check_logits(logits, m, n_exp, top_k):
   C.check(1 <= top_k <= n_exp, f"need 1 <= top_k <= E, got {top_k=} {n_exp=}")
 
 
-def _route_inputs(logits, top_k, prerouted):
+def _route_inputs(logits, top_k, prerouted, interpret):
   """(route_given, route_names, route_args) of the routed ``_launch``: the logits (top-k in the
-  gate_up kernel), or (``prerouted``) the ids of ``moe_topk_route``."""
+  gate_up kernel), or (``prerouted``) the ids of ``moe_topk_route_pallas``."""
   if not prerouted:
     return None, ["logits"], [logits]
-  given = moe_topk_route(logits, top_k=top_k)
+  given = moe_topk_route_pallas(logits, top_k=top_k, interpret=interpret)
   return given, ["route_ids_in"], [given.ids]
 
 
@@ -984,8 +985,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   "mul", "post", ...); None = the one in effect (the gate_up kernel always uses that one).
   H200 run 91, batch 1: "post" down 8.39 us against 8.65 with "mul", while gate_up is slower
   with "post" (9.10 against 8.77), hence the separate knob.
-  ``prerouted``: the routing computed once by ``moe_topk_route`` (XLA's top_k, one more kernel)
-  instead of in every gate_up program (12 cross-warp reductions before its first weight load:
+  ``prerouted``: the routing computed once per token by ``moe_topk_route_pallas`` (one more
+  kernel) instead of in every gate_up program (12 cross-warp reductions before its first weight load:
   under 1 us at M = 1, but paid by every one of the token mode's thousands of programs at M = 8);
   the outputs are the same. ``shared_first``: the shared expert's programs are launched first in
   both kernels (at M > 1 on ``rows`` tiles they are the longest and would otherwise end last).
@@ -993,7 +994,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
   route = (top_k, n_exp, C.next_pow2(n_exp))
-  given, r_names, r_args = _route_inputs(logits, top_k, prerouted)
+  given, r_names, r_args = _route_inputs(logits, top_k, prerouted, interpret)
   y, route_out, counter = _launch(
       x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
       route=route, route_given=given, shared_first=shared_first, coef=None, down_split=True,
@@ -1033,7 +1034,7 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
   route = (top_k, n_exp, C.next_pow2(n_exp))
-  given, r_names, r_args = _route_inputs(logits, top_k, prerouted)
+  given, r_names, r_args = _route_inputs(logits, top_k, prerouted, interpret)
   (_, s_out, x_out, counter), route_out, _ = _launch(
       x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
       route=route, route_given=given, shared_first=shared_first, coef=None, down_split=True,
@@ -1202,6 +1203,33 @@ def moe_topk_route(logits, *, top_k: int = 6) -> MoERoute:
   contract (the ids and selected logits ``moe_decode_routed`` returns)."""
   top, ids = lax.top_k(logits, top_k)
   return MoERoute(ids.astype(jnp.int32), top)
+
+
+def _topk_kernel(l_ref, ids_ref, lg_ref, *, top_k, n_exp, ep):
+  t = pl.program_id(0)
+  for j, (e, lg) in enumerate(_topk_logits(l_ref, t, top_k, n_exp, ep)):
+    ids_ref[t, j] = e
+    lg_ref[t, j] = lg
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "num_warps", "interpret"))
+def moe_topk_route_pallas(logits, *, top_k: int = 6, num_warps: int = 1,
+                          interpret: bool = False) -> MoERoute:
+  """``moe_topk_route`` as one Pallas kernel (one program per token: the gate_up kernel's
+  in-kernel top-k, ``_topk_logits``, run once per token): the routing ``moe_decode_routed(
+  prerouted=True)`` hands its kernels, in one launch where XLA's top_k takes three.
+  logits f32 [M, E] -> ``MoERoute(ids [M, top_k] int32, logits [M, top_k] f32)``, equal to
+  ``moe_topk_route``'s (ties: lowest index first)."""
+  m, n_exp = logits.shape
+  _check_logits(logits, m, n_exp, top_k)
+  ids, top = C.pallas_call(
+      functools.partial(_topk_kernel, top_k=top_k, n_exp=n_exp, ep=C.next_pow2(n_exp)),
+      grid=(m,),
+      out_shape=(jax.ShapeDtypeStruct((m, top_k), jnp.int32),
+                 jax.ShapeDtypeStruct((m, top_k), jnp.float32)),
+      compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,
+      name=f"flint_moe_topk_e{n_exp}_k{top_k}")(logits)
+  return MoERoute(ids, top)
 
 
 def moe_route_weights(top_logits):

@@ -95,14 +95,17 @@ class DecodeOptions:
       program per (row, KV head) that normalises itself: no merge kernel.
     moe_slot_rows: `moe_decode_routed`'s ``slot_rows`` at batch > 1: "all" (every routed slot's
       expert times all rows, tensor-core tiles), "token" (each slot times its own token only, the
-      M = 1 kernels) or None (the kernel's measured default: "token" for NVFP4 experts at batch
-      2-4, "all" otherwise; at batch 2 the NVFP4 step takes 4.51 ms with "token" against 5.59
-      with "all", at batch 8 12.34 against 9.49; run 28).
+      M = 1 kernels) or None (the kernel's measured default, `moe.default_slot_rows`: "token" for
+      NVFP4 experts at batch > 1, "all" otherwise; at batch 2 the NVFP4 step took 4.51 ms with
+      "token" against 5.59 with "all", run 28; with the two options below on, batch 8 7.20
+      against 8.16 ms and batch 4 4.98 against 5.84, run 100).
     moe_prerouted: the routed MoE's top-k computed once per token by its own kernel
       (`moe_topk_route_pallas`) instead of in every gate_up program
-      (`moe_decode_routed(prerouted=True)`). None = off.
+      (`moe_decode_routed(prerouted=True)`). None = the kernel's default: on with per-token
+      slots at batch > 1.
     moe_shared_first: the routed MoE kernels launch the shared expert's programs first
-      (`moe_decode_routed(shared_first=True)`). None = off.
+      (`moe_decode_routed(shared_first=True)`). None = the kernel's default: on with per-token
+      slots at batch > 1.
     nvfp4_rows: at batch > 1, the NVFP4 q|k|v, o_proj, dense MLP and LM head GEMVs all use the
       CUDA-core ``rows`` tiles (one decode, one row sum per token) instead of the kernels'
       defaults. Off: at batch 8 the step is slower (16.1 against 9.5 ms, run 25); the q|k|v
@@ -526,8 +529,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         bf16_dense_pallas = opts.bf16_dense_pallas_at(b)
         moe_kw = dict(slot_rows=opts.moe_slot_rows if b > 1 else None,
                       down_shared_cols=opts.moe_down_shared_cols,
-                      prerouted=bool(opts.moe_prerouted),
-                      shared_first=bool(opts.moe_shared_first))
+                      prerouted=opts.moe_prerouted, shared_first=opts.moe_shared_first)
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method
@@ -535,7 +537,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             moe_kw["asm_down"] = opts.nvfp4_asm_at("moe_down")
         # nvfp4_swap=False: session 11's mma.sync tiles where the kernels now pick swap-AB
         swap_off = b > 1 and opts.nvfp4_swap is False
-        all_rows = opts.moe_slot_rows == "all" or (opts.moe_slot_rows is None and b > 4)
+        all_rows = opts.moe_slot_rows == "all"   # NVFP4 experts: "token" by default at b > 1
         if swap_off and moe_quant and not nv_method and all_rows:
             moe_kw["method"] = "dot"
             moe_kw.update(block_n=64, block_k=256, num_warps=4, num_stages=3)

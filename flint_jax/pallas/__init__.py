@@ -12,7 +12,7 @@ numerical contract of the kernel and the XLA fallback):
 | | that load their weights first and wait on a device-side counter |
 | ``nvfp4_gemv`` | ``nvfp4_gemv``, ``nvfp4_gemv_silu_mul``: W4A16 GEMV on the half-split layout |
 | ``moe`` | ``moe_route`` (XLA), ``moe_decode``, ``moe_block``: expert-indexed MoE decode; |
-| | ``moe_block_add_rms_norm``: routing in-kernel + fused combine/add/norm (4 launches) |
+| | ``moe_block_add_rms_norm``: routing in-kernel + fused combine/add/norm (4 launches; 5 for NVFP4 at M > 1: the top-k kernel) |
 | ``decode_attention`` | ``decode_attention``: split-KV sink-softmax attention, full or ring cache |
 | ``qk_norm_rope`` | ``qk_norm_rope``: per-head q/k RMSNorm + NeoX RoPE + KV-cache write |
 | ``attention_block`` | ``qk_norm_rope_attention``: ``qk_norm_rope`` fused into the attention |

@@ -100,7 +100,7 @@ __all__ = ["moe_route", "moe_slots", "moe_decode", "moe_decode_reference", "moe_
            "moe_block_reference", "expert_format", "moe_router_logits", "moe_route_from_logits",
            "MoERoute", "moe_topk_route", "moe_topk_route_pallas", "moe_route_weights",
            "moe_decode_routed", "moe_decode_routed_reference", "moe_decode_routed_combine",
-           "moe_combine_add_rms_norm",
+           "moe_combine_add_rms_norm", "default_slot_rows",
            "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
            "moe_block_add_rms_norm_reference"]
 
@@ -570,6 +570,28 @@ def _shapes(x, experts, shared):
   return fe, fs, m, d, e, i2 // 2, inter_s
 
 
+def default_slot_rows(fe: str, m: int) -> str:
+  """``slot_rows`` of the routed MoE for expert format ``fe`` at M tokens: "token" for NVFP4
+  experts at M >= 2, "all" otherwise. H200, Flint sizes, gate_up + down (runs 28-29, 99): NVFP4
+  "token" 37.8 / 52.7 / 74.9 us at M = 2 / 3 / 4 against 59.5 / 78.9 / 87.7 for "all"; at M = 8
+  "token" lost (192 against 133.5) until the routing moved out of its programs and the shared
+  expert's programs went first (``prerouted``, ``shared_first``, on with it by default): 114.5
+  against 163; in the step (run 100) NVFP4 8x1K 7.20 against 8.16 ms, 4x1K 4.98 against 5.84.
+  BF16: equal at M = 8 (86 / 88 us), "all"."""
+  return "token" if fe == "nvfp4" and m >= 2 else "all"
+
+
+def _routed_defaults(fe, m, slot_rows, prerouted, shared_first):
+  """(slot_rows, prerouted, shared_first) with the defaults filled in: the per-token slots at
+  M > 1 get the routing from ``moe_topk_route_pallas`` and the shared expert's programs first
+  (their thousands of programs would each run the 12-reduction top-k before any weight load,
+  and the shared expert's M rows on ``rows`` tiles are the longest programs)."""
+  slot_rows = slot_rows or default_slot_rows(fe, m)
+  token = m > 1 and slot_rows == "token"
+  return (slot_rows, token if prerouted is None else prerouted,
+          token if shared_first is None else shared_first)
+
+
 def default_moe_tiling(fe: str, m: int, token: bool = False) -> dict:
   """Tile sizes of the two MoE kernels for expert format ``fe`` and M tokens on an H200;
   ``token``: the per-token slots of ``slot_rows="token"`` (M = 1 tiles, except the NVFP4
@@ -634,11 +656,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   C.check(slot_rows in (None, "all", "token"),
           f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
   C.check(slot_rows != "token" or route is not None, "slot_rows='token' needs the routed path")
-  if slot_rows is None:
-    # NVFP4 gate_up + down, Flint sizes (runs 28-29): "token" 37.8 / 52.7 / 74.9 us at M = 2 / 3 /
-    # 4 against 59.5 / 78.9 / 87.7 for "all"; at M = 8 "all" wins, 133.5 against 192 (M = 5-7
-    # not measured: "all"). BF16: equal at M = 8 (86 / 88 us), "all".
-    slot_rows = "token" if fe == "nvfp4" and 2 <= m <= 4 else "all"
+  slot_rows = slot_rows or default_slot_rows(fe, m)
   token = route is not None and m > 1 and slot_rows == "token"
   C.check(token_method is None or token,
           f"token_method={token_method!r} needs slot_rows='token' at M > 1 on the routed path")
@@ -948,7 +966,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       num_stages_down: int | None = None, gate_up_split_k: int | None = None,
                       gate_up_counter=None, down_prefetch=(),
                       down_shared_cols: int | None = None, asm_down: str | None = None,
-                      prerouted: bool = False, shared_first: bool = False,
+                      prerouted: bool | None = None, shared_first: bool | None = None,
                       interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls) and the routing.
 
@@ -966,9 +984,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   ``slot_rows`` (M > 1): ``"all"`` multiplies every slot's expert with all M tokens
   (tensor-core tiles); ``"token"`` only with the slot's own token, as M * top_k GEMVs at M = 1
   with the M = 1 tiling (NVFP4: the CUDA-core decode, the shared expert on ``rows`` tiles).
-  Weight bytes are the same either way. None: the measured choice, "token" for NVFP4 experts at
-  M = 2..4 (H200, Flint sizes, gate_up + down: 37.8 / 52.7 / 74.9 us against 59.5 / 78.9 / 87.7),
-  "all" otherwise (NVFP4 M = 8: 133.5 against 192; BF16 M = 8: 86 against 88).
+  Weight bytes are the same either way. None: the measured choice, ``default_slot_rows`` ("token"
+  for NVFP4 experts at M >= 2, "all" otherwise).
   Tuning knobs as ``moe_decode`` (split down kernel only). ``gate_up_counter`` (with
   ``gate_up_split_k`` > 1): int32 zeros [>= the gate_up kernel's programs]; the gate_up kernel
   then finishes h itself (the last K slice of each tile sums the partials) and the down kernel
@@ -986,14 +1003,19 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   H200 run 91, batch 1: "post" down 8.39 us against 8.65 with "mul", while gate_up is slower
   with "post" (9.10 against 8.77), hence the separate knob.
   ``prerouted``: the routing computed once per token by ``moe_topk_route_pallas`` (one more
-  kernel) instead of in every gate_up program (12 cross-warp reductions before its first weight load:
-  under 1 us at M = 1, but paid by every one of the token mode's thousands of programs at M = 8);
-  the outputs are the same. ``shared_first``: the shared expert's programs are launched first in
-  both kernels (at M > 1 on ``rows`` tiles they are the longest and would otherwise end last).
+  kernel) instead of in every gate_up program (12 cross-warp reductions before its first weight
+  load: under 1 us at M = 1, but paid by every one of the token mode's thousands of programs at
+  M = 8); the outputs are the same. ``shared_first``: the shared expert's programs are launched
+  first in both kernels (at M > 1 on ``rows`` tiles they are the longest and would otherwise end
+  last). None (both): on with per-token slots at M > 1 (``_routed_defaults``; H200 run 99, NVFP4
+  M = 8 token mode: 185 us, 172 with the routing given, 139 with the shared expert first, 123
+  with both).
   """
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
   route = (top_k, n_exp, C.next_pow2(n_exp))
+  slot_rows, prerouted, shared_first = _routed_defaults(fe, m, slot_rows, prerouted,
+                                                        shared_first)
   given, r_names, r_args = _route_inputs(logits, top_k, prerouted, interpret)
   y, route_out, counter = _launch(
       x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
@@ -1022,8 +1044,8 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               num_stages_down: int | None = None,
                               gate_up_split_k: int | None = None,
                               down_shared_cols: int | None = None, down_prefetch=(),
-                              asm_down: str | None = None, prerouted: bool = False,
-                              shared_first: bool = False, interpret: bool = False):
+                              asm_down: str | None = None, prerouted: bool | None = None,
+                              shared_first: bool | None = None, interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its
@@ -1034,6 +1056,8 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
   route = (top_k, n_exp, C.next_pow2(n_exp))
+  slot_rows, prerouted, shared_first = _routed_defaults(fe, m, slot_rows, prerouted,
+                                                        shared_first)
   given, r_names, r_args = _route_inputs(logits, top_k, prerouted, interpret)
   (_, s_out, x_out, counter), route_out, _ = _launch(
       x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,

@@ -55,7 +55,11 @@ Routed path, 4 launches per MoE layer (``moe_block_add_rms_norm``; the old path 
    kernel loads its slot's id from ``route.ids`` (the top-k is computed once, in gate_up; the
    down kernel is launched after it). No de-duplication: slot u = t * top_k + j is token t's
    j-th expert, all U = M * top_k slots live. Returns ``(y, route)``: y [U + 1, M, D] bf16
-   (last = shared expert) and the ``MoERoute``.
+   (last = shared expert) and the ``MoERoute``. NVFP4 experts at M > 1 (the default since
+   session 15): each slot multiplies only its own token (``slot_rows="token"``, M = 1 tiles),
+   the top-k runs once per token in its own kernel first (``moe_topk_route_pallas``,
+   ``prerouted``: thousands of gate_up programs would each repeat it), and the shared
+   expert's programs are launched first (``shared_first``): 5 launches per layer.
 4. ``moe_combine_add_rms_norm(h, y, route.logits, w_norm)``: one program per token loads its
    top_k selected logits, forms the weights w_j = sigmoid(l_j) / sum sigmoid (fp32),
    ``moe = bf16(sum_j w_j y_j + y_s)`` in top-k order, ``s = bf16(h + moe)`` and ``x_next`` with

@@ -972,7 +972,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       down_shared_cols: int | None = None, asm_down: str | None = None,
                       prerouted: bool | None = None, shared_first: bool | None = None,
                       interpret: bool = False):
-  """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls) and the routing.
+  """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls; 3 with ``prerouted``,
+  the default for NVFP4 experts at M > 1) and the routing.
 
   logits: router logits f32 [M, E] (``moe_router_logits``). Slot u = t * top_k + j is token t's
   j-th expert in ``lax.top_k`` order (no de-duplication). The gate_up kernel computes each

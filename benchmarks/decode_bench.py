@@ -247,6 +247,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     `moe_slot_rows` forced to "all" / "token"), "pallas_tokpre" / "pallas_tokpresf" /
     "pallas_allpresf" (`moe_slot_rows` "token" / "all" with `moe_prerouted`, and
     `moe_shared_first`), "pallas_nopresf" (both off: the batch 2-4 default before run 100),
+    "pallas_shtok" (`moe_shared_rows="token"`: the shared expert per token on the M = 1 tiles),
     "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
     the NVFP4 GEMVs at batch > 1), "pallas_lanes" / "pallas_reduce" / "pallas_blocks" (`nvfp4_m1_method`: the
     NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" / "blocks" tile method), "pallas_rin"
@@ -299,6 +300,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "allpresf": DecodeOptions(moe_slot_rows="all", moe_prerouted=True,
                                          moe_shared_first=True),
                "nopresf": DecodeOptions(moe_prerouted=False, moe_shared_first=False),
+               "shtok": DecodeOptions(moe_shared_rows="token"),
                "rows": DecodeOptions(nvfp4_rows=True),
                "rin": DecodeOptions(router_in_norm=True),
                "norin": DecodeOptions(router_in_norm=False),

@@ -1481,6 +1481,29 @@ def m8pre_cases(variants):
                                  wrap=_used_rows)
 
 
+SHTOK = {
+    8: [{}, _tok(shared_rows="token")]
+       + [_tok(gu=t, shared_rows="token") for t in [(16, 1024, 16, 2), (16, 1024, 8, 2),
+                                                    (16, 512, 8, 2), (16, 2048, 16, 1),
+                                                    (32, 1024, 16, 2)]]
+       + [_tok(dn=t, shared_rows="token") for t in [(16, 512, 8, 2), (32, 512, 4, 2),
+                                                    (16, 256, 4, 2)]],
+    4: [{}, _tok(shared_rows="token"), _tok(gu=(16, 512, 4, 2), shared_rows="token")],
+    2: [{}, _tok(shared_rows="token"), _tok(gu=(16, 512, 4, 2), shared_rows="token")],
+}
+
+
+def shtok_cases(variants):
+  """Session 15: the routed NVFP4 MoE at M = 8 / 4 / 2 with the shared expert per token on the
+  M = 1 tiles (``shared_rows="token"``: no ``rows`` tile, whose [M, BN, BK] products gave the
+  gate_up a 6.6 KB stack frame and the down kernel 137 registers) against the default, and its
+  tiles; block scales pre-scaled."""
+  if variants:
+    return
+  yield from _routed_nvfp4_cases("shtok", (8, 4, 2), lambda m: _kw_variants(SHTOK[m]),
+                                 wrap=_used_rows)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
@@ -1492,7 +1515,7 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "m8swap": m8swap_cases, "blocks": blocks_cases,
           "post": post_cases, "m8token": m8token_cases,
           "m8diag": m8diag_cases, "m8diag2": m8diag2_cases,
-          "m8pre": m8pre_cases}
+          "m8pre": m8pre_cases, "shtok": shtok_cases}
 
 
 # ------------------------------------------------------------------------------------------

@@ -106,6 +106,10 @@ class DecodeOptions:
     moe_shared_first: the routed MoE kernels launch the shared expert's programs first
       (`moe_decode_routed(shared_first=True)`). None = the kernel's default: on with per-token
       slots at batch > 1.
+    moe_shared_rows: `moe_decode_routed`'s ``shared_rows`` at batch > 1 with per-token slots:
+      "token" runs the shared expert as one program per (token, row block) on the M = 1 tiles
+      too; None / "all": one program per row block for all rows (the default; "token" not yet
+      timed).
     nvfp4_rows: at batch > 1, the NVFP4 q|k|v, o_proj, dense MLP and LM head GEMVs all use the
       CUDA-core ``rows`` tiles (one decode, one row sum per token) instead of the kernels'
       defaults. Off: at batch 8 the step is slower (16.1 against 9.5 ms, run 25); the q|k|v
@@ -211,6 +215,7 @@ class DecodeOptions:
     moe_slot_rows: str | None = None
     moe_prerouted: bool | None = None
     moe_shared_first: bool | None = None
+    moe_shared_rows: str | None = None
     nvfp4_rows: bool = False
     nvfp4_m1_method: str | None = None
     bf16_dense_pallas: bool | None = None
@@ -313,6 +318,9 @@ class DecodeOptions:
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"DecodeOptions.{name} must be a power of two >= 1, got "
                                  f"{value!r}")
+        if self.moe_shared_rows not in (None, "all", "token"):
+            raise ValueError("DecodeOptions.moe_shared_rows must be None|'all'|'token', got "
+                             f"{self.moe_shared_rows!r}")
         if self.moe_slot_rows not in (None, "all", "token"):
             raise ValueError("DecodeOptions.moe_slot_rows must be None|'all'|'token', got "
                              f"{self.moe_slot_rows!r}")
@@ -530,6 +538,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         moe_kw = dict(slot_rows=opts.moe_slot_rows if b > 1 else None,
                       down_shared_cols=opts.moe_down_shared_cols,
                       prerouted=opts.moe_prerouted, shared_first=opts.moe_shared_first)
+        if opts.moe_shared_rows is not None and b > 1:
+            moe_kw["shared_rows"] = opts.moe_shared_rows
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method

@@ -36,12 +36,14 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            "rows": DecodeOptions(nvfp4_rows=True),
            # the routing once per layer (XLA top_k), the shared expert's programs first
            "tokpresf": DecodeOptions(moe_slot_rows="token", moe_prerouted=True,
-                                     moe_shared_first=True)}
+                                     moe_shared_first=True),
+           # the shared expert per token on the M = 1 tiles too
+           "shtok": DecodeOptions(moe_shared_rows="token")}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
          ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
          ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait"),
          ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "tokrows"), ("nvfp4", "rows"),
-         ("nvfp4", "tokpresf")]
+         ("nvfp4", "tokpresf"), ("nvfp4", "shtok")]
 
 
 def assert_generate_equal(fmt, seed, options, rows, max_new_tokens, cfg=None):
@@ -181,6 +183,7 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(qkv_wait=True, moe="slots"), "qkv_wait needs"),
     (dict(ring_splits=0), "power of two"),
     (dict(moe_slot_rows="tokens"), "moe_slot_rows"),
+    (dict(moe_shared_rows="tokens"), "moe_shared_rows"),
     (dict(nvfp4_m1_method="rows"), "nvfp4_m1_method"),
     (dict(qkv_split_k=3), "qkv_split_k"),
     (dict(early_trigger="some"), "early_trigger"),

@@ -217,6 +217,10 @@ def test_moe_routed_lowers(fmt, m):
   if m > 1:   # the other slot_rows mode (the default at M = 8 is "all" for both formats)
     lower(functools.partial(moe_decode_routed, slot_rows="token"), S((m, D), BF), S((m, E), F32),
           experts, shared)
+  if fmt == "nvfp4" and m > 1:   # the shared expert per token on the M = 1 tiles too
+    text = lower(functools.partial(moe_decode_routed, shared_rows="token"), S((m, D), BF),
+                 S((m, E), F32), experts, shared)
+    assert "flint_moe_gate_up_routed_token" in text
   # the routing given (XLA's top_k) and the shared expert's programs first
   text = lower(functools.partial(moe_decode_routed, prerouted=True, shared_first=True,
                                  slot_rows="token" if m > 1 else None),

@@ -349,6 +349,58 @@ def test_moe_decode_routed_combine_prerouted_shared_first(m, shared_cols):
   assert not np.asarray(counter).any(), "the counter entries must come back zeroed"
 
 
+@pytest.mark.parametrize("fmt,m,shared_first,prerouted", [
+    ("nvfp4", 8, True, True), ("nvfp4", 3, False, False), ("bf16", 5, True, False)])
+def test_moe_decode_routed_shared_rows_token(fmt, m, shared_first, prerouted):
+  """The shared expert as one program per (token, row block) on the M = 1 tiles
+  (``shared_rows="token"``, with per-token slots) against the reference, and the routed slots'
+  rows bit-identical to the call with the shared expert on one program per row block."""
+  _, experts, shared, x, _, logits = _routed_case(fmt, m, 32, 6, 256, 128, 256, False,
+                                                  f"sht{shared_first}{prerouted}")
+  kw = dict(top_k=6, decode=DECODE, slot_rows="token", shared_first=shared_first,
+            prerouted=prerouted, interpret=INTERPRET)
+  y, route = moe_decode_routed(x, logits, experts, shared, shared_rows="token", **kw)
+  y0, _ = moe_decode_routed(x, logits, experts, shared, **kw)
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
+  assert_route_is_top_k(route, logits, 6)
+  assert_routed_close(y, ref, 6, "token", f"shared_rows=token {fmt} M={m}")
+  n = m * 6
+  np.testing.assert_array_equal(np.asarray(used_rows(y, 6)[:n], np.float32),
+                                np.asarray(used_rows(y0, 6)[:n], np.float32))
+
+
+def test_moe_decode_routed_combine_shared_rows_token():
+  """The down kernel's combine waits for all M shared-expert programs of each column block:
+  (s, x_next) equal the 3-launch composition's on the same y."""
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", 4, 16, 3, 256, 64, 128, False, "cst")
+  gen = rng("cst-h")
+  h = randn(gen, (4, 256))
+  w_next = randn(gen, (256,)) + 1.0
+  kw = dict(top_k=3, decode=DECODE, interpret=INTERPRET, block_n_down=32, slot_rows="token",
+            shared_rows="token")
+  y, route = moe_decode_routed(x, logits, experts, shared, **kw)
+  s_want, x_want = moe_combine_add_rms_norm(h, y, route.logits, w_next, interpret=INTERPRET)
+  counter = jnp.zeros((64,), jnp.int32)
+  s_got, x_got, _, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next,
+                                                       counter, counter_base=20, **kw)
+  np.testing.assert_array_equal(np.asarray(s_got, np.float32), np.asarray(s_want, np.float32))
+  if INTERPRET:
+    np.testing.assert_array_equal(np.asarray(x_got, np.float32), np.asarray(x_want, np.float32))
+  else:
+    assert_close(x_got, x_want, what="x_next")
+  assert not np.asarray(counter).any(), "the counter entries must come back zeroed"
+
+
+def test_moe_decode_routed_rejects_bad_shared_rows():
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", 4, 16, 2, 128, 64, 64, False, "bsr")
+  for kw, match in [(dict(slot_rows="all", shared_rows="token"), "needs slot_rows='token'"),
+                    (dict(slot_rows="token", shared_rows="token", down_shared_cols=2),
+                     "down_shared_cols None"),
+                    (dict(shared_rows="tokens"), "shared_rows must be")]:
+    with pytest.raises(ValueError, match=match):
+      moe_decode_routed(x, logits, experts, shared, top_k=2, interpret=True, **kw)
+
+
 def test_moe_decode_routed_rejects_bad_token_method():
   _, experts, shared, x, _, logits = _routed_case("nvfp4", 4, 16, 2, 128, 64, 64, False, "btm")
   with pytest.raises(ValueError, match="needs slot_rows='token'"):

@@ -59,9 +59,9 @@ for base in sys.argv[1:]:
   open(base + ".sass", "w").write(sass)
   res = subprocess.run([BIN + "/cuobjdump", "-res-usage", base + ".cubin"], capture_output=True,
                        text=True).stdout
-  r = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", res, re.S)
-  print(json.dumps(dict(base=base, regs=int(r.group(1)), shared=int(r.group(2)),
-                        local=int(r.group(3)))))
+  r = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", res, re.S)
+  print(json.dumps(dict(base=base, regs=int(r.group(1)), stack=int(r.group(2)),
+                        shared=int(r.group(3)), local=int(r.group(4)))))
 '''
 
 
@@ -164,7 +164,8 @@ def main():
   for base, c in bases:
     st = stats[base]
     print(f"{c['name']}: grid {c['grid']} warps {c['num_warps']} stages {c['num_stages']} "
-          f"regs {st['regs']} spill (local) {st['local']} B shared {st['shared']} B")
+          f"regs {st['regs']} stack {st['stack']} B (spills: LDL / STL) local {st['local']} B "
+          f"shared {st['shared']} B")
     with open(base + ".sass") as f:
       for n_ins, ops in loop_histograms(f.read()):
         top = ", ".join(f"{op} {cnt}" for op, cnt in ops.most_common(12))

@@ -265,14 +265,17 @@ def _slot_route(l_ref, u, route):
 
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
                     decode, layout, method, route=None, token_method=None, split_k=1,
-                    finish=False, shared_first=False, interpret=False):
+                    finish=False, shared_first=False, shared_token=False, interpret=False):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
   ``route_ids`` / ``route_logits`` [u // top_k, u % top_k]; with a ``route_ids_in`` input
   (``prerouted``) slot u's expert is ``route_ids_in[u // top_k, u % top_k]`` instead (no top-k,
   nothing stored). shared_first: the shared expert's programs take the first program ids (they
-  are launched first, so their longer work does not trail the routed slots').
+  are launched first, so their longer work does not trail the routed slots'). shared_token (with
+  token_method): the shared expert as M one-token parts too, one program per (token, row
+  block) on the ``token_method`` tile writing hs [M, 1, I_s] row t; otherwise one program per
+  row block for all M rows (``method``).
   token_method (routed only): slot u multiplies only its own token t = u // top_k (x row t, the
   tile method ``token_method`` at M = 1) and writes h [U, 1, I]; otherwise all M rows.
   split_k > 1 (bf16): grid axis 1 is the K slice s; the program writes fp32 partial g and u
@@ -287,8 +290,12 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   ks = pl.program_id(1) if split_k > 1 else 0
   n_i = inter // bn
   n_routed = n_slots_max * n_i
-  n_shared = inter_s // bn
+  n_sj = inter_s // bn                     # the shared expert's row blocks
+  n_shared = n_sj * (m if shared_token else 1)
   xs = (r["x"], r["x5"])
+  # one token's row of x as a one-row operand (x viewed as [M, 1, D]), on the M = 1 tiles
+  token_operand = lambda t: dict(xs=(r["xt"], r["xt5"]), x_idx=(t,), m=1,  # noqa: E731
+                                 mp=C.pad_rows(1), method=token_method)
 
   def gemv2(wg, wu, w_idx, ng, nu, fmt, step, xs=xs, x_idx=(), m=m, mp=mp, method=method):
     def body(i, carry):
@@ -332,9 +339,8 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     j = p % n_i
     if token_method is None:
       operand = dict(xs=xs, x_idx=(), m=m, mp=mp, method=method)
-    else:      # x viewed as [M, 1, D]: token t's row is a one-row operand
-      operand = dict(xs=(r["xt"], r["xt5"]), x_idx=(u // route[0],), m=1, mp=C.pad_rows(1),
-                     method=token_method)
+    else:      # slot u's token only
+      operand = token_operand(u // route[0])
 
     def slot():
       if route is None:
@@ -365,16 +371,21 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
 
   def shared():
     j = pid if shared_first else pid - n_routed
+    if shared_token:     # part j: token j // n_sj, row block j % n_sj
+      operand, lead = token_operand(j // n_sj), (j // n_sj,)
+      j = j % n_sj
+    else:
+      operand, lead = dict(xs=xs, x_idx=(), m=m, mp=mp, method=method), ()
     if fs == "bf16":
       wg, wu = [r["sg_w"]], [r["su_w"]]
     else:
       wg, wu = [r["sg_q"], r["sg_s"]], [r["su_q"], r["su_s"]]
-    ag, au = gemv2(wg, wu, (), j * bn, j * bn, fs, bk_s)
+    ag, au = gemv2(wg, wu, (), j * bn, j * bn, fs, bk_s, **operand)
     if fs == "nvfp4":
       f = NV.decode_factor(decode)
       ag = ag * (r["sg_s2"][0] * f)
       au = au * (r["su_s2"][0] * f)
-    store_h("hs", (), ag, au, j * bn, m, mp, method)
+    store_h("hs", lead, ag, au, j * bn, operand["m"], operand["mp"], operand["method"])
 
   if shared_first:
     lax.cond(pid < n_shared, shared, routed)
@@ -385,7 +396,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
                  decode, layout, unroll, method, split, route_top_k=None, token_method=None,
                  gu_split_k=1, shared_cols=1, combine=None, shared_first=False,
-                 interpret=False):
+                 shared_token=False, interpret=False):
   """split=False: grid (D/BN,), every slot + shared + combine in one program, out [M, D].
   split=True: grid (D/BN, slots + 1), one (slot | shared) per program, y [(slots + 1) * M, D]
   bf16 (the caller's [slots + 1, M, D]; the combine is one XLA fusion, or
@@ -404,7 +415,10 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
   (``base + 1 + block``); the last of a block counts the block done on entry ``base``; the last
   block's program reads all of y back (volatile) and writes (s, x) for every token. Each entry
   returns to zero, so the counters are zeros again after the call. shared_first (split only):
-  the shared expert's programs are grid rows 0 .. shared_cols - 1, the slots' after them."""
+  the shared expert's programs are grid rows 0 .. shared_cols - 1, the slots' after them.
+  shared_token (split, with token_method): hs arrives as [M, 1, I_s] and the shared expert's
+  part q (grid row slots + q, q < M) computes token q's row on the ``token_method`` tile (grid
+  (D/BN, slots + M); shared_cols must be 1)."""
   r = dict(zip(names, refs))
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   dt = r["out"].dtype
@@ -435,13 +449,18 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
       return a + C.mm_tile(x, w, method_)
     return step
 
-  def shared_y(n0=n0, bn=bn):   # y_s = bf16(hs . Wd^T * scale_2), columns n0 .. n0 + bn
+  def shared_y(n0=n0, bn=bn, t=None):
+    """y_s = bf16(hs . Wd^T * scale_2), columns n0 .. n0 + bn: all M rows, or (shared_token)
+    token t's row."""
     wsd = [r["sd_w"]] if fs == "bf16" else [r["sd_q"], r["sd_s"]]
     hs = (r["hs"], r["hs5"]) if gu_split_k == 1 else None
+    lead, m_, mp_, method_ = ((), m, mp, method) if t is None else ((t,), m_u, mp_u, method_u)
+    kw_s = dict(kw, method=method_)
     body = (parts_dot("hs", (), m, mp, r["sd_w"], (), bk_s, method, n0, bn) if gu_split_k > 1
-            else lambda i, a: _tile_dot(fs, hs, (), m, mp, wsd, (), n0, bn, i, bk_s, a, **kw))
-    acc = lax.fori_loop(0, inter_s // bk_s, body, _acc_zeros(fs, mp, bn, bk_s, method))
-    acc = C.finish_acc(acc, method)
+            else lambda i, a: _tile_dot(fs, hs, lead, m_, mp_, wsd, (), n0, bn, i, bk_s, a,
+                                        **kw_s))
+    acc = lax.fori_loop(0, inter_s // bk_s, body, _acc_zeros(fs, mp_, bn, bk_s, method_))
+    acc = C.finish_acc(acc, method_)
     if fs == "nvfp4":
       acc = acc * (r["sd_s2"][0] * NV.decode_factor(decode))
     return acc.astype(dt)
@@ -465,8 +484,9 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
 
   if split:
     s_pid = pl.program_id(1)
+    n_sh = m if shared_token else shared_cols    # the shared expert's programs per column block
     # the slot (or, from n_slots_max on, the shared expert's part) of this program
-    s_id = (jnp.where(s_pid < shared_cols, n_slots_max + s_pid, s_pid - shared_cols)
+    s_id = (jnp.where(s_pid < n_sh, n_slots_max + s_pid, s_pid - n_sh)
             if shared_first else s_pid)
 
     def routed():
@@ -478,6 +498,11 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
       C.store_tile(r["out"], (), y, n0, bn, m_u, mp_u, method_u, row0=row0)
 
     def shared():
+      if shared_token:
+        t = s_id - n_slots_max
+        C.store_tile(r["out"], (), shared_y(t=t), n0, bn, m_u, mp_u, method_u,
+                     row0=n_slots_max * m + t)
+        return
       if shared_cols == 1:
         C.store_tile(r["out"], (), shared_y(), n0, bn, m, mp, method, row0=n_slots_max * m)
         return
@@ -489,7 +514,7 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
     lax.cond(s_id < n_slots_max, routed, shared)
     if combine is not None:
       _down_combine_finish(r, m=m, d=r["out"].shape[-1], n_slots=n_slots_max,
-                           progs_per_block=n_slots_max + shared_cols, interpret=interpret,
+                           progs_per_block=n_slots_max + n_sh, interpret=interpret,
                            **combine)
     return
 
@@ -647,7 +672,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
             token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
             down_shared_cols=None, combine=None, asm_down=None, route_given=None,
-            shared_first=False):
+            shared_first=False, shared_rows=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -655,7 +680,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   gate_up_split_k, gate_up_counter, asm_down: see ``moe_decode_routed``. Returns (y / out, route,
   counter) (counter None unless ``gate_up_counter`` was given). route_given (routed only): the
   ``MoERoute`` computed outside (route_names/route_args then ["route_ids_in"] / [its ids]): the
-  gate_up kernel reads the ids, outputs no routing, and route_given is returned.
+  gate_up kernel reads the ids, outputs no routing, and route_given is returned. shared_rows:
+  see ``moe_decode_routed``.
   y [U + 1, M, D] (down_split) or out [M, D]; MoERoute or None."""
   C.check(slot_rows in (None, "all", "token"),
           f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
@@ -671,6 +697,12 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
                                     else "dot")
     C.check_method(token_method, 1, allowed=C.CUDA_CORE_M1 + ("dot",) if fe == "nvfp4"
                    else ("dot", "reduce"))
+  C.check(shared_rows in (None, "all", "token"),
+          f"shared_rows must be 'all' or 'token', got {shared_rows!r}")
+  shared_token = shared_rows == "token"
+  C.check(not shared_token or (token and fs == fe and down_shared_cols in (None, 1)),
+          "shared_rows='token' needs slot_rows='token' at M > 1 on the routed path, the shared "
+          "expert in the experts' format and down_shared_cols None")
   nv_m1 = fe == "nvfp4" and m == 1
   # NVFP4 token mode: the shared expert's M rows on CUDA-core rows tiles too (tensor-core tiles
   # at the NVFP4 M = 1 tiling (bn16, bk1024, 16 warps) made the call 4x slower at M = 2, run 25;
@@ -713,7 +745,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     bk = min(bk, C.pow2_divisor(d // sk, bk))     # whole K steps in every slice
     C.check(bk >= 16, f"gate_up_split_k={sk} leaves K slices of {d // sk} < 16 values")
   finish = sk > 1 and gate_up_counter is not None
-  n_prog = u * (inter // bn) + inter_s // bn
+  n_prog = u * (inter // bn) + (inter_s // bn) * (m if shared_token else 1)
   if gate_up_counter is not None:
     C.check(sk > 1, "gate_up_counter is only for gate_up_split_k > 1")
     C.check(gate_up_counter.dtype == jnp.int32 and gate_up_counter.ndim == 1
@@ -745,7 +777,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   if sk == 1:
     names += ["h", "hs"]
     out_shape = [jax.ShapeDtypeStruct((u, 1 if token else m, inter), x.dtype),
-                 jax.ShapeDtypeStruct((m, inter_s), x.dtype)]
+                 jax.ShapeDtypeStruct((m, 1, inter_s) if shared_token else (m, inter_s),
+                                      x.dtype)]
   else:      # fp32 partial g and u per K slice (finish: then h itself, and the counter)
     names += ["hg", "hu", "hsg", "hsu"]
     out_shape = [jax.ShapeDtypeStruct((sk, u, m, inter), jnp.float32)] * 2 + [
@@ -772,8 +805,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter,
       inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
       layout=layout, method=method, route=route, token_method=token_method, split_k=sk,
-      finish=finish, shared_first=shared_first, interpret=interpret)
-  tag += "_token" if token else ""
+      finish=finish, shared_first=shared_first, shared_token=shared_token, interpret=interpret)
+  tag += ("_token" if token else "") + ("_shtok" if shared_token else "")
   res = C.pallas_call(
       kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
       input_output_aliases=aliases,
@@ -850,7 +883,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       unroll=(u <= _UNROLL_SLOTS) if unroll_slots is None else unroll_slots,
       method=method_down, split=down_split, route_top_k=None if route is None else route[0],
       token_method=token_method, gu_split_k=down_parts, shared_cols=down_shared_cols,
-      combine=combine_kw, shared_first=shared_first and down_split, interpret=interpret)
+      combine=combine_kw, shared_first=shared_first and down_split, shared_token=shared_token,
+      interpret=interpret)
   if down_split:
     down_prefetch = tuple(down_prefetch)
     out_shape = [jax.ShapeDtypeStruct(((u + 1) * m, d), x.dtype)]
@@ -862,7 +896,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     # the down kernel's body is traced inside this call: ``asm_down`` picks its decode sequence
     with NV.asm_decode(asm_down or NV.asm_decode.value):
       res = C.pallas_call(
-          kernel, grid=(d // bn_dn, u + down_shared_cols), out_shape=tuple(out_shape),
+          kernel, grid=(d // bn_dn, u + (m if shared_token else down_shared_cols)),
+          out_shape=tuple(out_shape),
           input_output_aliases=aliases,
           compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
           prefetch=len(down_prefetch),
@@ -954,7 +989,8 @@ def _check_top_logits(top_logits, m) -> int:
   return top_logits.shape[1]
 
 
-_ROUTED_KNOBS = ("top_k", "slot_rows", "token_method", "asm_down", "prerouted", "shared_first")
+_ROUTED_KNOBS = ("top_k", "slot_rows", "token_method", "asm_down", "prerouted", "shared_first",
+                 "shared_rows")
 
 
 @functools.partial(jax.jit, static_argnames=_ROUTED_KNOBS + _TUNING)
@@ -971,7 +1007,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       gate_up_counter=None, down_prefetch=(),
                       down_shared_cols: int | None = None, asm_down: str | None = None,
                       prerouted: bool | None = None, shared_first: bool | None = None,
-                      interpret: bool = False):
+                      shared_rows: str | None = None, interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls; 3 with ``prerouted``,
   the default for NVFP4 experts at M > 1) and the routing.
 
@@ -1014,7 +1050,13 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   first in both kernels (at M > 1 on ``rows`` tiles they are the longest and would otherwise end
   last). None (both): on with per-token slots at M > 1 (``_routed_defaults``; H200 run 99, NVFP4
   M = 8 token mode: 185 us, 172 with the routing given, 139 with the shared expert first, 123
-  with both).
+  with both). ``shared_rows`` (with ``slot_rows="token"``, the shared expert in the experts'
+  format): "all" / None = one program per row block for all M tokens (``rows`` tiles for NVFP4);
+  "token" = one program per (token, row block) on the routed slots' M = 1 tiles, the shared
+  weights read M times (from the L2 after the first). Why: the ``rows`` tile at M = 8 keeps
+  [M, BN, BK] products and gives both kernels a 6.6 KB stack frame per thread (the gate_up) or
+  137 registers (the down kernel); the M = 1 tiles need neither (``tools/triton_sass.py``).
+  Not yet timed on the GPU: "all" stays the default.
   """
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
@@ -1024,7 +1066,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   given, r_names, r_args = _route_inputs(logits, top_k, prerouted, interpret)
   y, route_out, counter = _launch(
       x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
-      route=route, route_given=given, shared_first=shared_first, coef=None, down_split=True,
+      route=route, route_given=given, shared_first=shared_first, shared_rows=shared_rows,
+      coef=None, down_split=True,
       block_n=block_n, block_k=block_k, block_n_down=block_n_down, decode=decode,
       layout=layout, unroll_slots=unroll_slots, method=method, method_down=method_down,
       num_warps=num_warps, num_stages=num_stages, interpret=interpret,
@@ -1050,7 +1093,8 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               gate_up_split_k: int | None = None,
                               down_shared_cols: int | None = None, down_prefetch=(),
                               asm_down: str | None = None, prerouted: bool | None = None,
-                              shared_first: bool | None = None, interpret: bool = False):
+                              shared_first: bool | None = None, shared_rows: str | None = None,
+                              interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its
@@ -1066,7 +1110,8 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
   given, r_names, r_args = _route_inputs(logits, top_k, prerouted, interpret)
   (_, s_out, x_out, counter), route_out, _ = _launch(
       x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
-      route=route, route_given=given, shared_first=shared_first, coef=None, down_split=True,
+      route=route, route_given=given, shared_first=shared_first, shared_rows=shared_rows,
+      coef=None, down_split=True,
       block_n=block_n, block_k=block_k, block_n_down=block_n_down, decode=decode,
       layout=layout, unroll_slots=unroll_slots, method=method, method_down=method_down,
       num_warps=num_warps, num_stages=num_stages, interpret=interpret,

@@ -58,7 +58,7 @@ Routed path, 4 launches per MoE layer (``moe_block_add_rms_norm``; the old path 
    (last = shared expert) and the ``MoERoute``. NVFP4 experts at M > 1 (the default since
    session 15): each slot multiplies only its own token (``slot_rows="token"``, M = 1 tiles),
    the top-k runs once per token in its own kernel first (``moe_topk_route_pallas``,
-   ``prerouted``: thousands of gate_up programs would each repeat it), and the shared
+   ``prerouted``: the 1600 gate_up programs at M = 8 would each repeat it), and the shared
    expert's programs are launched first (``shared_first``): 5 launches per layer.
 4. ``moe_combine_add_rms_norm(h, y, route.logits, w_norm)``: one program per token loads its
    top_k selected logits, forms the weights w_j = sigmoid(l_j) / sum sigmoid (fp32),
@@ -613,8 +613,8 @@ def default_slot_rows(fe: str, m: int) -> str:
 def _routed_defaults(fe, m, slot_rows, prerouted, shared_first):
   """(slot_rows, prerouted, shared_first) with the defaults filled in: the per-token slots at
   M > 1 get the routing from ``moe_topk_route_pallas`` and the shared expert's programs first
-  (their thousands of programs would each run the 12-reduction top-k before any weight load,
-  and the shared expert's M rows on ``rows`` tiles are the longest programs)."""
+  (their 1600 gate_up programs at M = 8 would each run the 12-reduction top-k before any
+  weight load, and the shared expert's M rows on ``rows`` tiles are the longest programs)."""
   slot_rows = slot_rows or default_slot_rows(fe, m)
   token = m > 1 and slot_rows == "token"
   return (slot_rows, token if prerouted is None else prerouted,
@@ -1045,7 +1045,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   with "post" (9.10 against 8.77), hence the separate knob.
   ``prerouted``: the routing computed once per token by ``moe_topk_route_pallas`` (one more
   kernel) instead of in every gate_up program (12 cross-warp reductions before its first weight
-  load: under 1 us at M = 1, but paid by every one of the token mode's thousands of programs at
+  load: under 1 us at M = 1, but paid by every one of the token mode's 1600 programs at
   M = 8); the outputs are the same. ``shared_first``: the shared expert's programs are launched
   first in both kernels (at M > 1 on ``rows`` tiles they are the longest and would otherwise end
   last). None (both): on with per-token slots at M > 1 (``_routed_defaults``; H200 run 99, NVFP4

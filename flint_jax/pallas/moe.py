@@ -993,6 +993,23 @@ _ROUTED_KNOBS = ("top_k", "slot_rows", "token_method", "asm_down", "prerouted", 
                  "shared_rows")
 
 
+def _launch_routed(x, logits, experts, shared, options, **extra):
+  """``_launch`` for ``moe_decode_routed`` / ``_combine``: ``options`` are the entry point's
+  arguments (its ``locals()``); the routing knobs resolved here (``_routed_defaults``, the
+  routing inputs), the tuning knobs passed through, ``extra`` added (the combine)."""
+  opts = {k: v for k, v in options.items()
+          if k in _ROUTED_KNOBS + _TUNING + ("gate_up_counter", "down_prefetch")}
+  top_k = opts.pop("top_k")
+  fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
+  _check_logits(logits, m, n_exp, top_k)
+  opts["slot_rows"], prerouted, opts["shared_first"] = _routed_defaults(
+      fe, m, opts["slot_rows"], opts.pop("prerouted"), opts["shared_first"])
+  given, r_names, r_args = _route_inputs(logits, top_k, prerouted, opts["interpret"])
+  return _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
+                 route=(top_k, n_exp, C.next_pow2(n_exp)), route_given=given, coef=None,
+                 down_split=True, **opts, **extra)
+
+
 @functools.partial(jax.jit, static_argnames=_ROUTED_KNOBS + _TUNING)
 def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: str | None = None,
                       token_method: str | None = None,
@@ -1058,23 +1075,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   137 registers (the down kernel); the M = 1 tiles need neither (``tools/triton_sass.py``).
   Not yet timed on the GPU: "all" stays the default.
   """
-  fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
-  _check_logits(logits, m, n_exp, top_k)
-  route = (top_k, n_exp, C.next_pow2(n_exp))
-  slot_rows, prerouted, shared_first = _routed_defaults(fe, m, slot_rows, prerouted,
-                                                        shared_first)
-  given, r_names, r_args = _route_inputs(logits, top_k, prerouted, interpret)
-  y, route_out, counter = _launch(
-      x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
-      route=route, route_given=given, shared_first=shared_first, shared_rows=shared_rows,
-      coef=None, down_split=True,
-      block_n=block_n, block_k=block_k, block_n_down=block_n_down, decode=decode,
-      layout=layout, unroll_slots=unroll_slots, method=method, method_down=method_down,
-      num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-      block_k_down=block_k_down, num_warps_down=num_warps_down,
-      num_stages_down=num_stages_down, slot_rows=slot_rows, token_method=token_method,
-      gate_up_split_k=gate_up_split_k, gate_up_counter=gate_up_counter,
-      down_prefetch=down_prefetch, down_shared_cols=down_shared_cols, asm_down=asm_down)
+  options = locals()    # first statement: exactly the arguments
+  y, route_out, counter = _launch_routed(x, logits, experts, shared, options)
   return (y, route_out) if gate_up_counter is None else (y, route_out, counter)
 
 
@@ -1102,24 +1104,9 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
   D / block_n_down], whose entries counter_base .. counter_base + D / block_n_down must be zero
   on entry) with those entries back at zero. The outputs equal the 3-launch composition's (same
   formulas, same rounding points; the y rows the combine reads are the same values)."""
-  fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
-  _check_logits(logits, m, n_exp, top_k)
-  route = (top_k, n_exp, C.next_pow2(n_exp))
-  slot_rows, prerouted, shared_first = _routed_defaults(fe, m, slot_rows, prerouted,
-                                                        shared_first)
-  given, r_names, r_args = _route_inputs(logits, top_k, prerouted, interpret)
-  (_, s_out, x_out, counter), route_out, _ = _launch(
-      x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
-      route=route, route_given=given, shared_first=shared_first, shared_rows=shared_rows,
-      coef=None, down_split=True,
-      block_n=block_n, block_k=block_k, block_n_down=block_n_down, decode=decode,
-      layout=layout, unroll_slots=unroll_slots, method=method, method_down=method_down,
-      num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-      block_k_down=block_k_down, num_warps_down=num_warps_down,
-      num_stages_down=num_stages_down, slot_rows=slot_rows, token_method=token_method,
-      gate_up_split_k=gate_up_split_k, down_prefetch=down_prefetch,
-      down_shared_cols=down_shared_cols, combine=(h, w_next, counter, counter_base, eps),
-      asm_down=asm_down)
+  options = locals()    # first statement: exactly the arguments
+  (_, s_out, x_out, counter), route_out, _ = _launch_routed(
+      x, logits, experts, shared, options, combine=(h, w_next, counter, counter_base, eps))
   return s_out, x_out, route_out, counter
 
 

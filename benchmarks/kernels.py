@@ -1384,15 +1384,24 @@ M8TOKEN = {
 }
 
 
-def m8token_cases(variants):
-  """Session 15: the routed NVFP4 MoE at M = 8 (and 4, 2) with per-token slots (``slot_rows=
-  "token"``: M * top_k GEMVs at M = 1) on the ``blocks`` tiles of the batch-1 step, against the
-  default (M = 8: every slot multiplied by all 8 tokens on swap-AB tensor-core tiles) and the
-  token mode's old ``reduce`` tiles; token-mode tile sweeps at M = 8; block scales pre-scaled."""
-  if variants:
-    return
-  yield from _routed_nvfp4_cases("m8token", (8, 4, 2), lambda m: _kw_variants(M8TOKEN[m]),
-                                 wrap=_used_rows)
+def _routed_table_cases(group, table, doc):
+  """A group function timing the routed NVFP4 MoE (block scales pre-scaled) at each M of
+  ``table`` (M -> option dicts, in its key order) against the XLA reference, comparing only the
+  rows every ``slot_rows`` mode defines (``_used_rows``)."""
+  def cases(variants):
+    if variants:
+      return
+    yield from _routed_nvfp4_cases(group, tuple(table), lambda m: _kw_variants(table[m]),
+                                   wrap=_used_rows)
+  cases.__doc__ = doc
+  return cases
+
+
+m8token_cases = _routed_table_cases("m8token", M8TOKEN, """Session 15: the routed NVFP4 MoE at
+  M = 8 (and 4, 2) with per-token slots (``slot_rows="token"``: M * top_k GEMVs at M = 1) on
+  the ``blocks`` tiles of the batch-1 step, against the default (M = 8 then: every slot
+  multiplied by all 8 tokens on swap-AB tensor-core tiles) and the token mode's old ``reduce``
+  tiles; token-mode tile sweeps at M = 8.""")
 
 
 def m8diag_cases(variants):
@@ -1471,14 +1480,10 @@ M8PRE = {
 }
 
 
-def m8pre_cases(variants):
-  """Session 15: the routed NVFP4 MoE with the routing computed once by XLA (``prerouted``)
-  and the shared expert's programs first (``shared_first``), in both slot modes at M = 8, 4, 2
-  and at M = 1; the token mode's tiles again with both; block scales pre-scaled."""
-  if variants:
-    return
-  yield from _routed_nvfp4_cases("m8pre", (8, 4, 2, 1), lambda m: _kw_variants(M8PRE[m]),
-                                 wrap=_used_rows)
+m8pre_cases = _routed_table_cases("m8pre", M8PRE, """Session 15: the routed NVFP4 MoE with the
+  routing computed once (``prerouted``) and the shared expert's programs first
+  (``shared_first``), in both slot modes at M = 8, 4, 2 and at M = 1; the token mode's tiles
+  again with both.""")
 
 
 SHTOK = {
@@ -1493,15 +1498,10 @@ SHTOK = {
 }
 
 
-def shtok_cases(variants):
-  """Session 15: the routed NVFP4 MoE at M = 8 / 4 / 2 with the shared expert per token on the
-  M = 1 tiles (``shared_rows="token"``: no ``rows`` tile, whose [M, BN, BK] products gave the
-  gate_up a 6.6 KB stack frame and the down kernel 137 registers) against the default, and its
-  tiles; block scales pre-scaled."""
-  if variants:
-    return
-  yield from _routed_nvfp4_cases("shtok", (8, 4, 2), lambda m: _kw_variants(SHTOK[m]),
-                                 wrap=_used_rows)
+shtok_cases = _routed_table_cases("shtok", SHTOK, """Session 15: the routed NVFP4 MoE at M = 8 /
+  4 / 2 with the shared expert per token on the M = 1 tiles (``shared_rows="token"``: no
+  ``rows`` tile, whose [M, BN, BK] products gave the gate_up a 6.6 KB stack frame and the down
+  kernel 137 registers) against the default, and its tiles.""")
 
 
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,

@@ -537,9 +537,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         bf16_dense_pallas = opts.bf16_dense_pallas_at(b)
         moe_kw = dict(slot_rows=opts.moe_slot_rows if b > 1 else None,
                       down_shared_cols=opts.moe_down_shared_cols,
+                      shared_rows=opts.moe_shared_rows if b > 1 else None,
                       prerouted=opts.moe_prerouted, shared_first=opts.moe_shared_first)
-        if opts.moe_shared_rows is not None and b > 1:
-            moe_kw["shared_rows"] = opts.moe_shared_rows
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method

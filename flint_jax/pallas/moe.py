@@ -293,6 +293,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   n_sj = inter_s // bn                     # the shared expert's row blocks
   n_shared = n_sj * (m if shared_token else 1)
   xs = (r["x"], r["x5"])
+  all_rows = dict(xs=xs, x_idx=(), m=m, mp=mp, method=method)   # every token's row of x
   # one token's row of x as a one-row operand (x viewed as [M, 1, D]), on the M = 1 tiles
   token_operand = lambda t: dict(xs=(r["xt"], r["xt5"]), x_idx=(t,), m=1,  # noqa: E731
                                  mp=C.pad_rows(1), method=token_method)
@@ -337,10 +338,8 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     p = pid - n_shared if shared_first else pid
     u = p // n_i
     j = p % n_i
-    if token_method is None:
-      operand = dict(xs=xs, x_idx=(), m=m, mp=mp, method=method)
-    else:      # slot u's token only
-      operand = token_operand(u // route[0])
+    # slot u's token only, or every token
+    operand = all_rows if token_method is None else token_operand(u // route[0])
 
     def slot():
       if route is None:
@@ -375,7 +374,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       operand, lead = token_operand(j // n_sj), (j // n_sj,)
       j = j % n_sj
     else:
-      operand, lead = dict(xs=xs, x_idx=(), m=m, mp=mp, method=method), ()
+      operand, lead = all_rows, ()
     if fs == "bf16":
       wg, wu = [r["sg_w"]], [r["su_w"]]
     else:

@@ -247,7 +247,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     `moe_slot_rows` forced to "all" / "token"), "pallas_tokpre" / "pallas_tokpresf" /
     "pallas_allpresf" (`moe_slot_rows` "token" / "all" with `moe_prerouted`, and
     `moe_shared_first`), "pallas_nopresf" (both off: the batch 2-4 default before run 100),
-    "pallas_shtok" (`moe_shared_rows="token"`: the shared expert per token on the M = 1 tiles),
+    "pallas_shtok" / "pallas_shall" (`moe_shared_rows` "token": the shared expert per token on
+    the M = 1 tiles, the NVFP4 default since run 102 / "all": its rows on one program per row
+    block),
     "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
     the NVFP4 GEMVs at batch > 1), "pallas_lanes" / "pallas_reduce" / "pallas_blocks" (`nvfp4_m1_method`: the
     NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" / "blocks" tile method), "pallas_rin"
@@ -301,6 +303,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                                          moe_shared_first=True),
                "nopresf": DecodeOptions(moe_prerouted=False, moe_shared_first=False),
                "shtok": DecodeOptions(moe_shared_rows="token"),
+               "shall": DecodeOptions(moe_shared_rows="all"),
                "rows": DecodeOptions(nvfp4_rows=True),
                "rin": DecodeOptions(router_in_norm=True),
                "norin": DecodeOptions(router_in_norm=False),

@@ -37,13 +37,14 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            # the routing once per layer (XLA top_k), the shared expert's programs first
            "tokpresf": DecodeOptions(moe_slot_rows="token", moe_prerouted=True,
                                      moe_shared_first=True),
-           # the shared expert per token on the M = 1 tiles too
-           "shtok": DecodeOptions(moe_shared_rows="token")}
+           # the shared expert's rows on one program per row block (the NVFP4 default
+           # before run 102: per token on the M = 1 tiles)
+           "shall": DecodeOptions(moe_shared_rows="all")}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
          ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
          ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait"),
          ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "tokrows"), ("nvfp4", "rows"),
-         ("nvfp4", "tokpresf"), ("nvfp4", "shtok")]
+         ("nvfp4", "tokpresf"), ("nvfp4", "shall")]
 
 
 def assert_generate_equal(fmt, seed, options, rows, max_new_tokens, cfg=None):

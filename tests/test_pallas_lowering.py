@@ -214,13 +214,13 @@ def test_moe_routed_lowers(fmt, m):
                                                             gate_up_counter=c),
                  S((m, D), BF), S((m, E), F32), experts, shared, S((4096,), I32))
     assert text.count("__gpu$xla.gpu.triton") == 2
-  if m > 1:   # the other slot_rows mode (the default at M = 8 is "all" for both formats)
-    lower(functools.partial(moe_decode_routed, slot_rows="token"), S((m, D), BF), S((m, E), F32),
-          experts, shared)
-  if fmt == "nvfp4" and m > 1:   # the shared expert per token on the M = 1 tiles too
-    text = lower(functools.partial(moe_decode_routed, shared_rows="token"), S((m, D), BF),
+  if m > 1:   # the other slot_rows mode (the default: "token" for NVFP4, "all" for BF16)
+    lower(functools.partial(moe_decode_routed, slot_rows="all" if token else "token"),
+          S((m, D), BF), S((m, E), F32), experts, shared)
+  if fmt == "nvfp4" and m > 1:   # the shared expert's M rows on rows tiles (not the default)
+    text = lower(functools.partial(moe_decode_routed, shared_rows="all"), S((m, D), BF),
                  S((m, E), F32), experts, shared)
-    assert "flint_moe_gate_up_routed_token" in text
+    assert "flint_moe_gate_up_routed_token" in text and "_shtok" not in text
   # the routing given (XLA's top_k) and the shared expert's programs first
   text = lower(functools.partial(moe_decode_routed, prerouted=True, shared_first=True,
                                  slot_rows="token" if m > 1 else None),
@@ -243,12 +243,19 @@ def test_moe_routed_lowers(fmt, m):
                                          ("bf16", 2, False), ("bf16", 8, False),
                                          ("nvfp4", 1, False)])
 def test_moe_routed_default_slot_rows(fmt, m, token):
-  """The measured default (runs 28-29, 99-100): per-token slots for NVFP4 experts at M >= 2, and
-  with them the routing from its own top-k kernel (3 kernels, else 2)."""
-  text = lower(moe_decode_routed, S((m, D), BF), S((m, E), F32), *moe_weights(fmt))
+  """The measured default (runs 28-29, 99-100, 102): per-token slots for NVFP4 experts at
+  M >= 2, and with them the routing from its own top-k kernel (3 kernels, else 2) and the shared
+  expert per token (``_shtok``) unless its down columns are cut over 2 programs."""
+  experts, shared = moe_weights(fmt)
+  text = lower(moe_decode_routed, S((m, D), BF), S((m, E), F32), experts, shared)
   assert ("flint_moe_gate_up_routed_token" in text) == token
   assert ("flint_moe_topk" in text) == token
+  assert ("_shtok" in text) == token
   assert text.count("__gpu$xla.gpu.triton") == (3 if token else 2)
+  if token:
+    text = lower(functools.partial(moe_decode_routed, down_shared_cols=2, block_n_down=32),
+                 S((m, D), BF), S((m, E), F32), experts, shared)
+    assert "flint_moe_gate_up_routed_token" in text and "_shtok" not in text
 
 
 @pytest.mark.parametrize("b", [1, 8])

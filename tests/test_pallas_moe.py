@@ -353,17 +353,19 @@ def test_moe_decode_routed_combine_prerouted_shared_first(m, shared_cols):
     ("nvfp4", 8, True, True), ("nvfp4", 3, False, False), ("bf16", 5, True, False)])
 def test_moe_decode_routed_shared_rows_token(fmt, m, shared_first, prerouted):
   """The shared expert as one program per (token, row block) on the M = 1 tiles
-  (``shared_rows="token"``, with per-token slots) against the reference, and the routed slots'
-  rows bit-identical to the call with the shared expert on one program per row block."""
+  (``shared_rows="token"``, with per-token slots; the NVFP4 default) against the reference, and
+  the routed slots' rows bit-identical to the call with the shared expert on one program per row
+  block (``"all"``), which matches the reference too."""
   _, experts, shared, x, _, logits = _routed_case(fmt, m, 32, 6, 256, 128, 256, False,
                                                   f"sht{shared_first}{prerouted}")
   kw = dict(top_k=6, decode=DECODE, slot_rows="token", shared_first=shared_first,
             prerouted=prerouted, interpret=INTERPRET)
   y, route = moe_decode_routed(x, logits, experts, shared, shared_rows="token", **kw)
-  y0, _ = moe_decode_routed(x, logits, experts, shared, **kw)
+  y0, _ = moe_decode_routed(x, logits, experts, shared, shared_rows="all", **kw)
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
   assert_route_is_top_k(route, logits, 6)
   assert_routed_close(y, ref, 6, "token", f"shared_rows=token {fmt} M={m}")
+  assert_routed_close(y0, ref, 6, "token", f"shared_rows=all {fmt} M={m}")
   n = m * 6
   np.testing.assert_array_equal(np.asarray(used_rows(y, 6)[:n], np.float32),
                                 np.asarray(used_rows(y0, 6)[:n], np.float32))

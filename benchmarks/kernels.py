@@ -1504,6 +1504,59 @@ shtok_cases = _routed_table_cases("shtok", SHTOK, """Session 15: the routed NVFP
   kernel 137 registers) against the default, and its tiles.""")
 
 
+M8DENSE = {   # op -> option dicts (kwargs of multi_gemv / nvfp4_gemv), {} = the default
+    "qkv": [{}] + [dict(method="dot", block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                   for bn, bk, nw, ns in [(32, 256, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4),
+                                          (64, 128, 4, 4), (32, 512, 8, 3), (16, 512, 4, 3),
+                                          (64, 256, 8, 3)]]
+           + [dict(method="swap", block_n=64, block_k=256, num_warps=4),
+              dict(method="rows", block_n=16, block_k=512, num_warps=8)],
+    "o_proj": [{}] + [dict(method="dot", block_n=bn, block_k=bk, split_k=sk, num_warps=nw)
+                      for bn, bk, sk, nw in [(32, 256, 4, 4), (16, 256, 4, 4), (32, 512, 4, 4),
+                                             (64, 256, 2, 4), (64, 128, 4, 4), (32, 256, 2, 4),
+                                             (32, 128, 4, 4), (64, 512, 2, 8)]],
+    "lm_head": [{}] + [dict(method=mt, block_n=bn, block_k=bk, num_warps=nw)
+                       for mt, bn, bk, nw in [("swap", 64, 128, 4), ("swap", 128, 256, 8),
+                                              ("swap", 128, 128, 4), ("dot", 64, 256, 4),
+                                              ("dot", 128, 128, 8), ("swap", 64, 256, 4)]],
+}
+
+
+def m8dense_cases(variants):
+  """Session 16: the NVFP4 dense GEMVs of the batch-8 step on other tiles (block scales
+  pre-scaled, as ``flint_jax.load`` gives them): the q|k|v ``multi_gemv`` (17.1 us per layer in
+  the 8x1K step, 80 programs on bn64), the o_proj with split-K partials left unsummed (10.2 us,
+  128 programs) and the LM head (141 us); the defaults date from session 3 (q|k|v, o_proj) and
+  session 12 (LM head on swap tiles)."""
+  if variants:
+    return
+  from flint_jax.nvfp4 import prescale_state
+  m = 8
+  ws = [prescale_state((rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D))))
+        for _ in range(n_sets(nbytes(rand_nvfp4((4096, D))) * 1.25, cap=12))]
+  sets = [(randn((m, D)), w) for w in ws]
+  lbl, bytes_ = f"qkv nvfp4 M={m}", nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
+  yield (f"m8dense/qkv/xla", "m8dense", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
+         bytes_)
+  for kw in M8DENSE["qkv"]:
+    yield (f"m8dense/qkv/{_tag(kw)}", "m8dense", lbl, _tag(kw),
+           functools.partial(MULTI.multi_gemv, **kw), sets, bytes_)
+  for name, n, k, extra in [("o_proj", D, 4096, dict(sum_splits=False)), ("lm_head", V, D, {})]:
+    w0 = rand_nvfp4((n, k))
+    wb = nbytes(prescale_state(w0))
+    sets = [(randn((m, k)), *prescale_state(rand_nvfp4((n, k)) if i else w0))
+            for i in range(n_sets(wb, cap=8))]
+    lbl, bytes_ = f"nvfp4 {name} M={m}", wb + m * k * 2 + m * n * 2
+    yield (f"m8dense/{name}/xla", "m8dense", lbl, "xla", jax.jit(NV.nvfp4_gemv_reference), sets,
+           bytes_)
+    for kw in M8DENSE[name]:
+      fn = functools.partial(NV.nvfp4_gemv, **extra, **kw)
+      if extra:   # the o_proj's fp32 partials [S, M, N] summed by a separate XLA kernel (in the
+        # step add_rms_norm sums them): the flint kernel's own time is its "kernels" entry
+        fn = jax.jit(lambda *a, fn=fn: jnp.sum(fn(*a), axis=0).astype(jnp.bfloat16))
+      yield (f"m8dense/{name}/{_tag(kw)}", "m8dense", lbl, _tag(kw), fn, sets, bytes_)
+
+
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
           "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
@@ -1515,7 +1568,7 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "m8swap": m8swap_cases, "blocks": blocks_cases,
           "post": post_cases, "m8token": m8token_cases,
           "m8diag": m8diag_cases, "m8diag2": m8diag2_cases,
-          "m8pre": m8pre_cases, "shtok": shtok_cases}
+          "m8pre": m8pre_cases, "shtok": shtok_cases, "m8dense": m8dense_cases}
 
 
 # ------------------------------------------------------------------------------------------

@@ -1522,7 +1522,30 @@ M8DENSE = {   # op -> option dicts (kwargs of multi_gemv / nvfp4_gemv), {} = the
 }
 
 
-def m8dense_cases(variants):
+M8DENSE2 = {   # round 2 (run 105) around run 104's bests: larger row blocks, shorter K steps
+    "qkv": [{}] + [dict(method="dot", block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                   for bn, bk, nw, ns in [(64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 4),
+                                          (64, 64, 4, 6), (128, 64, 4, 6), (64, 128, 4, 5),
+                                          (64, 128, 8, 4), (128, 256, 8, 3), (64, 64, 4, 4)]],
+    "o_proj": [{}] + [dict(method="dot", block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
+                           num_stages=ns)
+                      for bn, bk, sk, nw, ns in [(64, 128, 4, 4, 3), (128, 128, 4, 4, 3),
+                                                 (128, 128, 4, 8, 3), (64, 64, 4, 4, 4),
+                                                 (64, 128, 8, 4, 3), (128, 128, 8, 8, 3),
+                                                 (64, 128, 2, 4, 4), (128, 64, 4, 4, 4),
+                                                 (64, 128, 4, 4, 4), (64, 64, 8, 4, 4)]],
+    "lm_head": [],
+}
+
+
+def m8dense2_cases(variants):
+  """Round 2 of ``m8dense`` (run 104: q|k|v 13.2 us on bn64 bk128 4 stages against 16.3, o_proj
+  8.05 on bn64 bk128 split-K 4 against 9.31; smaller row blocks lost, up to 5x): larger blocks
+  and shorter K steps."""
+  return m8dense_cases(variants, M8DENSE2, "m8dense2")
+
+
+def m8dense_cases(variants, table=None, group="m8dense"):
   """Session 16: the NVFP4 dense GEMVs of the batch-8 step on other tiles (block scales
   pre-scaled, as ``flint_jax.load`` gives them): the q|k|v ``multi_gemv`` (17.1 us per layer in
   the 8x1K step, 80 programs on bn64), the o_proj with split-K partials left unsummed (10.2 us,
@@ -1530,31 +1553,34 @@ def m8dense_cases(variants):
   session 12 (LM head on swap tiles)."""
   if variants:
     return
+  table = table or M8DENSE
   from flint_jax.nvfp4 import prescale_state
   m = 8
   ws = [prescale_state((rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D))))
         for _ in range(n_sets(nbytes(rand_nvfp4((4096, D))) * 1.25, cap=12))]
   sets = [(randn((m, D)), w) for w in ws]
   lbl, bytes_ = f"qkv nvfp4 M={m}", nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
-  yield (f"m8dense/qkv/xla", "m8dense", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
+  yield (f"{group}/qkv/xla", group, lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
          bytes_)
-  for kw in M8DENSE["qkv"]:
-    yield (f"m8dense/qkv/{_tag(kw)}", "m8dense", lbl, _tag(kw),
+  for kw in table["qkv"]:
+    yield (f"{group}/qkv/{_tag(kw)}", group, lbl, _tag(kw),
            functools.partial(MULTI.multi_gemv, **kw), sets, bytes_)
   for name, n, k, extra in [("o_proj", D, 4096, dict(sum_splits=False)), ("lm_head", V, D, {})]:
+    if not table[name]:
+      continue
     w0 = rand_nvfp4((n, k))
     wb = nbytes(prescale_state(w0))
     sets = [(randn((m, k)), *prescale_state(rand_nvfp4((n, k)) if i else w0))
             for i in range(n_sets(wb, cap=8))]
     lbl, bytes_ = f"nvfp4 {name} M={m}", wb + m * k * 2 + m * n * 2
-    yield (f"m8dense/{name}/xla", "m8dense", lbl, "xla", jax.jit(NV.nvfp4_gemv_reference), sets,
+    yield (f"{group}/{name}/xla", group, lbl, "xla", jax.jit(NV.nvfp4_gemv_reference), sets,
            bytes_)
-    for kw in M8DENSE[name]:
+    for kw in table[name]:
       fn = functools.partial(NV.nvfp4_gemv, **extra, **kw)
       if extra:   # the o_proj's fp32 partials [S, M, N] summed by a separate XLA kernel (in the
         # step add_rms_norm sums them): the flint kernel's own time is its "kernels" entry
         fn = jax.jit(lambda *a, fn=fn: jnp.sum(fn(*a), axis=0).astype(jnp.bfloat16))
-      yield (f"m8dense/{name}/{_tag(kw)}", "m8dense", lbl, _tag(kw), fn, sets, bytes_)
+      yield (f"{group}/{name}/{_tag(kw)}", group, lbl, _tag(kw), fn, sets, bytes_)
 
 
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
@@ -1568,7 +1594,8 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "m8swap": m8swap_cases, "blocks": blocks_cases,
           "post": post_cases, "m8token": m8token_cases,
           "m8diag": m8diag_cases, "m8diag2": m8diag2_cases,
-          "m8pre": m8pre_cases, "shtok": shtok_cases, "m8dense": m8dense_cases}
+          "m8pre": m8pre_cases, "shtok": shtok_cases, "m8dense": m8dense_cases,
+          "m8dense2": m8dense2_cases}
 
 
 # ------------------------------------------------------------------------------------------

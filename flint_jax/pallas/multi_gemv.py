@@ -22,8 +22,10 @@ Tile method (knob ``method``): ``dot`` / ``swap`` / ``reduce`` as in ``_common.m
 follow the single-matrix kernels: bf16 ``swap`` at M = 1, NVFP4 ``reduce`` at M = 1, ``dot`` for
 M > 1. Block defaults are those measured on the H200 for the *largest* matrix alone
 (``default_gemv_blocks`` / ``default_nvfp4_blocks`` without split-K: q_proj-sized bf16 bn64 bk256,
-NVFP4 M = 1 bn32 bk512, M > 1 bn64 bk256), with block_n lowered to the largest power of two that
-divides every ``N_i``. They are NOT yet measured for the fused kernel.
+NVFP4 M = 1 bn32 bk512, M > 1 bn64 bk128), with block_n lowered to the largest power of two that
+divides every ``N_i``. Measured for the fused kernel on the H200: NVFP4 M = 1 (``blocks``, run
+85) and M = 8 (run 104-105: bn64 bk128 4 stages 13.2 us against 16.3 on bk256 3 stages; bn32
+22.9, bn16 45.8, bn128 19.4, bk64 23.2, 8 warps 21.9).
 
 K: like the single-matrix kernels, K is not masked: bf16 needs ``block_k`` (a power of two >= 16)
 to divide K, so any K % 16 == 0 works (K = 2880 -> block_k 64); NVFP4 needs K % 64 == 0.
@@ -253,8 +255,10 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   dbn, dbk, dwarps = default_multi_gemv_blocks(ns, k, m=m, fmt=fmt, method=method)
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps
-  # BF16 at M = 1: 4 stages (Flint q|k|v 8.8 us against 9.8 with 3, session-3 sweep round 2).
-  num_stages = num_stages or (4 if fmt == "bf16" and m == 1 else 3)
+  # BF16 at M = 1: 4 stages (Flint q|k|v 8.8 us against 9.8 with 3, session-3 sweep round 2);
+  # NVFP4 dot at M > 1 (its 128-wide K steps): 4 (H200 run 104, q|k|v at M = 8 13.2 us)
+  nv_dot = fmt == "nvfp4" and method == "dot" and m > 1
+  num_stages = num_stages or (4 if (fmt == "bf16" and m == 1) or nv_dot else 3)
   m, k, ns = _validate(x, weights, fmt, block_n, block_k)
   mp = C.pad_rows(m, method)
   n_mats = len(weights)

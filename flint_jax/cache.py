@@ -23,7 +23,8 @@ from flint_jax.config import FlintConfig, human_bytes, kv_cache_bytes
 
 #: Entries of `KVCache.counters` (>= the programs of the largest counting kernel: the BF16 MoE
 #: gate_up in K slices, 6 * 16 slots x 512 / 16 + 1024 / 16 = 3136 at its smallest tiles; the MoE
-#: down kernel's combine uses entries 3584 .. 3584 + D / its block_n, ``fast_decode``).
+#: down kernel's combine uses entries 3584 .. 3584 + D / its block_n, the router kernel's top-k
+#: entry 3968, ``fast_decode``).
 COUNTER_ENTRIES = 4096
 
 

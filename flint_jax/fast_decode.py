@@ -35,15 +35,19 @@ from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, de
                               ffi_launch, gemv_silu_mul, layer_end_qkv, moe_block, moe_combine_add_rms_norm,
                               moe_decode_routed, moe_router_logits, multi_gemv, norm_qkv,
                               nvfp4_gemv, nvfp4_gemv_silu_mul, pdl, qk_norm_rope,
-                              qk_norm_rope_attention, rms_norm, router_logits)
+                              qk_norm_rope_attention, rms_norm, router_logits,
+                              router_logits_topk)
 from flint_jax.pallas.gemv import gemv
-from flint_jax.pallas.moe import moe_decode_routed_combine
+from flint_jax.pallas.moe import moe_decode_routed_combine, routing_given
 from flint_jax.pallas.nvfp4_gemv import asm_decode as nvfp4_asm_decode
 
 # KVCache.counters entries of the MoE down kernel's combine (`moe_decode_routed_combine`): one
 # for the column blocks and one per block (<= 129 at D = 2048), above the gate_up kernel's
 # split-K entries (< 3136, cache.COUNTER_ENTRIES).
 COMBINE_COUNTER_BASE = 3584
+# KVCache.counters entry of the router kernel's top-k (`router_logits_topk`: one arrival
+# counter), above the combine's (<= 3584 + 129).
+ROUTER_TOPK_COUNTER = 3968
 
 MAX_BATCH = 16
 
@@ -169,6 +173,12 @@ class DecodeOptions:
       6.192 against 6.364, the kernel (one router row per program) 3.5 us against 8.1 (NVFP4,
       no early trigger); the first version (4 router rows per program, 3-D products) took 16 us
       in the step (runs 57-58).
+    router_topk: where the router GEMV is its own Pallas kernel (`router_pallas`), the MoE's
+      top-k in that kernel's last program (`router_logits_topk`, an arrival counter in
+      ``KVCache.counters``), handed to `moe_decode_routed(route=...)` instead of its own
+      top-k kernel (`moe_topk_route_pallas`): one launch less per MoE layer. None (default) =
+      wherever the MoE takes its routing given (`moe.routing_given`: NVFP4 experts at batch >
+      1). True forces it (the MoE then takes the routing given), False turns it off.
     bf16_o_proj_pallas: at batch > 1, the BF16 o_proj on the Pallas ``gemv`` with its split-K
       fp32 partials summed by the ``add_rms_norm`` kernel, instead of XLA's dot (at batch 8 a
       split-K GEMM + reduce, 7.3 + 1.6 us per layer, run 51). None (default) = off: no faster
@@ -225,6 +235,7 @@ class DecodeOptions:
     early_trigger: bool | str | None = None
     l2_prefetch: bool | str = False
     router_pallas: bool | None = None
+    router_topk: bool | None = None
     moe_down_shared_cols: int | None = None
     moe_combine_in_down: bool | None = None
     bf16_o_proj_pallas: bool | None = None
@@ -251,6 +262,17 @@ class DecodeOptions:
     def router_pallas_at(self, batch: int) -> bool:
         """Whether a separate MoE router GEMV at this batch size runs on `router_logits`."""
         return batch > 1 if self.router_pallas is None else self.router_pallas
+
+    def router_topk_at(self, batch: int, quant_experts: bool) -> bool:
+        """Whether a separate Pallas router GEMV at this batch size also runs the MoE's top-k
+        (`router_logits_topk`); ``quant_experts``: NVFP4 experts."""
+        if not self.router_pallas_at(batch) or self.moe != "routed":
+            return False
+        if self.router_topk is not None:
+            return self.router_topk
+        slot_rows = self.moe_slot_rows if batch > 1 else None
+        return routing_given("nvfp4" if quant_experts else "bf16", batch, slot_rows,
+                             self.moe_prerouted)
 
     def bf16_o_proj_pallas_at(self, batch: int) -> bool:
         """Whether the BF16 o_proj at this batch size runs on the Pallas gemv."""
@@ -348,6 +370,10 @@ class DecodeOptions:
             raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
         if self.router_in_norm and self.moe != "routed":
             raise ValueError("DecodeOptions.router_in_norm needs moe='routed'")
+        if self.router_topk and (self.moe != "routed" or self.router_pallas is False
+                                 or self.moe_prerouted is False):
+            raise ValueError("DecodeOptions.router_topk needs moe='routed', router_pallas not "
+                             "False and moe_prerouted not False")
         if self.norm_in_qkv and (self.moe != "routed" or not self.fused_qkv):
             raise ValueError("DecodeOptions.norm_in_qkv needs moe='routed' and fused_qkv=True")
         if self.qkv_wait and (self.moe != "routed" or not self.fused_qkv or self.norm_in_qkv):
@@ -390,6 +416,17 @@ def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None, sum_splits=T
         return gemv(x, w, out_dtype=out_dtype, split_k=split, interpret=interpret,
                     sum_splits=sum_splits)
     return layers.matmul_t(x, w).astype(out_dtype)
+
+
+def _route(x, mlp, cfg, pallas: bool, topk: bool, counters, interpret: bool):
+    """(router logits f32 [M, E], the MoE's routing or None, counters): with ``topk`` the
+    Pallas router kernel that also runs the top-k (`router_logits_topk`, its counter entry in
+    the cache's counters), else `_router_logits` (the routing then left to the MoE)."""
+    w = mlp.gate.weight[...]
+    if topk:
+        return router_logits_topk(x, w, counters, top_k=cfg.num_experts_per_tok,
+                                  counter_base=ROUTER_TOPK_COUNTER, interpret=interpret)
+    return _router_logits(x, w, pallas, interpret), None, counters
 
 
 def _router_logits(x, router_w, pallas: bool, interpret: bool):
@@ -439,12 +476,13 @@ def _shared_arg(mlp):
 
 
 def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_kw=None,
-                      router_pallas=False, counters=None):
+                      router_pallas=False, counters=None, route=None):
     """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). `logits`: the router's,
-    when already computed (routed mode); `moe_kw`: `moe_decode_routed`'s options;
-    `router_pallas`: the router GEMV on the Pallas kernel (routed mode); `counters` (routed
-    mode): the cache's counters, the combine then done by the down kernel. Returns (h, x,
-    counters), the counters as the kernels leave them (None when not given)."""
+    when already computed (routed mode), and `route` its routing when that was computed too;
+    `moe_kw`: `moe_decode_routed`'s options; `router_pallas`: the router GEMV on the Pallas
+    kernel (routed mode); `counters` (routed mode): the cache's counters, the combine then done
+    by the down kernel. Returns (h, x, counters), the counters as the kernels leave them (None
+    when not given)."""
     eps = cfg.rms_norm_eps
     k = cfg.num_experts_per_tok
     if mode == "v1":
@@ -456,10 +494,10 @@ def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_
             s, x_next, _, counters = moe_decode_routed_combine(
                 x, logits, _experts_arg(mlp.experts), _shared_arg(mlp), h, w_next, counters,
                 counter_base=COMBINE_COUNTER_BASE, eps=eps, top_k=k, interpret=interpret,
-                **(moe_kw or {}))
+                route=route, **(moe_kw or {}))
             return s, x_next, counters
         y, route = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp),
-                                     top_k=k, interpret=interpret, **(moe_kw or {}))
+                                     top_k=k, interpret=interpret, route=route, **(moe_kw or {}))
         return (*moe_combine_add_rms_norm(h, y, route.logits, w_next, eps=eps,
                                           interpret=interpret), counters)
     if mode == "slots":
@@ -556,6 +594,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # (with the layer end folded into the next q|k|v) or the MoE combine in the down kernel
         # (where it is not folded).
         counters = cache.counters
+        router_topk = opts.router_topk_at(b, moe_quant)
         gate_up_split = opts.moe_gate_up_split_k_at(b) if (not moe_quant and fold) else 1
         combine_in_down = opts.combine_in_down_at(b) and not fold and opts.moe == "routed"
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
@@ -631,15 +670,17 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 # the MoE down kernel fetches the next layer's q|k|v weights into the L2
                 down_pf = (dict(down_prefetch=_weight_arrays(*_qkv_lins(layers[i + 1])))
                            if "down" in pf and not last else {})
+                route = None
+                if cfg.is_moe(i) and router_logits is None and opts.moe == "routed":
+                    router_logits, route, counters = _route(
+                        x, mlp, cfg, opts.router_pallas_at(b), router_topk, counters, interpret)
                 if cfg.is_moe(i) and fold and not last:
-                    if router_logits is None:
-                        router_logits = _router_logits(x, mlp.gate.weight[...],
-                                                       opts.router_pallas_at(b), interpret)
                     split_kw = (dict(gate_up_split_k=gate_up_split, gate_up_counter=counters)
                                 if gate_up_split > 1 else {})
                     y, route, *counter_out = moe_decode_routed(
                         x, router_logits, _experts_arg(mlp.experts), _shared_arg(mlp),
-                        top_k=top_k, interpret=interpret, **moe_kw, **split_kw, **down_pf)
+                        top_k=top_k, interpret=interpret, route=route, **moe_kw, **split_kw,
+                        **down_pf)
                     if counter_out:
                         (counters,) = counter_out
                     pending = (y, route.logits)
@@ -647,7 +688,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     h, x, out_counters = _moe_add_rms_norm(
                         mlp, cfg, x, h, nxt, opts.moe, interpret, router_logits,
                         {**moe_kw, **down_pf}, router_pallas=opts.router_pallas_at(b),
-                        counters=counters if combine_in_down else None)
+                        counters=counters if combine_in_down else None, route=route)
                     if combine_in_down:
                         counters = out_counters
                 else:

@@ -39,12 +39,16 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
                                      moe_shared_first=True),
            # the shared expert's rows on one program per row block (the NVFP4 default
            # before run 102: per token on the M = 1 tiles)
-           "shall": DecodeOptions(moe_shared_rows="all")}
+           "shall": DecodeOptions(moe_shared_rows="all"),
+           # the MoE's top-k in its own kernel (the NVFP4 batch > 1 default before session 16:
+           # now in the router kernel), and forced into the router kernel for BF16 experts
+           "notopk": DecodeOptions(router_topk=False),
+           "rtopk": DecodeOptions(router_topk=True)}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
          ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
          ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait"),
          ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "tokrows"), ("nvfp4", "rows"),
-         ("nvfp4", "tokpresf"), ("nvfp4", "shall")]
+         ("nvfp4", "tokpresf"), ("nvfp4", "shall"), ("nvfp4", "notopk"), ("bf16", "rtopk")]
 
 
 def assert_generate_equal(fmt, seed, options, rows, max_new_tokens, cfg=None):
@@ -192,6 +196,9 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(l2_prefetch=1), "l2_prefetch"),
     (dict(qkv_split_k=2, attention="split"), "qkv_split_k > 1 needs"),
     (dict(nvfp4_asm="raw"), "nvfp4_asm"),
+    (dict(router_topk=True, moe="xla"), "router_topk needs"),
+    (dict(router_topk=True, router_pallas=False), "router_topk needs"),
+    (dict(router_topk=True, moe_prerouted=False), "router_topk needs"),
 ])
 def test_decode_options_reject_inconsistent_choices(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -265,6 +272,59 @@ def test_cache_counters_stay_zero_between_steps(split_k):
         assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
         np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=2e-2, atol=2e-2)
         assert np.asarray(l1).argmax() == np.asarray(l2).argmax()
+
+
+def test_router_topk_default():
+    """The MoE top-k runs in the router kernel wherever the router is its own Pallas kernel and
+    the MoE takes its routing given: NVFP4 experts at batch > 1 (per-token slots)."""
+    opts = DecodeOptions()
+    assert opts.router_topk_at(8, True) and opts.router_topk_at(2, True)
+    assert not opts.router_topk_at(1, True) and not opts.router_topk_at(8, False)
+    assert not DecodeOptions(router_topk=False).router_topk_at(8, True)
+    assert DecodeOptions(router_topk=True).router_topk_at(8, False)
+    assert not DecodeOptions(moe_slot_rows="all").router_topk_at(8, True)
+    assert not DecodeOptions(router_pallas=False).router_topk_at(8, True)
+
+
+@pytest.mark.parametrize("router_topk", [None, False])
+def test_router_topk_kernels(router_topk):
+    """The NVFP4 batch-8 step lowered for an H200: by default each MoE layer's router kernel
+    carries the top-k and no separate top-k kernel runs; with router_topk=False the top-k
+    kernel is back (one launch more per MoE layer)."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    cfg = flint_jax.preset("tiny", num_hidden_layers=3, mlp_only_layers=(0,))
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
+    step = fast_decode.make_decode_step(graphdef, cfg,
+                                        options=DecodeOptions(router_topk=router_topk))
+    mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 8, 256),
+                          jax.ShapeDtypeStruct((8,), jnp.int32))
+    names = [m["name"] for m in mods]    # one module per distinct kernel
+    fused = any("flint_router_m8" in n and "_top" in n for n in names)
+    separate = any("flint_moe_topk" in n for n in names)
+    assert (fused, separate) == ((True, False) if router_topk is None else (False, True)), names
+
+
+def test_router_topk_counter_stays_zero_between_steps():
+    """The router kernel's arrival counter lives in the cache: every NVFP4 batch-2 step hands
+    the counters back as zeros, its logits equal to the step with the separate top-k kernel."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import init_cache
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(6)))
+    fused = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True))
+    plain = jax.jit(fast_decode.make_decode_step(
+        graphdef, cfg, interpret=True, options=DecodeOptions(router_topk=False)))
+    c1 = c2 = init_cache(cfg, 2, 64)
+    for t in (5, 17, 3):
+        tokens = jnp.array([t, t + 1], jnp.int32)
+        l1, c1 = fused(state, c1, tokens)
+        l2, c2 = plain(state, c2, tokens)
+        assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
+        np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
 
 
 @pytest.mark.parametrize("fmt,rows", [("bf16", 1), ("nvfp4", 1), ("bf16", 2)])

@@ -315,6 +315,41 @@ def test_moe_decode_routed_prerouted_shared_first(fmt, m, slot_rows, prerouted, 
   assert_routed_close(y, ref, 6, mode, f"prerouted={prerouted} shared_first={shared_first}")
 
 
+@pytest.mark.parametrize("fmt,m,slot_rows", [("nvfp4", 8, None), ("nvfp4", 1, None),
+                                              ("bf16", 3, "all"), ("mixed", 2, "token")])
+def test_moe_decode_routed_route_given(fmt, m, slot_rows):
+  """The routing handed in (``route=``, as ``router_logits_topk`` computes it): y bit-identical
+  to the prerouted call's, the given routing returned; the combine entry point too; a malformed
+  route or prerouted=False rejected."""
+  _, experts, shared, x, _, logits = _routed_case(fmt, m, 32, 6, 256, 128, 256, False, "rg")
+  kw = dict(top_k=6, decode=DECODE, slot_rows=slot_rows, interpret=INTERPRET)
+  given = moe_topk_route_pallas(logits, top_k=6, interpret=INTERPRET)
+  y, route = moe_decode_routed(x, logits, experts, shared, route=given, **kw)
+  y0, route0 = moe_decode_routed(x, logits, experts, shared, prerouted=True, **kw)
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(given.ids))
+  np.testing.assert_array_equal(np.asarray(route.logits), np.asarray(given.logits))
+  np.testing.assert_array_equal(np.asarray(route0.ids), np.asarray(given.ids))
+  np.testing.assert_array_equal(np.asarray(used_rows(y, 6), np.float32),
+                                np.asarray(used_rows(y0, 6), np.float32))
+  gen = rng("rg-h", fmt, m)
+  h = randn(gen, (m, 256))
+  w_next = randn(gen, (256,)) + 1.0
+  counter = jnp.zeros((64,), jnp.int32)
+  ckw = dict(kw, block_n_down=32)
+  s1, x1, r1, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
+                                                  counter_base=20, route=given, **ckw)
+  s0, x0, _, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
+                                                 counter_base=20, prerouted=True, **ckw)
+  np.testing.assert_array_equal(np.asarray(s1, np.float32), np.asarray(s0, np.float32))
+  np.testing.assert_array_equal(np.asarray(x1, np.float32), np.asarray(x0, np.float32))
+  np.testing.assert_array_equal(np.asarray(r1.ids), np.asarray(given.ids))
+  with pytest.raises(ValueError, match="prerouted=False"):
+    moe_decode_routed(x, logits, experts, shared, route=given, prerouted=False, **kw)
+  bad = MoERoute(given.ids[:, :3], given.logits[:, :3])
+  with pytest.raises(ValueError, match="route must be a MoERoute"):
+    moe_decode_routed(x, logits, experts, shared, route=bad, **kw)
+
+
 @pytest.mark.parametrize("m,e,top_k,ties", [(1, 256, 6, False), (8, 256, 6, True),
                                             (5, 20, 4, True), (3, 16, 16, False)])
 def test_moe_topk_route_pallas(m, e, top_k, ties):

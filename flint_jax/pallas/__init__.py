@@ -20,7 +20,8 @@ numerical contract of the kernel and the XLA fallback):
 | ``add_rms_norm`` | ``add_rms_norm``, ``rms_norm`` |
 | ``add_rms_norm_router`` | ``add_rms_norm_router``: residual add + RMSNorm + fp32 router GEMV; |
 | | ``moe_block_from_attention``: attention output -> next block's input, 4 launches |
-| ``router`` | ``router_logits``: the fp32 MoE router GEMV for a few tokens (batch > 1) |
+| ``router`` | ``router_logits``: the fp32 MoE router GEMV for a few tokens (batch > 1); |
+| | ``router_logits_topk``: the same with the top-k in its last program (atomic counter) |
 | ``l2_prefetch`` | ``prefetch_l2``: a later kernel's weights into the L2 (cp.async.bulk; |
 | | measured no gain, off: docs/performance.md perf log 44) |
 | ``pdl`` | ``launch_dependents``, ``grid_dependency_wait``: programmatic dependent launch |
@@ -56,7 +57,8 @@ from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, dequantize_nvfp4_reference
                                          nvfp4_gemv_reference, nvfp4_gemv_silu_mul,
                                          nvfp4_gemv_silu_mul_reference)
 from flint_jax.pallas.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
-from flint_jax.pallas.router import router_logits, router_logits_reference
+from flint_jax.pallas.router import (router_logits, router_logits_reference, router_logits_topk,
+                                     router_logits_topk_reference)
 from flint_jax.pallas import pdl  # noqa: E402  (griddepcontrol primitives, early_trigger)
 from flint_jax.pallas import ffi_launch  # noqa: E402  (our own PDL launch of a Pallas kernel)
 
@@ -78,5 +80,6 @@ __all__ = [
     "nvfp4_gemv_silu_mul", "nvfp4_gemv_silu_mul_reference",
     "qk_norm_rope", "qk_norm_rope_reference",
     "qk_norm_rope_attention", "qk_norm_rope_attention_reference",
-    "router_logits", "router_logits_reference",
+    "router_logits", "router_logits_reference", "router_logits_topk",
+    "router_logits_topk_reference",
 ]

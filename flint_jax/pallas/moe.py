@@ -104,7 +104,7 @@ __all__ = ["moe_route", "moe_slots", "moe_decode", "moe_decode_reference", "moe_
            "moe_block_reference", "expert_format", "moe_router_logits", "moe_route_from_logits",
            "MoERoute", "moe_topk_route", "moe_topk_route_pallas", "moe_route_weights",
            "moe_decode_routed", "moe_decode_routed_reference", "moe_decode_routed_combine",
-           "moe_combine_add_rms_norm", "default_slot_rows", "default_shared_rows",
+           "moe_combine_add_rms_norm", "default_slot_rows", "default_shared_rows", "routing_given",
            "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
            "moe_block_add_rms_norm_reference"]
 
@@ -620,6 +620,14 @@ def _routed_defaults(fe, m, slot_rows, prerouted, shared_first):
           token if shared_first is None else shared_first)
 
 
+def routing_given(fe: str, m: int, slot_rows: str | None = None,
+                  prerouted: bool | None = None) -> bool:
+  """Whether ``moe_decode_routed`` (experts in format ``fe``, M tokens, those options) takes
+  its routing computed before its kernels (``prerouted`` resolved by ``_routed_defaults``): the
+  callers that can compute it for free (``router.router_logits_topk``) then pass ``route``."""
+  return _routed_defaults(fe, m, slot_rows, prerouted, None)[1]
+
+
 def default_shared_rows(fe: str, fs: str, token: bool, down_shared_cols: int | None) -> str:
   """``shared_rows`` of the routed MoE: "token" with per-token slots (``token``: slot_rows
   "token" at M > 1) when the experts and the shared expert are both NVFP4 and the shared down
@@ -983,9 +991,19 @@ def _check_logits(logits, m, n_exp, top_k):
   C.check(1 <= top_k <= n_exp, f"need 1 <= top_k <= E, got {top_k=} {n_exp=}")
 
 
-def _route_inputs(logits, top_k, prerouted, interpret):
+def _route_inputs(logits, top_k, prerouted, interpret, route=None):
   """(route_given, route_names, route_args) of the routed ``_launch``: the logits (top-k in the
-  gate_up kernel), or (``prerouted``) the ids of ``moe_topk_route_pallas``."""
+  gate_up kernel), or (``prerouted``) the ids of ``route`` when given, else of
+  ``moe_topk_route_pallas``."""
+  if route is not None:
+    m = logits.shape[0]
+    C.check(isinstance(route, MoERoute) and route.ids.shape == (m, top_k)
+            and route.ids.dtype == jnp.int32 and route.logits.shape == (m, top_k)
+            and route.logits.dtype == jnp.float32,
+            f"route must be a MoERoute(ids int32 [M={m}, top_k={top_k}], logits f32 [M, top_k])"
+            f" (router_logits_topk), got {jax.tree.map(lambda a: (a.shape, a.dtype), route)}")
+    C.check(prerouted is not False, "route given with prerouted=False: leave prerouted None")
+    return route, ["route_ids_in"], [route.ids]
   if not prerouted:
     return None, ["logits"], [logits]
   given = moe_topk_route_pallas(logits, top_k=top_k, interpret=interpret)
@@ -1014,9 +1032,12 @@ def _launch_routed(x, logits, experts, shared, options, **extra):
   top_k = opts.pop("top_k")
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
-  opts["slot_rows"], prerouted, opts["shared_first"] = _routed_defaults(
-      fe, m, opts["slot_rows"], opts.pop("prerouted"), opts["shared_first"])
-  given, r_names, r_args = _route_inputs(logits, top_k, prerouted, opts["interpret"])
+  route = options["route"]
+  prerouted = opts.pop("prerouted")
+  opts["slot_rows"], auto_pre, opts["shared_first"] = _routed_defaults(
+      fe, m, opts["slot_rows"], prerouted, opts["shared_first"])
+  given, r_names, r_args = _route_inputs(logits, top_k, prerouted if route is not None
+                                         else auto_pre, opts["interpret"], route)
   return _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
                  route=(top_k, n_exp, C.next_pow2(n_exp)), route_given=given, coef=None,
                  down_split=True, **opts, **extra)
@@ -1036,7 +1057,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       gate_up_counter=None, down_prefetch=(),
                       down_shared_cols: int | None = None, asm_down: str | None = None,
                       prerouted: bool | None = None, shared_first: bool | None = None,
-                      shared_rows: str | None = None, interpret: bool = False):
+                      shared_rows: str | None = None, route: MoERoute | None = None,
+                      interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls; 3 with ``prerouted``,
   the default for NVFP4 experts at M > 1) and the routing.
 
@@ -1087,6 +1109,9 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   137 registers (the down kernel); the M = 1 tiles need neither (``tools/triton_sass.py``).
   None: ``default_shared_rows`` ("token" with per-token slots when both are NVFP4; H200 run 102,
   both kernels at M = 8: 77.4 us against 107.7 with "all").
+  ``route``: the routing already computed (``router.router_logits_topk``: the router kernel's
+  last program runs the top-k of these logits); the kernels take its ids as with ``prerouted``
+  (which must not be False) and return it; no top-k kernel of their own.
   """
   options = locals()    # first statement: exactly the arguments
   y, route_out, counter = _launch_routed(x, logits, experts, shared, options)
@@ -1109,7 +1134,7 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               down_shared_cols: int | None = None, down_prefetch=(),
                               asm_down: str | None = None, prerouted: bool | None = None,
                               shared_first: bool | None = None, shared_rows: str | None = None,
-                              interpret: bool = False):
+                              route: MoERoute | None = None, interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its

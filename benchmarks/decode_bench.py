@@ -249,8 +249,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     `moe_shared_first`), "pallas_nopresf" (both off: the batch 2-4 default before run 100),
     "pallas_shtok" / "pallas_shall" (`moe_shared_rows` "token": the shared expert per token on
     the M = 1 tiles, the NVFP4 default since run 102 / "all": its rows on one program per row
-    block), "pallas_notopk" (`router_topk=False`: the MoE's top-k in its own kernel, not in
-    the router kernel's last program),
+    block), "pallas_rtopk" / "pallas_notopk" (`router_topk` on / off: the MoE's top-k in the
+    router kernel's last program / in its own kernel, the default),
     "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
     the NVFP4 GEMVs at batch > 1), "pallas_lanes" / "pallas_reduce" / "pallas_blocks" (`nvfp4_m1_method`: the
     NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" / "blocks" tile method), "pallas_rin"
@@ -306,6 +306,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "shtok": DecodeOptions(moe_shared_rows="token"),
                "shall": DecodeOptions(moe_shared_rows="all"),
                "notopk": DecodeOptions(router_topk=False),
+               "rtopk": DecodeOptions(router_topk=True),
                "rows": DecodeOptions(nvfp4_rows=True),
                "rin": DecodeOptions(router_in_norm=True),
                "norin": DecodeOptions(router_in_norm=False),

@@ -38,7 +38,7 @@ from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, de
                               qk_norm_rope_attention, rms_norm, router_logits,
                               router_logits_topk)
 from flint_jax.pallas.gemv import gemv
-from flint_jax.pallas.moe import moe_decode_routed_combine, routing_given
+from flint_jax.pallas.moe import moe_decode_routed_combine
 from flint_jax.pallas.nvfp4_gemv import asm_decode as nvfp4_asm_decode
 
 # KVCache.counters entries of the MoE down kernel's combine (`moe_decode_routed_combine`): one
@@ -177,8 +177,12 @@ class DecodeOptions:
       top-k in that kernel's last program (`router_logits_topk`, an arrival counter in
       ``KVCache.counters``), handed to `moe_decode_routed(route=...)` instead of its own
       top-k kernel (`moe_topk_route_pallas`): one launch less per MoE layer. None (default) =
-      wherever the MoE takes its routing given (`moe.routing_given`: NVFP4 experts at batch >
-      1). True forces it (the MoE then takes the routing given), False turns it off.
+      off: slower (H200 run 107, NVFP4 8x1K in-loop 5.591 against 5.436 ms, kernel busy 5198
+      against 5082 us: the router kernel 7.9 us against 3.5 + 2.2 for the pair, its last
+      program's serial top-k over all rows taking longer than the separate kernel's one
+      program per row; 444 against 491 kernels). True: on wherever the router is its own
+      Pallas kernel (batch > 1 by default), the MoE then taking the routing given whatever its
+      format (`moe_prerouted` must not be False).
     bf16_o_proj_pallas: at batch > 1, the BF16 o_proj on the Pallas ``gemv`` with its split-K
       fp32 partials summed by the ``add_rms_norm`` kernel, instead of XLA's dot (at batch 8 a
       split-K GEMM + reduce, 7.3 + 1.6 us per layer, run 51). None (default) = off: no faster
@@ -263,16 +267,10 @@ class DecodeOptions:
         """Whether a separate MoE router GEMV at this batch size runs on `router_logits`."""
         return batch > 1 if self.router_pallas is None else self.router_pallas
 
-    def router_topk_at(self, batch: int, quant_experts: bool) -> bool:
+    def router_topk_at(self, batch: int) -> bool:
         """Whether a separate Pallas router GEMV at this batch size also runs the MoE's top-k
-        (`router_logits_topk`); ``quant_experts``: NVFP4 experts."""
-        if not self.router_pallas_at(batch) or self.moe != "routed":
-            return False
-        if self.router_topk is not None:
-            return self.router_topk
-        slot_rows = self.moe_slot_rows if batch > 1 else None
-        return routing_given("nvfp4" if quant_experts else "bf16", batch, slot_rows,
-                             self.moe_prerouted)
+        (`router_logits_topk`)."""
+        return bool(self.router_topk) and self.router_pallas_at(batch) and self.moe == "routed"
 
     def bf16_o_proj_pallas_at(self, batch: int) -> bool:
         """Whether the BF16 o_proj at this batch size runs on the Pallas gemv."""
@@ -594,7 +592,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # (with the layer end folded into the next q|k|v) or the MoE combine in the down kernel
         # (where it is not folded).
         counters = cache.counters
-        router_topk = opts.router_topk_at(b, moe_quant)
+        router_topk = opts.router_topk_at(b)
         gate_up_split = opts.moe_gate_up_split_k_at(b) if (not moe_quant and fold) else 1
         combine_in_down = opts.combine_in_down_at(b) and not fold and opts.moe == "routed"
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None

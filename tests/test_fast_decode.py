@@ -40,15 +40,13 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            # the shared expert's rows on one program per row block (the NVFP4 default
            # before run 102: per token on the M = 1 tiles)
            "shall": DecodeOptions(moe_shared_rows="all"),
-           # the MoE's top-k in its own kernel (the NVFP4 batch > 1 default before session 16:
-           # now in the router kernel), and forced into the router kernel for BF16 experts
-           "notopk": DecodeOptions(router_topk=False),
+           # the MoE's top-k in the router kernel's last program (slower, run 107: off)
            "rtopk": DecodeOptions(router_topk=True)}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
          ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
          ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait"),
          ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "tokrows"), ("nvfp4", "rows"),
-         ("nvfp4", "tokpresf"), ("nvfp4", "shall"), ("nvfp4", "notopk"), ("bf16", "rtopk")]
+         ("nvfp4", "tokpresf"), ("nvfp4", "shall"), ("nvfp4", "rtopk"), ("bf16", "rtopk")]
 
 
 def assert_generate_equal(fmt, seed, options, rows, max_new_tokens, cfg=None):
@@ -275,22 +273,19 @@ def test_cache_counters_stay_zero_between_steps(split_k):
 
 
 def test_router_topk_default():
-    """The MoE top-k runs in the router kernel wherever the router is its own Pallas kernel and
-    the MoE takes its routing given: NVFP4 experts at batch > 1 (per-token slots)."""
-    opts = DecodeOptions()
-    assert opts.router_topk_at(8, True) and opts.router_topk_at(2, True)
-    assert not opts.router_topk_at(1, True) and not opts.router_topk_at(8, False)
-    assert not DecodeOptions(router_topk=False).router_topk_at(8, True)
-    assert DecodeOptions(router_topk=True).router_topk_at(8, False)
-    assert not DecodeOptions(moe_slot_rows="all").router_topk_at(8, True)
-    assert not DecodeOptions(router_pallas=False).router_topk_at(8, True)
+    """The MoE top-k in the router kernel is off by default (slower, H200 run 107); on, it
+    applies wherever the router is its own Pallas kernel (batch > 1 by default)."""
+    assert not DecodeOptions().router_topk_at(8)
+    opts = DecodeOptions(router_topk=True)
+    assert opts.router_topk_at(8) and opts.router_topk_at(2) and not opts.router_topk_at(1)
+    assert DecodeOptions(router_topk=True, router_pallas=True).router_topk_at(1)
 
 
-@pytest.mark.parametrize("router_topk", [None, False])
+@pytest.mark.parametrize("router_topk", [True, None])
 def test_router_topk_kernels(router_topk):
-    """The NVFP4 batch-8 step lowered for an H200: by default each MoE layer's router kernel
-    carries the top-k and no separate top-k kernel runs; with router_topk=False the top-k
-    kernel is back (one launch more per MoE layer)."""
+    """The NVFP4 batch-8 step lowered for an H200: with router_topk each MoE layer's router
+    kernel carries the top-k and no separate top-k kernel runs; by default the top-k kernel
+    runs after the router kernel."""
     import jax
     import jax.numpy as jnp
     from flint_jax.cache import cache_shapes
@@ -304,7 +299,7 @@ def test_router_topk_kernels(router_topk):
     names = [m["name"] for m in mods]    # one module per distinct kernel
     fused = any("flint_router_m8" in n and "_top" in n for n in names)
     separate = any("flint_moe_topk" in n for n in names)
-    assert (fused, separate) == ((True, False) if router_topk is None else (False, True)), names
+    assert (fused, separate) == ((True, False) if router_topk else (False, True)), names
 
 
 def test_router_topk_counter_stays_zero_between_steps():
@@ -315,9 +310,9 @@ def test_router_topk_counter_stays_zero_between_steps():
     from flint_jax.cache import init_cache
     cfg = small_cfg()
     graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(6)))
-    fused = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True))
-    plain = jax.jit(fast_decode.make_decode_step(
-        graphdef, cfg, interpret=True, options=DecodeOptions(router_topk=False)))
+    fused = jax.jit(fast_decode.make_decode_step(
+        graphdef, cfg, interpret=True, options=DecodeOptions(router_topk=True)))
+    plain = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True))
     c1 = c2 = init_cache(cfg, 2, 64)
     for t in (5, 17, 3):
         tokens = jnp.array([t, t + 1], jnp.int32)

@@ -104,7 +104,7 @@ __all__ = ["moe_route", "moe_slots", "moe_decode", "moe_decode_reference", "moe_
            "moe_block_reference", "expert_format", "moe_router_logits", "moe_route_from_logits",
            "MoERoute", "moe_topk_route", "moe_topk_route_pallas", "moe_route_weights",
            "moe_decode_routed", "moe_decode_routed_reference", "moe_decode_routed_combine",
-           "moe_combine_add_rms_norm", "default_slot_rows", "default_shared_rows", "routing_given",
+           "moe_combine_add_rms_norm", "default_slot_rows", "default_shared_rows",
            "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
            "moe_block_add_rms_norm_reference"]
 
@@ -618,14 +618,6 @@ def _routed_defaults(fe, m, slot_rows, prerouted, shared_first):
   token = m > 1 and slot_rows == "token"
   return (slot_rows, token if prerouted is None else prerouted,
           token if shared_first is None else shared_first)
-
-
-def routing_given(fe: str, m: int, slot_rows: str | None = None,
-                  prerouted: bool | None = None) -> bool:
-  """Whether ``moe_decode_routed`` (experts in format ``fe``, M tokens, those options) takes
-  its routing computed before its kernels (``prerouted`` resolved by ``_routed_defaults``): the
-  callers that can compute it for free (``router.router_logits_topk``) then pass ``route``."""
-  return _routed_defaults(fe, m, slot_rows, prerouted, None)[1]
 
 
 def default_shared_rows(fe: str, fs: str, token: bool, down_shared_cols: int | None) -> str:

@@ -21,7 +21,10 @@ The result differs from XLA's ``Precision.HIGHEST`` dot only in the fp32 summati
 zero by that program) also selects each token's top-k experts from the logits the others
 stored (``moe.MoERoute``, ``lax.top_k`` order, ties by lowest index): the routing that
 ``moe_decode_routed(route=...)`` takes, without ``moe_topk_route_pallas``'s own launch (one
-kernel less per MoE layer at batch > 1).
+kernel less per MoE layer at batch > 1). Measured slower on the H200 (run 107, M = 8: 7.9 us
+against 3.5 + 2.2 for the router and top-k kernels; the one program's top-k over all rows runs
+after every other program, where the top-k kernel gives each row its own program), so the
+decode step leaves it off (``DecodeOptions.router_topk``).
 
 Shapes: x [M, D] (bf16 or f32), router_w [E, D] (fp32, or bf16 upcast); D a multiple of
 ``block_k``, E of ``block_e``. Returns f32 [M, E].

@@ -250,7 +250,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "pallas_shtok" / "pallas_shall" (`moe_shared_rows` "token": the shared expert per token on
     the M = 1 tiles, the NVFP4 default since run 102 / "all": its rows on one program per row
     block), "pallas_rtopk" / "pallas_notopk" (`router_topk` on / off: the MoE's top-k in the
-    router kernel's last program / in its own kernel, the default),
+    router kernel's last program / in its own kernel, the default), "pallas_qkvdot" /
+    "pallas_qkvrows" (`nvfp4_qkv_method`: the NVFP4 q|k|v at batch > 1 on dot / rows tiles),
     "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
     the NVFP4 GEMVs at batch > 1), "pallas_lanes" / "pallas_reduce" / "pallas_blocks" (`nvfp4_m1_method`: the
     NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" / "blocks" tile method), "pallas_rin"
@@ -307,6 +308,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "shall": DecodeOptions(moe_shared_rows="all"),
                "notopk": DecodeOptions(router_topk=False),
                "rtopk": DecodeOptions(router_topk=True),
+               "qkvdot": DecodeOptions(nvfp4_qkv_method="dot"),
+               "qkvrows": DecodeOptions(nvfp4_qkv_method="rows"),
                "rows": DecodeOptions(nvfp4_rows=True),
                "rin": DecodeOptions(router_in_norm=True),
                "norin": DecodeOptions(router_in_norm=False),

@@ -1538,6 +1538,26 @@ M8DENSE2 = {   # round 2 (run 105) around run 104's bests: larger row blocks, sh
 }
 
 
+def m4qkv_cases(variants):
+  """Session 16: the NVFP4 q|k|v ``multi_gemv`` at M = 2 / 3 / 4 (block scales pre-scaled): its
+  default there (``rows``, CUDA-core tiles, measured faster than the tensor-core tile in run
+  25) against ``dot`` and ``swap`` on their current tiles (bn64 bk128, 4 stages; 13.2 us at M = 8,
+  run 104)."""
+  if variants:
+    return
+  from flint_jax.nvfp4 import prescale_state
+  ws = [prescale_state((rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D))))
+        for _ in range(n_sets(nbytes(rand_nvfp4((4096, D))) * 1.25, cap=12))]
+  for m in (2, 3, 4):
+    sets = [(randn((m, D)), w) for w in ws]
+    lbl, bytes_ = f"qkv nvfp4 M={m}", nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
+    yield (f"m4qkv/M{m}/xla", "m4qkv", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
+           bytes_)
+    for kw in [{}, dict(method="dot"), dict(method="swap")]:
+      yield (f"m4qkv/M{m}/{_tag(kw)}", "m4qkv", lbl, _tag(kw),
+             functools.partial(MULTI.multi_gemv, **kw), sets, bytes_)
+
+
 def m8dense2_cases(variants):
   """Round 2 of ``m8dense`` (run 104: q|k|v 13.2 us on bn64 bk128 4 stages against 16.3, o_proj
   8.05 on bn64 bk128 split-K 4 against 9.31; smaller row blocks lost, up to 5x): larger blocks
@@ -1595,7 +1615,7 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "post": post_cases, "m8token": m8token_cases,
           "m8diag": m8diag_cases, "m8diag2": m8diag2_cases,
           "m8pre": m8pre_cases, "shtok": shtok_cases, "m8dense": m8dense_cases,
-          "m8dense2": m8dense2_cases}
+          "m8dense2": m8dense2_cases, "m4qkv": m4qkv_cases}
 
 
 # ------------------------------------------------------------------------------------------

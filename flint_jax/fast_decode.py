@@ -119,6 +119,9 @@ class DecodeOptions:
       CUDA-core ``rows`` tiles (one decode, one row sum per token) instead of the kernels'
       defaults. Off: at batch 8 the step is slower (16.1 against 9.5 ms, run 25); the q|k|v
       kernel already picks ``rows`` by itself at M = 2..4, where it measured faster.
+    nvfp4_qkv_method: at batch > 1, the NVFP4 q|k|v `multi_gemv`'s tile method ("rows",
+      "dot" or "swap"); None = the kernel's default (`multi_gemv.resolve_method`: "rows" at
+      batch 2-4, "dot" above). For A/B measurements of that choice.
     bf16_dense_pallas: the BF16 dense layers' gate|up + SiLU as one Pallas `gemv_silu_mul`
       kernel instead of XLA's dot + elementwise kernels. None (default) = at batch 1 only (H200,
       run 35: 16.3 us per dense layer against 18.9 + 1.4 for XLA's two kernels; step 2.690
@@ -232,6 +235,7 @@ class DecodeOptions:
     moe_shared_first: bool | None = None
     moe_shared_rows: str | None = None
     nvfp4_rows: bool = False
+    nvfp4_qkv_method: str | None = None
     nvfp4_m1_method: str | None = None
     bf16_dense_pallas: bool | None = None
     moe_gate_up_split_k: int | None = None
@@ -345,6 +349,9 @@ class DecodeOptions:
         if self.moe_slot_rows not in (None, "all", "token"):
             raise ValueError("DecodeOptions.moe_slot_rows must be None|'all'|'token', got "
                              f"{self.moe_slot_rows!r}")
+        if self.nvfp4_qkv_method not in (None, "rows", "dot", "swap"):
+            raise ValueError("DecodeOptions.nvfp4_qkv_method must be None|'rows'|'dot'|'swap', "
+                             f"got {self.nvfp4_qkv_method!r}")
         if self.nvfp4_m1_method not in (None, "reduce", "lanes", "blocks"):
             raise ValueError("DecodeOptions.nvfp4_m1_method must be None|'reduce'|'lanes'|"
                              "'blocks', got "
@@ -620,7 +627,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                             interpret=interpret)
                 else:
                     with nvfp4_asm_decode(opts.nvfp4_asm_at("qkv")):
-                        q, k, v = _qkv(attn, x, opts.fused_qkv, interpret, nv_method)
+                        q, k, v = _qkv(attn, x, opts.fused_qkv, interpret,
+                                       (opts.nvfp4_qkv_method if b > 1 else None) or nv_method)
                 q = q.reshape(*q.shape[:-1], h_, hd)
                 k, v = k.reshape(*k.shape[:-1], kvh, hd), v.reshape(*v.shape[:-1], kvh, hd)
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)

@@ -41,12 +41,15 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            # before run 102: per token on the M = 1 tiles)
            "shall": DecodeOptions(moe_shared_rows="all"),
            # the MoE's top-k in the router kernel's last program (slower, run 107: off)
-           "rtopk": DecodeOptions(router_topk=True)}
+           "rtopk": DecodeOptions(router_topk=True),
+           # the NVFP4 q|k|v at batch 2 on the tensor-core tile (its default there: rows)
+           "qkvdot": DecodeOptions(nvfp4_qkv_method="dot")}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
          ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
          ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait"),
          ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "tokrows"), ("nvfp4", "rows"),
-         ("nvfp4", "tokpresf"), ("nvfp4", "shall"), ("nvfp4", "rtopk"), ("bf16", "rtopk")]
+         ("nvfp4", "tokpresf"), ("nvfp4", "shall"), ("nvfp4", "rtopk"), ("bf16", "rtopk"),
+         ("nvfp4", "qkvdot")]
 
 
 def assert_generate_equal(fmt, seed, options, rows, max_new_tokens, cfg=None):
@@ -194,6 +197,7 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(l2_prefetch=1), "l2_prefetch"),
     (dict(qkv_split_k=2, attention="split"), "qkv_split_k > 1 needs"),
     (dict(nvfp4_asm="raw"), "nvfp4_asm"),
+    (dict(nvfp4_qkv_method="blocks"), "nvfp4_qkv_method"),
     (dict(router_topk=True, moe="xla"), "router_topk needs"),
     (dict(router_topk=True, router_pallas=False), "router_topk needs"),
     (dict(router_topk=True, moe_prerouted=False), "router_topk needs"),

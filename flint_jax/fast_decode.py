@@ -118,10 +118,11 @@ class DecodeOptions:
     nvfp4_rows: at batch > 1, the NVFP4 q|k|v, o_proj, dense MLP and LM head GEMVs all use the
       CUDA-core ``rows`` tiles (one decode, one row sum per token) instead of the kernels'
       defaults. Off: at batch 8 the step is slower (16.1 against 9.5 ms, run 25); the q|k|v
-      kernel already picks ``rows`` by itself at M = 2..4, where it measured faster.
+      kernel already picks ``rows`` by itself at M = 2..3, where it measured faster.
     nvfp4_qkv_method: at batch > 1, the NVFP4 q|k|v `multi_gemv`'s tile method ("rows",
       "dot" or "swap"); None = the kernel's default (`multi_gemv.resolve_method`: "rows" at
-      batch 2-4, "dot" above). For A/B measurements of that choice.
+      batch 2-3, "dot" above; H200 run 108: 4x1K 4.132 ms on dot against 4.325 on rows, 3x1K
+      3.847 against 3.797). For A/B measurements of that choice.
     bf16_dense_pallas: the BF16 dense layers' gate|up + SiLU as one Pallas `gemv_silu_mul`
       kernel instead of XLA's dot + elementwise kernels. None (default) = at batch 1 only (H200,
       run 35: 16.3 us per dense layer against 18.9 + 1.4 for XLA's two kernels; step 2.690

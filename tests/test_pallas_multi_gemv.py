@@ -129,21 +129,21 @@ def test_default_blocks():
   # NVFP4 at M = 8: 128-wide K steps (H200 run 104: 13.2 us against 16.3 on bk256)
   assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=8, fmt="nvfp4") == (64, 128, 4)
   assert default_multi_gemv_blocks((4096, 48), 2048, m=1)[0] == 16
-  # NVFP4 rows (the M = 2..4 default) takes the M = 1 tiles
+  # NVFP4 rows (the M = 2..3 default) takes the M = 1 tiles
   assert default_multi_gemv_blocks((4096, 512, 512), 2048, m=4, fmt="nvfp4",
                                    method="rows") == (16, 512, 8)
 
 
 def test_default_methods():
-  """The measured tile-method defaults (runs 25, 30, 84, 85): NVFP4 q|k|v on rows at M = 2..4 and
+  """The measured tile-method defaults (runs 25, 30, 84, 85, 108): NVFP4 q|k|v on rows at M = 2..3 and
   on blocks at M = 1 (lanes in norm_qkv, which has no blocks; reduce with the chunk layout and
   in kernels with neither), NVFP4 single GEMVs on rows at M = 2 below 16384 rows, blocks at M = 1
   (reduce with the chunk layout); tensor cores otherwise."""
   from flint_jax.pallas import _common as C
   from flint_jax.pallas.multi_gemv import resolve_method
   from flint_jax.pallas.nvfp4_gemv import default_method
-  assert [resolve_method("nvfp4", m, None, "tile", "asm", False)[0] for m in (1, 2, 4, 5, 8)] == [
-      "blocks", "rows", "rows", "dot", "dot"]
+  assert [resolve_method("nvfp4", m, None, "tile", "asm", False)[0]
+          for m in (1, 2, 3, 4, 5, 8)] == ["blocks", "rows", "rows", "dot", "dot", "dot"]
   no_blocks = tuple(x for x in C.METHODS if x != "blocks")
   assert resolve_method("nvfp4", 1, None, "tile", "asm", False, allowed=no_blocks)[0] == "lanes"
   assert resolve_method("nvfp4", 1, None, "chunk", "asm", False)[0] == "reduce"

@@ -115,15 +115,17 @@ def resolve_method(fmt: str, m: int, method, layout: str, decode: str, interpret
   else:
     C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}, got {layout=}")
     decode = NV.resolve_decode(decode, interpret)
-    # rows at M = 2..4: Flint q|k|v 9.9 / 16.9 us against 24.7 / 23.1 for the tensor-core tile
-    # (M = 2 / 4; at M = 8 rows loses, 31.0 against 19.6; run 25). lanes at M = 1: 5.92 against
+    # rows at M = 2..3: Flint q|k|v 9.9 / 13.6 us against 14.1 / 13.8 for the tensor-core tile
+    # on its bk128 tiles (H200 run 108; 3x1K step 3.797 against 3.847 ms); dot from M = 4: 13.7
+    # against 17.7 (4x1K step 4.132 against 4.325; run 25 had rows ahead at M = 4 when the dot
+    # tile took 23.1 us). lanes at M = 1: 5.92 against
     # 6.34 us for reduce (run 32; 6.11 against 6.56 inside the step)
     # blocks at M = 1 (q|k|v 5.33 against 5.70 us for lanes, run 85), lanes where the kernel
     # has no blocks (norm_qkv), reduce with the chunk layout
     fallback = NV.default_method(m, layout=layout)
     if fallback not in allowed:
       fallback = "lanes" if "lanes" in allowed and layout == "tile" else "reduce"
-    method = method or ("rows" if 2 <= m <= 4 else fallback)
+    method = method or ("rows" if 2 <= m <= 3 else fallback)
   C.check_method(method, m, allowed)
   return method, decode
 
@@ -241,7 +243,7 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
 
   weights: tuple of 1..4 bf16 [N_i, K] arrays, or tuple of 1..4 ``NVFP4Weight``. ``method``:
   "dot" / "swap" / "reduce" or "lanes" (M == 1) / "rows", default ``gemv.default_method``
-  (bf16) or, for NVFP4, "rows" at M = 2..4 and ``nvfp4_gemv.default_method`` otherwise
+  (bf16) or, for NVFP4, "rows" at M = 2..3 and ``nvfp4_gemv.default_method`` otherwise
   (``resolve_method``).
   ``decode`` / ``layout``: NVFP4 only (see ``nvfp4_gemv``; ``decode="asm"`` falls back to
   ``"fp8"`` in interpret mode). Block defaults:

@@ -1096,17 +1096,18 @@ def stream_cases(variants):
                                  wb + k * 2 + n * 2, kws)
 
 
-def _routed_nvfp4_cases(group, ms, variants_for, wrap=lambda fn: fn):
-  """The routed NVFP4 MoE (``moe_decode_routed``, block scales pre-scaled) at each M in ``ms``:
-  its XLA reference, then one case per (impl label, callable) of ``variants_for(m)``; ``wrap``
-  applies to every callable (``_used_rows``: only the rows every ``slot_rows`` mode defines)."""
+def _routed_nvfp4_cases(group, ms, variants_for, wrap=lambda fn: fn, fmt="nvfp4"):
+  """The routed MoE (``moe_decode_routed``; NVFP4 with its block scales pre-scaled, or
+  ``fmt="bf16"``) at each M in ``ms``: its XLA reference, then one case per (impl label,
+  callable) of ``variants_for(m)``; ``wrap`` applies to every callable (``_used_rows``: only the
+  rows every ``slot_rows`` mode defines)."""
   from flint_jax.nvfp4 import prescale_state
   router = randn((E, D), jnp.float32, D ** -0.5)
-  experts, shared = prescale_state(moe_weights("nvfp4"))
+  experts, shared = prescale_state(moe_weights(fmt))
   for m in ms:
     xs, logits, _, bytes_ = moe_inputs(m, router, experts, shared)
     sets = [(x, lg, experts, shared) for x, lg in zip(xs, logits)]
-    lbl = f"routed nvfp4 M={m}"
+    lbl = f"routed {fmt} M={m}"
     yield (f"{group}/moe/M{m}/xla", group, lbl, "xla",
            jax.jit(wrap(MOE.moe_decode_routed_reference)), sets, bytes_)
     for impl, fn in variants_for(m):
@@ -1384,15 +1385,15 @@ M8TOKEN = {
 }
 
 
-def _routed_table_cases(group, table, doc):
-  """A group function timing the routed NVFP4 MoE (block scales pre-scaled) at each M of
-  ``table`` (M -> option dicts, in its key order) against the XLA reference, comparing only the
-  rows every ``slot_rows`` mode defines (``_used_rows``)."""
+def _routed_table_cases(group, table, doc, fmt="nvfp4"):
+  """A group function timing the routed MoE (NVFP4 with block scales pre-scaled, or ``fmt``) at
+  each M of ``table`` (M -> option dicts, in its key order) against the XLA reference, comparing
+  only the rows every ``slot_rows`` mode defines (``_used_rows``)."""
   def cases(variants):
     if variants:
       return
     yield from _routed_nvfp4_cases(group, tuple(table), lambda m: _kw_variants(table[m]),
-                                   wrap=_used_rows)
+                                   wrap=_used_rows, fmt=fmt)
   cases.__doc__ = doc
   return cases
 
@@ -1538,6 +1539,48 @@ M8DENSE2 = {   # round 2 (run 105) around run 104's bests: larger row blocks, sh
 }
 
 
+BF16TOK = {   # the NVFP4 batch > 1 MoE options (sessions 15-16), on BF16 experts
+    8: [{}, _tok(), _tok(shared_rows="token"), _tok(prerouted=False, shared_first=False),
+        _tok(gu=(32, 256, 4, 3), shared_rows="token"), _tok(gu=(16, 256, 4, 3), shared_rows="token"),
+        _tok(gu=(64, 128, 4, 4), shared_rows="token"), _tok(dn=(32, 128, 4, 3), shared_rows="token")],
+    4: [{}, _tok(), _tok(shared_rows="token")],
+    2: [{}, _tok(), _tok(shared_rows="token")],
+}
+
+
+bf16tok_cases = _routed_table_cases("bf16tok", BF16TOK, """Session 16 (for session 17): the
+  routed BF16 MoE at M = 8 / 4 / 2 in the per-token slot mode with the options that made it the
+  NVFP4 default (the routing given, the shared expert's programs first, the shared expert per
+  token) against its default (all rows on tensor-core tiles; the token mode measured equal at
+  M = 8 before those options, 86 against 88 us, session 6), and a few tiles.""", fmt="bf16")
+
+
+M8SILU = {   # the NVFP4 dense gate|up pair (2 of Flint's layers) at M = 8
+    8: [{}] + [dict(method="dot", block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+               for bn, bk, nw, ns in [(64, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 3),
+                                      (128, 128, 8, 3), (64, 64, 4, 4)]],
+}
+
+
+def m8silu_cases(variants):
+  """Session 16 (for session 17): the NVFP4 dense gate|up + SiLU (``nvfp4_gemv_silu_mul``, [6144,
+  2048] each, block scales pre-scaled) at M = 8 on 128-wide K steps against its bk256 default
+  (28.3 us in the 8x1K step, run 106), as the single matrices gained with them (perf log 64)."""
+  if variants:
+    return
+  from flint_jax.nvfp4 import prescale_state
+  n = DENSE
+  for m, table in M8SILU.items():
+    ws = [prescale_state((rand_nvfp4((n, D)), rand_nvfp4((n, D)))) for _ in range(4)]
+    sets = [(randn((m, D)), g, u) for g, u in ws]
+    lbl, bytes_ = f"dense_gate_up nvfp4 M={m}", nbytes(ws[0]) + m * D * 2 + m * n * 2
+    yield (f"m8silu/M{m}/xla", "m8silu", lbl, "xla",
+           jax.jit(NV.nvfp4_gemv_silu_mul_reference), sets, bytes_)
+    for kw in table:
+      yield (f"m8silu/M{m}/{_tag(kw)}", "m8silu", lbl, _tag(kw),
+             functools.partial(NV.nvfp4_gemv_silu_mul, **kw), sets, bytes_)
+
+
 def m4qkv_cases(variants):
   """Session 16: the NVFP4 q|k|v ``multi_gemv`` at M = 2 / 3 / 4 (block scales pre-scaled): its
   default there (``rows``, CUDA-core tiles, measured faster than the tensor-core tile in run
@@ -1615,7 +1658,8 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "post": post_cases, "m8token": m8token_cases,
           "m8diag": m8diag_cases, "m8diag2": m8diag2_cases,
           "m8pre": m8pre_cases, "shtok": shtok_cases, "m8dense": m8dense_cases,
-          "m8dense2": m8dense2_cases, "m4qkv": m4qkv_cases}
+          "m8dense2": m8dense2_cases, "m4qkv": m4qkv_cases, "bf16tok": bf16tok_cases,
+          "m8silu": m8silu_cases}
 
 
 # ------------------------------------------------------------------------------------------

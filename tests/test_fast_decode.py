@@ -43,13 +43,15 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            # the MoE's top-k in the router kernel's last program (slower, run 107: off)
            "rtopk": DecodeOptions(router_topk=True),
            # the NVFP4 q|k|v at batch 2 on the tensor-core tile (its default there: rows)
-           "qkvdot": DecodeOptions(nvfp4_qkv_method="dot")}
+           "qkvdot": DecodeOptions(nvfp4_qkv_method="dot"),
+           # the NVFP4 batch > 1 MoE mode on BF16 experts (bench path pallas_tokshtok)
+           "tokshtok": DecodeOptions(moe_slot_rows="token", moe_shared_rows="token")}
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
          ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
          ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait"),
          ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "tokrows"), ("nvfp4", "rows"),
          ("nvfp4", "tokpresf"), ("nvfp4", "shall"), ("nvfp4", "rtopk"), ("bf16", "rtopk"),
-         ("nvfp4", "qkvdot")]
+         ("nvfp4", "qkvdot"), ("bf16", "tokshtok")]
 
 
 def assert_generate_equal(fmt, seed, options, rows, max_new_tokens, cfg=None):

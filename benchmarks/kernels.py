@@ -1148,11 +1148,12 @@ def m1dot_cases(variants):
   yield from _routed_nvfp4_cases("m1dot", (1,), lambda m: _kw_variants(moe_kws))
 
 
-def _qkv_nvfp4_weights():
-  """Eight q|k|v weight triples, NVFP4 with pre-scaled block scales (as the GPU step holds them)."""
+def _qkv_nvfp4_weights(count=8):
+  """``count`` q|k|v weight triples, NVFP4 with pre-scaled block scales (as the GPU step holds
+  them)."""
   from flint_jax.nvfp4 import prescale_state
   return prescale_state([(rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D)))
-                         for _ in range(8)])
+                         for _ in range(count)])
 
 
 def _qkv_nvfp4_sets(m, ws):
@@ -1161,12 +1162,12 @@ def _qkv_nvfp4_sets(m, ws):
   return f"qkv nvfp4 M={m}", [(randn((m, D)), w) for w in ws], bytes_
 
 
-def _m1_nvfp4_sets(name, n, k):
-  """(sets, packed weight + scale bytes) of an [n, k] NVFP4 GEMV at M = 1, block scales
+def _nvfp4_gemv_sets(name, n, k, m=1):
+  """(sets, packed weight + scale bytes) of an [n, k] NVFP4 GEMV at M = m, block scales
   pre-scaled; fewer sets for the LM head."""
   from flint_jax.nvfp4 import prescale_state
   wb = n * k // 2 + n * k // 8
-  sets = [(randn((1, k)), *prescale_state(rand_nvfp4((n, k))))
+  sets = [(randn((m, k)), *prescale_state(rand_nvfp4((n, k))))
           for _ in range(n_sets(wb, cap=4 if name == "lm_head" else 8))]
   return sets, wb
 
@@ -1316,7 +1317,7 @@ def blocks_cases(variants):
                                    _blk(32, 1024, 8, split_k=3)]),
   }
   for name, (n, k, out, extra) in tables.items():
-    sets, wb = _m1_nvfp4_sets(name, n, k)
+    sets, wb = _nvfp4_gemv_sets(name, n, k)
     yield from _nv_gemv_variants("blocks", name, f"nvfp4 {name} M=1", sets, wb + k * 2 + n * 2,
                                  [{}, dict(method="reduce")] + extra, out=out)
   gate_up = [prescale_state((rand_nvfp4((DENSE, D)), rand_nvfp4((DENSE, D)))) for _ in range(6)]
@@ -1353,7 +1354,7 @@ def post_cases(variants):
   for name, n, k, out, kws in [("lm_head", V, D, jnp.float32, [{}, _blk(16, 512, 8)]),
                                ("o_proj", D, 4096, BF, [{}]),
                                ("dense_down", D, DENSE, BF, [{}])]:
-    sets, wb = _m1_nvfp4_sets(name, n, k)
+    sets, wb = _nvfp4_gemv_sets(name, n, k)
     fn = functools.partial(NV.nvfp4_gemv, out_dtype=out)
     lbl = f"nvfp4 {name} M=1"
     yield (f"post/{name}/xla", "post", lbl, "xla",
@@ -1588,12 +1589,9 @@ def m4qkv_cases(variants):
   run 104)."""
   if variants:
     return
-  from flint_jax.nvfp4 import prescale_state
-  ws = [prescale_state((rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D))))
-        for _ in range(n_sets(nbytes(rand_nvfp4((4096, D))) * 1.25, cap=12))]
+  ws = _qkv_nvfp4_weights(12)
   for m in (2, 3, 4):
-    sets = [(randn((m, D)), w) for w in ws]
-    lbl, bytes_ = f"qkv nvfp4 M={m}", nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
+    lbl, sets, bytes_ = _qkv_nvfp4_sets(m, ws)
     yield (f"m4qkv/M{m}/xla", "m4qkv", lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
            bytes_)
     for kw in [{}, dict(method="dot"), dict(method="swap")]:
@@ -1617,12 +1615,8 @@ def m8dense_cases(variants, table=None, group="m8dense"):
   if variants:
     return
   table = table or M8DENSE
-  from flint_jax.nvfp4 import prescale_state
   m = 8
-  ws = [prescale_state((rand_nvfp4((4096, D)), rand_nvfp4((512, D)), rand_nvfp4((512, D))))
-        for _ in range(n_sets(nbytes(rand_nvfp4((4096, D))) * 1.25, cap=12))]
-  sets = [(randn((m, D)), w) for w in ws]
-  lbl, bytes_ = f"qkv nvfp4 M={m}", nbytes(ws[0]) + m * D * 2 + m * 5120 * 2
+  lbl, sets, bytes_ = _qkv_nvfp4_sets(m, _qkv_nvfp4_weights(12))
   yield (f"{group}/qkv/xla", group, lbl, "xla", jax.jit(MULTI.multi_gemv_reference), sets,
          bytes_)
   for kw in table["qkv"]:
@@ -1631,10 +1625,7 @@ def m8dense_cases(variants, table=None, group="m8dense"):
   for name, n, k, extra in [("o_proj", D, 4096, dict(sum_splits=False)), ("lm_head", V, D, {})]:
     if not table[name]:
       continue
-    w0 = rand_nvfp4((n, k))
-    wb = nbytes(prescale_state(w0))
-    sets = [(randn((m, k)), *prescale_state(rand_nvfp4((n, k)) if i else w0))
-            for i in range(n_sets(wb, cap=8))]
+    sets, wb = _nvfp4_gemv_sets(name, n, k, m)
     lbl, bytes_ = f"nvfp4 {name} M={m}", wb + m * k * 2 + m * n * 2
     yield (f"{group}/{name}/xla", group, lbl, "xla", jax.jit(NV.nvfp4_gemv_reference), sets,
            bytes_)

@@ -482,20 +482,17 @@ def _shared_arg(mlp):
 
 
 def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_kw=None,
-                      router_pallas=False, counters=None, route=None):
-    """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). `logits`: the router's,
-    when already computed (routed mode), and `route` its routing when that was computed too;
-    `moe_kw`: `moe_decode_routed`'s options; `router_pallas`: the router GEMV on the Pallas
-    kernel (routed mode); `counters` (routed mode): the cache's counters, the combine then done
-    by the down kernel. Returns (h, x, counters), the counters as the kernels leave them (None
+                      counters=None, route=None):
+    """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). Routed mode: `logits`
+    the router's (`_route`), `route` its routing when that was computed too, `moe_kw`
+    `moe_decode_routed`'s options, `counters` the cache's counters, the combine then done by
+    the down kernel. Returns (h, x, counters), the counters as the kernels leave them (None
     when not given)."""
     eps = cfg.rms_norm_eps
     k = cfg.num_experts_per_tok
     if mode == "v1":
         mode = "slots" if mlp.experts.quant else "xla"
     if mode == "routed":
-        if logits is None:
-            logits = _router_logits(x, mlp.gate.weight[...], router_pallas, interpret)
         if counters is not None:   # the combine in the down kernel's last program
             s, x_next, _, counters = moe_decode_routed_combine(
                 x, logits, _experts_arg(mlp.experts), _shared_arg(mlp), h, w_next, counters,
@@ -694,8 +691,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 elif cfg.is_moe(i):
                     h, x, out_counters = _moe_add_rms_norm(
                         mlp, cfg, x, h, nxt, opts.moe, interpret, router_logits,
-                        {**moe_kw, **down_pf}, router_pallas=opts.router_pallas_at(b),
-                        counters=counters if combine_in_down else None, route=route)
+                        {**moe_kw, **down_pf}, counters=counters if combine_in_down else None,
+                        route=route)
                     if combine_in_down:
                         counters = out_counters
                 else:

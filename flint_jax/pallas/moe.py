@@ -238,16 +238,24 @@ def _topk_logits(l_ref, t, top_k, n_exp, ep):
     lg = l_ref[t, pl.ds(0, ep)]
   else:
     lg = plgpu.load(l_ref.at[t, cols], mask=cols < n_exp, other=-jnp.inf)
-  taken = cols >= n_exp
-  sel = []
+  return list(topk_select(lg, cols, cols >= n_exp, top_k, n_exp))
+
+
+def topk_select(lg, cols, taken, top_k, n_exp):
+  """The top-k selection inside a kernel: (ids, logits) of each of ``top_k`` rounds, in
+  ``lax.top_k`` order (the max of the columns not yet taken, the lowest such index among equal
+  values), along the last axis of ``lg`` f32 [Ep] (scalars out) or [R, Ep] ([R] out), Ep =
+  next_pow2(E); ``cols`` = arange(Ep) int32, ``taken`` (bool, lg's shape) marks the padding
+  columns >= E."""
+  ep = cols.shape[0]
+  col = (lambda a: a) if lg.ndim == 1 else (lambda a: a[:, None])  # noqa: E731 (per-row value)
   for _ in range(top_k):
     v = jnp.where(taken, -jnp.inf, lg)
-    mx = jnp.max(v)
-    idx = jnp.min(jnp.where((v == mx) & jnp.logical_not(taken), cols, ep))
+    mx = jnp.max(v, axis=-1)
+    idx = jnp.min(jnp.where((v == col(mx)) & jnp.logical_not(taken), cols, ep), axis=-1)
     idx = jnp.minimum(idx, n_exp - 1)
-    taken = taken | (cols == idx)
-    sel.append((idx, mx))
-  return sel
+    taken = taken | (cols == col(idx))
+    yield idx, mx
 
 
 def _slot_route(l_ref, u, route):
@@ -994,7 +1002,6 @@ def _route_inputs(logits, top_k, prerouted, interpret, route=None):
             and route.logits.dtype == jnp.float32,
             f"route must be a MoERoute(ids int32 [M={m}, top_k={top_k}], logits f32 [M, top_k])"
             f" (router_logits_topk), got {jax.tree.map(lambda a: (a.shape, a.dtype), route)}")
-    C.check(prerouted is not False, "route given with prerouted=False: leave prerouted None")
     return route, ["route_ids_in"], [route.ids]
   if not prerouted:
     return None, ["logits"], [logits]
@@ -1024,12 +1031,12 @@ def _launch_routed(x, logits, experts, shared, options, **extra):
   top_k = opts.pop("top_k")
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
-  route = options["route"]
-  prerouted = opts.pop("prerouted")
-  opts["slot_rows"], auto_pre, opts["shared_first"] = _routed_defaults(
-      fe, m, opts["slot_rows"], prerouted, opts["shared_first"])
-  given, r_names, r_args = _route_inputs(logits, top_k, prerouted if route is not None
-                                         else auto_pre, opts["interpret"], route)
+  route = options["route"]      # the routing given: prerouted by definition
+  C.check(route is None or opts["prerouted"] is not False,
+          "route given with prerouted=False: leave prerouted None")
+  opts["slot_rows"], prerouted, opts["shared_first"] = _routed_defaults(
+      fe, m, opts["slot_rows"], opts.pop("prerouted"), opts["shared_first"])
+  given, r_names, r_args = _route_inputs(logits, top_k, prerouted, opts["interpret"], route)
   return _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
                  route=(top_k, n_exp, C.next_pow2(n_exp)), route_given=given, coef=None,
                  down_split=True, **opts, **extra)

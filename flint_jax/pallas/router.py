@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
-from flint_jax.pallas.moe import MoERoute, moe_router_logits, moe_topk_route
+from flint_jax.pallas.moe import MoERoute, moe_router_logits, moe_topk_route, topk_select
 
 __all__ = ["router_logits", "router_logits_reference", "router_logits_topk",
            "router_logits_topk_reference"]
@@ -84,8 +84,8 @@ def _kernel(x_ref, w_ref, *refs, m, mp, block_e, block_k, d, top_k=None, n_exp=N
 
 def _topk_rows(l_ref, ids_ref, top_ref, *, m, mp, top_k, n_exp):
   """ids / top [M, top_k] of the logits l_ref [M, E] (written by the other programs of this
-  kernel: volatile loads), all M rows at once: ``moe._topk_logits``'s repeated max + lowest
-  index among the maxima, along axis 1 of an [Mp, next_pow2(E)] tile."""
+  kernel: volatile loads), all M rows at once (``moe.topk_select`` on an [Mp, next_pow2(E)]
+  tile)."""
   ep = C.next_pow2(n_exp)
   cols = jnp.arange(ep, dtype=jnp.int32)
   rows = C.row_load_index(m, mp)
@@ -93,13 +93,7 @@ def _topk_rows(l_ref, ids_ref, top_ref, *, m, mp, top_k, n_exp):
                   volatile=True)                                          # [Mp, Ep]
   taken = jnp.broadcast_to((cols >= n_exp)[None, :], (mp, ep))
   r, rmask = C.row_store_index(m, mp)
-  for j in range(top_k):
-    v = jnp.where(taken, -jnp.inf, lg)
-    mx = jnp.max(v, axis=1)                                               # [Mp]
-    idx = jnp.min(jnp.where((v == mx[:, None]) & jnp.logical_not(taken), cols[None, :], ep),
-                  axis=1)
-    idx = jnp.minimum(idx, n_exp - 1)
-    taken = taken | (cols[None, :] == idx[:, None])
+  for j, (idx, mx) in enumerate(topk_select(lg, cols, taken, top_k, n_exp)):   # [Mp] each
     plgpu.store(ids_ref.at[r, j], idx, mask=rmask)
     plgpu.store(top_ref.at[r, j], mx, mask=rmask)
 

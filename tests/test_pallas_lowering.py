@@ -197,8 +197,8 @@ def test_moe_routed_lowers(fmt, m):
   the gate_up kernel stores is 2 more outputs, not a launch)."""
   experts, shared = moe_weights(fmt)
   text = lower(moe_decode_routed, S((m, D), BF), S((m, E), F32), experts, shared)
-  # + the top-k kernel of NVFP4's per-token slots at M > 1 (default_slot_rows)
-  token = fmt == "nvfp4" and m > 1
+  # + the top-k kernel of the per-token slots at M > 1 (default_slot_rows)
+  token = m > 1
   assert text.count("__gpu$xla.gpu.triton") == 2 + token
   lower(functools.partial(moe_decode_routed, top_k=4), S((m, D), BF), S((m, 200), F32),
         *moe_weights(fmt, 200))   # E not a power of two: masked logits load
@@ -214,9 +214,11 @@ def test_moe_routed_lowers(fmt, m):
                                                             gate_up_counter=c),
                  S((m, D), BF), S((m, E), F32), experts, shared, S((4096,), I32))
     assert text.count("__gpu$xla.gpu.triton") == 2
-  if m > 1:   # the other slot_rows mode (the default: "token" for NVFP4, "all" for BF16)
-    lower(functools.partial(moe_decode_routed, slot_rows="all" if token else "token"),
-          S((m, D), BF), S((m, E), F32), experts, shared)
+  if m > 1:   # the other slot_rows mode (the default: "token")
+    text = lower(functools.partial(moe_decode_routed, slot_rows="all"), S((m, D), BF),
+                 S((m, E), F32), experts, shared)
+    assert "flint_moe_gate_up_routed_token" not in text
+    assert text.count("__gpu$xla.gpu.triton") == 2
   if fmt == "nvfp4" and m > 1:   # the shared expert's M rows on rows tiles (not the default)
     text = lower(functools.partial(moe_decode_routed, shared_rows="all"), S((m, D), BF),
                  S((m, E), F32), experts, shared)
@@ -240,19 +242,24 @@ def test_moe_routed_lowers(fmt, m):
 
 @pytest.mark.parametrize("fmt,m,token", [("nvfp4", 2, True), ("nvfp4", 4, True),
                                          ("nvfp4", 8, True), ("nvfp4", 5, True),
-                                         ("bf16", 2, False), ("bf16", 8, False),
-                                         ("nvfp4", 1, False)])
+                                         ("bf16", 2, True), ("bf16", 8, True),
+                                         ("nvfp4", 1, False), ("bf16", 1, False)])
 def test_moe_routed_default_slot_rows(fmt, m, token):
-  """The measured default (runs 28-29, 99-100, 102): per-token slots for NVFP4 experts at
-  M >= 2, and with them the routing from its own top-k kernel (3 kernels, else 2) and the shared
-  expert per token (``_shtok``) unless its down columns are cut over 2 programs."""
+  """The measured default (runs 28-29, 99-100, 102, 109): per-token slots at M >= 2, and with
+  them the routing from its own top-k kernel (3 kernels, else 2); the shared expert per token
+  (``_shtok``) for NVFP4 unless its down columns are cut over 2 programs, on one program per
+  row block for BF16."""
   experts, shared = moe_weights(fmt)
   text = lower(moe_decode_routed, S((m, D), BF), S((m, E), F32), experts, shared)
   assert ("flint_moe_gate_up_routed_token" in text) == token
   assert ("flint_moe_topk" in text) == token
-  assert ("_shtok" in text) == token
+  assert ("_shtok" in text) == (token and fmt == "nvfp4")
   assert text.count("__gpu$xla.gpu.triton") == (3 if token else 2)
-  if token:
+  if token and fmt == "bf16":   # per token too when asked, on tiles that fit shared memory
+    text = lower(functools.partial(moe_decode_routed, shared_rows="token"), S((m, D), BF),
+                 S((m, E), F32), experts, shared)
+    assert "_shtok" in text and "_bk128" in text
+  if token and fmt == "nvfp4":
     text = lower(functools.partial(moe_decode_routed, down_shared_cols=2, block_n_down=32),
                  S((m, D), BF), S((m, E), F32), experts, shared)
     assert "flint_moe_gate_up_routed_token" in text and "_shtok" not in text

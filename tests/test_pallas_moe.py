@@ -18,7 +18,7 @@ from flint_jax.pallas import (MoERoute, add_rms_norm_reference, moe_block,
                               moe_route_weights, moe_router_logits, moe_topk_route)
 from flint_jax.pallas import _common as C
 from flint_jax.pallas.moe import moe_decode_routed_combine, moe_route, moe_slots
-from flint_jax.pallas.moe import moe_topk_route_pallas
+from flint_jax.pallas.moe import default_slot_rows, moe_topk_route_pallas
 from flint_jax.pallas.testing import (assert_close, lower_for_h200, randn, random_moe_weights, rng,
                                      tie_logits)
 
@@ -185,7 +185,7 @@ def test_moe_decode_routed(fmt, m, e, top_k, d, inter, inter_s, ties, slot_rows)
   assert y.shape == (m * top_k + 1, m, d)
   assert_route_is_top_k(route, logits, top_k)
   np.testing.assert_array_equal(np.asarray(ref_route.ids), np.asarray(route.ids))
-  mode = slot_rows or ("token" if fmt == "nvfp4" and m >= 2 else "all")
+  mode = slot_rows or default_slot_rows(fmt, m)
   assert_routed_close(y, ref, top_k, mode, f"moe routed {fmt} {slot_rows}")
 
 
@@ -308,7 +308,7 @@ def test_moe_decode_routed_prerouted_shared_first(fmt, m, slot_rows, prerouted, 
   y0, route0 = moe_decode_routed(x, logits, experts, shared, **kw)
   assert_route_is_top_k(route, logits, 6)
   np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(route0.ids))
-  mode = slot_rows or ("token" if fmt == "nvfp4" and m >= 2 else "all")
+  mode = slot_rows or default_slot_rows(fmt, m)
   np.testing.assert_array_equal(np.asarray(used_rows(y, 6), np.float32),
                                 np.asarray(used_rows(y0, 6), np.float32))
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
@@ -486,7 +486,7 @@ def test_moe_decode_routed_route_ties(fmt, m, e, top_k):
   np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(ids))
   np.testing.assert_array_equal(np.asarray(moe_route_weights(route.logits)), np.asarray(w))
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=top_k)
-  mode = "token" if fmt == "nvfp4" and m >= 2 else "all"
+  mode = default_slot_rows(fmt, m)
   assert_routed_close(y, ref, top_k, mode, f"moe routed ties {fmt}")
 
 
@@ -501,7 +501,7 @@ def test_moe_decode_routed_down_tiling(fmt, m, slot_rows):
                                num_stages_down=2, slot_rows=slot_rows, interpret=INTERPRET)
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=4)
   assert_route_is_top_k(route, logits, 4)
-  mode = slot_rows or ("token" if fmt == "nvfp4" and m >= 2 else "all")
+  mode = slot_rows or default_slot_rows(fmt, m)
   assert_routed_close(y, ref, 4, mode, f"down tiling {fmt} {slot_rows}")
 
 
@@ -608,7 +608,7 @@ def test_moe_decode_routed_down_shared_cols(m, shared_cols):
   args = dict(top_k=3, interpret=INTERPRET)
   y, _ = moe_decode_routed(x, logits, experts, shared, down_shared_cols=shared_cols, **args)
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=3)
-  assert_close(y, ref, what=f"down_shared_cols={shared_cols}")
+  assert_routed_close(y, ref, 3, default_slot_rows("bf16", m), f"down_shared_cols={shared_cols}")
   with pytest.raises(ValueError, match="down_shared_cols"):
     moe_decode_routed(x, logits, experts, shared, down_shared_cols=8, **args)
   s = jax.ShapeDtypeStruct

@@ -606,23 +606,25 @@ def _shapes(x, experts, shared):
   return fe, fs, m, d, e, i2 // 2, inter_s
 
 
-def default_slot_rows(fe: str, m: int) -> str:
-  """``slot_rows`` of the routed MoE for expert format ``fe`` at M tokens: "token" for NVFP4
-  experts at M >= 2, "all" otherwise. H200, Flint sizes, gate_up + down (runs 28-29, 99): NVFP4
-  "token" 37.8 / 52.7 / 74.9 us at M = 2 / 3 / 4 against 59.5 / 78.9 / 87.7 for "all"; at M = 8
-  "token" lost (192 against 133.5) until the routing moved out of its programs and the shared
-  expert's programs went first (``prerouted``, ``shared_first``, on with it by default): 114.5
-  against 163; in the step (run 100) NVFP4 8x1K 7.20 against 8.16 ms, 4x1K 4.98 against 5.84.
-  BF16: equal at M = 8 (86 / 88 us), "all"."""
-  return "token" if fe == "nvfp4" and m >= 2 else "all"
+def default_slot_rows(fe: str, m: int, gate_up_split_k: int | None = None) -> str:
+  """``slot_rows`` of the routed MoE for expert format ``fe`` at M tokens: "token" at M >= 2,
+  "all" at M = 1 or with the gate_up in K slices (``gate_up_split_k`` > 1: "all" only). H200, Flint sizes, gate_up + down (runs 28-29, 99): NVFP4 "token" 37.8 / 52.7
+  / 74.9 us at M = 2 / 3 / 4 against 59.5 / 78.9 / 87.7 for "all"; at M = 8 "token" lost (192
+  against 133.5) until the routing moved out of its programs and the shared expert's programs
+  went first (``prerouted``, ``shared_first``, on with it by default): 114.5 against 163; in the
+  step (run 100) NVFP4 8x1K 7.20 against 8.16 ms, 4x1K 4.98 against 5.84. BF16 (run 109, with
+  the same two options; equal at M = 8 without them, run 29): 103.1 / 67.9 / 38.7 us at M = 8 /
+  4 / 2 against 113.3 / 81.7 / 40.5 for "all"."""
+  del fe   # both formats alike since run 109
+  return "token" if m >= 2 and (gate_up_split_k or 1) == 1 else "all"
 
 
-def _routed_defaults(fe, m, slot_rows, prerouted, shared_first):
+def _routed_defaults(fe, m, slot_rows, prerouted, shared_first, gate_up_split_k=None):
   """(slot_rows, prerouted, shared_first) with the defaults filled in: the per-token slots at
   M > 1 get the routing from ``moe_topk_route_pallas`` and the shared expert's programs first
   (their 1600 gate_up programs at M = 8 would each run the 12-reduction top-k before any
   weight load, and the shared expert's M rows on ``rows`` tiles are the longest programs)."""
-  slot_rows = slot_rows or default_slot_rows(fe, m)
+  slot_rows = slot_rows or default_slot_rows(fe, m, gate_up_split_k)
   token = m > 1 and slot_rows == "token"
   return (slot_rows, token if prerouted is None else prerouted,
           token if shared_first is None else shared_first)
@@ -635,7 +637,9 @@ def default_shared_rows(fe: str, fs: str, token: bool, down_shared_cols: int | N
   kernels at M = 8 / 4 / 2: 77.4 / 45.3 / 23.6 us against 107.7 / 58.0 / 33.1 with "all"; in the
   step NVFP4 8x1K 5.661 against 7.240 ms, 4x1K 4.384 against 4.942, 2x1K 3.166 against 3.425
   (the ``rows`` tile's [M, BN, BK] products gave the gate_up a 6.6 KB stack frame per thread).
-  BF16 per-token slots (not a default) were not timed with it: "all"."""
+  BF16 per-token slots (run 109): the shared expert per token on BF16's M = 1 tiles needs
+  smaller K steps to fit the shared memory and is slower then (114.7 against 103.1 us at M = 8
+  with the shared expert's rows on one ``dot`` program): "all"."""
   cut = down_shared_cols not in (None, 1)
   return "token" if token and fe == fs == "nvfp4" and not cut else "all"
 
@@ -705,7 +709,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   C.check(slot_rows in (None, "all", "token"),
           f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
   C.check(slot_rows != "token" or route is not None, "slot_rows='token' needs the routed path")
-  slot_rows = slot_rows or default_slot_rows(fe, m)
+  slot_rows = slot_rows or default_slot_rows(fe, m, gate_up_split_k)
   token = route is not None and m > 1 and slot_rows == "token"
   C.check(token_method is None or token,
           f"token_method={token_method!r} needs slot_rows='token' at M > 1 on the routed path")
@@ -728,6 +732,10 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   # at the NVFP4 M = 1 tiling (bn16, bk1024, 16 warps) made the call 4x slower at M = 2, run 25;
   # BF16's M = 1 tiling is the tensor-core one, where rows spills: 4.4 ms at M = 8, run 28)
   tiling = default_moe_tiling(fe, m, token=token)
+  if shared_token and fe == "bf16":
+    # BF16 gate_up with the shared expert per token: its M = 1 tile (bn64 bk256, 3 stages) asks
+    # for 288 KB of shared memory (the H200 has 227 KB); bk128 with 4 stages fits (run 109)
+    tiling.update(block_k=128, num_stages=4)
   # NVFP4 M = 1: per-block sums (run 84: gate_up 8.77 / down 8.69 us in the step against 9.44 /
   # 8.87 for reduce)
   base_method = (NV.default_method(1, layout=layout) if nv_m1
@@ -1035,7 +1043,8 @@ def _launch_routed(x, logits, experts, shared, options, **extra):
   C.check(route is None or opts["prerouted"] is not False,
           "route given with prerouted=False: leave prerouted None")
   opts["slot_rows"], prerouted, opts["shared_first"] = _routed_defaults(
-      fe, m, opts["slot_rows"], opts.pop("prerouted"), opts["shared_first"])
+      fe, m, opts["slot_rows"], opts.pop("prerouted"), opts["shared_first"],
+      opts["gate_up_split_k"])
   given, r_names, r_args = _route_inputs(logits, top_k, prerouted, opts["interpret"], route)
   return _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
                  route=(top_k, n_exp, C.next_pow2(n_exp)), route_given=given, coef=None,

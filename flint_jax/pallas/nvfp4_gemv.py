@@ -474,9 +474,10 @@ def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1,
   dense gate|up bn64 bk512 w8 19.7 us (XLA 42.5).
   M > 1 (``dot``): bn64 bk256 w4 (q_proj 17.5 us, o_proj split-K 4 13.1 us, gate|up 33.6 us vs
   XLA 40.7); N >= 16384: bn128 w8 (65536x2048: 81 us vs XLA 185 us). Session 16 (runs 104-105,
-  M = 8, pre-scaled scales, ``kernels.py --groups m8dense,m8dense2``): single matrices on
-  bk128 (o_proj split-K 4 8.05 us against 9.3; split-K 8 7.2, not taken: 8 partials for the
-  norm kernel to sum; bn32 11.0, bn16 24.5, bn128 10.6).
+  M = 8, pre-scaled scales, ``kernels.py --groups m8dense,m8dense2``; run 109 ``--groups
+  m8silu`` for the dense gate|up pair): bk128 (o_proj split-K 4 8.05 us against 9.3; split-K 8
+  7.2, not taken: 8 partials for the norm kernel to sum; bn32 11.0, bn16 24.5, bn128 10.6; the
+  gate|up pair 22.5 against 27.5 at bk256).
   Session-3 sweep, M = 1, N <= 2048 (o_proj 2048x4096): bn16 bk1024 split-K 4 w8 5.4 us (the
   previous bn64 bk512 split-K 4: 6.9 us): many small programs with 8 warps each.
   """
@@ -500,8 +501,8 @@ def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1,
   else:   # N >= 16384 on swap tiles: bn128 bk128 w8 (run 80: 142.6 us at M = 8, bk256 151.9);
     # single matrices below that on dot tiles: bk128 too (runs 104-105, M = 8, the o_proj's
     # split-K 4: 8.05 us against 9.3-9.8 on bk256; the fused q|k|v 13.2 against 16.3). The
-    # gate|up pair (n_mats 2) keeps bk256 (not re-measured)
-    short_k = n_mats == 1 and (n < 16384 or method == "swap")
+    # gate|up pair (n_mats 2) too: 22.5 against 27.5 us at M = 8 with 3 stages, run 109)
+    short_k = n < 16384 or (n_mats == 1 and method == "swap")
     bk = C.pow2_divisor(k, 128 if short_k else 256)
     bn = C.pow2_divisor(n, 128 if n >= 16384 else 64)
   split = 1

@@ -100,9 +100,10 @@ class DecodeOptions:
     moe_slot_rows: `moe_decode_routed`'s ``slot_rows`` at batch > 1: "all" (every routed slot's
       expert times all rows, tensor-core tiles), "token" (each slot times its own token only, the
       M = 1 kernels) or None (the kernel's measured default, `moe.default_slot_rows`: "token" at
-      batch > 1; at batch 2 the NVFP4 step took 4.51 ms with "token" against 5.59 with "all",
-      run 28; with the two options below on, batch 8 7.20 against 8.16 ms and batch 4 4.98
-      against 5.84, run 100; BF16 since run 109).
+      batch > 1 for NVFP4 experts, at batch 2-4 for BF16; at batch 2 the NVFP4 step took 4.51
+      ms with "token" against 5.59 with "all", run 28; with the two options below on, batch 8
+      7.20 against 8.16 ms and batch 4 4.98 against 5.84, run 100; BF16 4x1K 4.31 against
+      4.42 ms, 8x1K 6.26 against 6.10, run 110).
     moe_prerouted: the routed MoE's top-k computed once per token by its own kernel
       (`moe_topk_route_pallas`) instead of in every gate_up program
       (`moe_decode_routed(prerouted=True)`). None = the kernel's default: on with per-token
@@ -588,7 +589,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             moe_kw["asm_down"] = opts.nvfp4_asm_at("moe_down")
         # nvfp4_swap=False: session 11's mma.sync tiles where the kernels now pick swap-AB
         swap_off = b > 1 and opts.nvfp4_swap is False
-        all_rows = opts.moe_slot_rows == "all"   # "token" by default at b > 1
+        all_rows = opts.moe_slot_rows == "all"   # NVFP4 experts: "token" by default at b > 1
         if swap_off and moe_quant and not nv_method and all_rows:
             moe_kw["method"] = "dot"
             moe_kw.update(block_n=64, block_k=256, num_warps=4, num_stages=3)

@@ -197,8 +197,8 @@ def test_moe_routed_lowers(fmt, m):
   the gate_up kernel stores is 2 more outputs, not a launch)."""
   experts, shared = moe_weights(fmt)
   text = lower(moe_decode_routed, S((m, D), BF), S((m, E), F32), experts, shared)
-  # + the top-k kernel of the per-token slots at M > 1 (default_slot_rows)
-  token = m > 1
+  # + the top-k kernel of the per-token slots at M > 1 (default_slot_rows: BF16 at M <= 4)
+  token = m > 1 and (fmt == "nvfp4" or m <= 4)
   assert text.count("__gpu$xla.gpu.triton") == 2 + token
   lower(functools.partial(moe_decode_routed, top_k=4), S((m, D), BF), S((m, 200), F32),
         *moe_weights(fmt, 200))   # E not a power of two: masked logits load
@@ -214,11 +214,11 @@ def test_moe_routed_lowers(fmt, m):
                                                             gate_up_counter=c),
                  S((m, D), BF), S((m, E), F32), experts, shared, S((4096,), I32))
     assert text.count("__gpu$xla.gpu.triton") == 2
-  if m > 1:   # the other slot_rows mode (the default: "token")
-    text = lower(functools.partial(moe_decode_routed, slot_rows="all"), S((m, D), BF),
-                 S((m, E), F32), experts, shared)
-    assert "flint_moe_gate_up_routed_token" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 2
+  if m > 1:   # the other slot_rows mode
+    text = lower(functools.partial(moe_decode_routed, slot_rows="all" if token else "token"),
+                 S((m, D), BF), S((m, E), F32), experts, shared)
+    assert ("flint_moe_gate_up_routed_token" in text) != token
+    assert text.count("__gpu$xla.gpu.triton") == (2 if token else 3)
   if fmt == "nvfp4" and m > 1:   # the shared expert's M rows on rows tiles (not the default)
     text = lower(functools.partial(moe_decode_routed, shared_rows="all"), S((m, D), BF),
                  S((m, E), F32), experts, shared)
@@ -242,13 +242,14 @@ def test_moe_routed_lowers(fmt, m):
 
 @pytest.mark.parametrize("fmt,m,token", [("nvfp4", 2, True), ("nvfp4", 4, True),
                                          ("nvfp4", 8, True), ("nvfp4", 5, True),
-                                         ("bf16", 2, True), ("bf16", 8, True),
+                                         ("bf16", 2, True), ("bf16", 4, True),
+                                         ("bf16", 5, False), ("bf16", 8, False),
                                          ("nvfp4", 1, False), ("bf16", 1, False)])
 def test_moe_routed_default_slot_rows(fmt, m, token):
-  """The measured default (runs 28-29, 99-100, 102, 109): per-token slots at M >= 2, and with
-  them the routing from its own top-k kernel (3 kernels, else 2); the shared expert per token
-  (``_shtok``) for NVFP4 unless its down columns are cut over 2 programs, on one program per
-  row block for BF16."""
+  """The measured default (runs 28-29, 99-100, 102, 109-110): per-token slots for NVFP4 at
+  M >= 2 and BF16 at M = 2..4, and with them the routing from its own top-k kernel (3 kernels,
+  else 2); the shared expert per token (``_shtok``) for NVFP4 unless its down columns are cut
+  over 2 programs, on one program per row block for BF16."""
   experts, shared = moe_weights(fmt)
   text = lower(moe_decode_routed, S((m, D), BF), S((m, E), F32), experts, shared)
   assert ("flint_moe_gate_up_routed_token" in text) == token

@@ -29,7 +29,7 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            "qkv_wait": DecodeOptions(qkv_wait=True, qkv_wait_max_batch=8),
            "qkv_wait_pre0": DecodeOptions(qkv_wait=True, qkv_wait_max_batch=8,
                                           qkv_wait_preload=0, qkv_wait_block_n=32),
-           # the routed MoE's other slot_rows mode (default: "token" NVFP4, "all" BF16), and
+           # the routed MoE's other slot_rows mode at batch 2 (default: "token"), and
            # the NVFP4 GEMVs (q|k|v, o_proj, dense MLP, LM head) on CUDA-core rows tiles
            "allrows": DecodeOptions(moe_slot_rows="all"),
            "tokrows": DecodeOptions(moe_slot_rows="token"),
@@ -49,7 +49,7 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
 CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
          ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
          ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait"),
-         ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "tokrows"), ("nvfp4", "rows"),
+         ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "allrows"), ("nvfp4", "rows"),
          ("nvfp4", "tokpresf"), ("nvfp4", "shall"), ("nvfp4", "rtopk"), ("bf16", "rtopk"),
          ("nvfp4", "qkvdot"), ("bf16", "tokshtok")]
 

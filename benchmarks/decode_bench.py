@@ -272,7 +272,10 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     the BF16 o_proj at batch > 1 on the Pallas gemv, partials summed by the norm kernel),
     "pallas_sc1" / "pallas_sc2" (`moe_down_shared_cols`: the shared expert's down columns over 1
     / 2 programs per block), "pallas_cd" / "pallas_nocd" (`moe_combine_in_down` on / off: the
-    MoE combine + add + norm in the down kernel's last program), "pallas_ffi" (`launch="ffi"`:
+    MoE combine + add + norm in the down kernel's last program), "pallas_rincd" /
+    "pallas_rincdnopre" / "pallas_cdnopre" (the batch-1 layer end at batch > 1: the router in
+    the norm kernel and / or the combine in the down kernel, with or without the top-k
+    kernel), "pallas_ffi" (`launch="ffi"`:
     every kernel compiled by the triton package and launched by flint_jax's FFI call),
     "pallas_noswap" (`nvfp4_swap=False`: the NVFP4 MoE gate_up and LM head at batch > 1 on
     session 11's dot tiles), "pallas_shift" (`nvfp4_asm="shift"`: the NVFP4 decode's session-11 instruction sequence),
@@ -349,6 +352,10 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "sc1": DecodeOptions(moe_down_shared_cols=1),
                "sc2": DecodeOptions(moe_down_shared_cols=2),
                "cd": DecodeOptions(moe_combine_in_down=True),
+               "rincd": DecodeOptions(router_in_norm=True, moe_combine_in_down=True),
+               "rincdnopre": DecodeOptions(router_in_norm=True, moe_combine_in_down=True,
+                                           moe_prerouted=False),
+               "cdnopre": DecodeOptions(moe_combine_in_down=True, moe_prerouted=False),
                "nocd": DecodeOptions(moe_combine_in_down=False),
                "ffi": DecodeOptions(launch="ffi"),
                "e4m3": None}[variant]

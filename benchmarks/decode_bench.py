@@ -251,8 +251,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     the M = 1 tiles, the NVFP4 default since run 102 / "all": its rows on one program per row
     block), "pallas_tokshtok" (per-token slots and shared expert: the NVFP4 batch > 1 MoE, for
     BF16 experts), "pallas_toknopre" / "pallas_toknopresf" (per-token slots with the routing in
-    every gate_up program, no top-k kernel; and the shared expert's programs not first), "pallas_rtopk" / "pallas_notopk" (`router_topk` on / off: the MoE's top-k in the
-    router kernel's last program / in its own kernel, the default), "pallas_qkvdot" /
+    every gate_up program, no top-k kernel; and the shared expert's programs not first),
+    "pallas_rtopk" / "pallas_notopk" (`router_topk` on / off: the MoE's top-k in the router
+    kernel's last program / in its own kernel, the default), "pallas_qkvdot" /
     "pallas_qkvrows" (`nvfp4_qkv_method`: the NVFP4 q|k|v at batch > 1 on dot / rows tiles),
     "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
     the NVFP4 GEMVs at batch > 1), "pallas_lanes" / "pallas_reduce" / "pallas_blocks" (`nvfp4_m1_method`: the

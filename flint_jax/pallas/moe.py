@@ -609,11 +609,12 @@ def _shapes(x, experts, shared):
 def default_slot_rows(fe: str, m: int, gate_up_split_k: int | None = None) -> str:
   """``slot_rows`` of the routed MoE for expert format ``fe`` at M tokens: "token" for NVFP4
   experts at M >= 2 and BF16 experts at M = 2..4, "all" otherwise (always with the gate_up in K
-  slices, ``gate_up_split_k`` > 1, which needs "all"). H200, Flint sizes, gate_up + down (runs 28-29, 99): NVFP4 "token" 37.8 / 52.7
-  / 74.9 us at M = 2 / 3 / 4 against 59.5 / 78.9 / 87.7 for "all"; at M = 8 "token" lost (192
-  against 133.5) until the routing moved out of its programs and the shared expert's programs
-  went first (``prerouted``, ``shared_first``, on with it by default): 114.5 against 163; in the
-  step (run 100) NVFP4 8x1K 7.20 against 8.16 ms, 4x1K 4.98 against 5.84. BF16 (run 109, with
+  slices, ``gate_up_split_k`` > 1, which needs "all"). H200, Flint sizes, gate_up + down (runs
+  28-29, 99): NVFP4 "token" 37.8 / 52.7 / 74.9 us at M = 2 / 3 / 4 against 59.5 / 78.9 / 87.7
+  for "all"; at M = 8 "token" lost (192 against 133.5) until the routing moved out of its
+  programs and the shared expert's programs went first (``prerouted``, ``shared_first``, on with
+  it by default): 114.5 against 163; in the step (run 100) NVFP4 8x1K 7.20 against 8.16 ms, 4x1K
+  4.98 against 5.84. BF16 (run 109, with
   the same two options; equal at M = 8 without them, run 29): 103.1 / 67.9 / 38.7 us at M = 8 /
   4 / 2 against 113.3 / 81.7 / 40.5 for "all"; in the step (run 110, kernel busy time, the top-k
   kernel included) 4x1K 4048 against 4207 us, 2x1K 3130 against 3184, but 8x1K 5900 against

@@ -501,7 +501,7 @@ def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1,
   else:   # N >= 16384 on swap tiles: bn128 bk128 w8 (run 80: 142.6 us at M = 8, bk256 151.9);
     # single matrices below that on dot tiles: bk128 too (runs 104-105, M = 8, the o_proj's
     # split-K 4: 8.05 us against 9.3-9.8 on bk256; the fused q|k|v 13.2 against 16.3). The
-    # gate|up pair (n_mats 2) too: 22.5 against 27.5 us at M = 8 with 3 stages, run 109)
+    # gate|up pair (n_mats 2) too: 22.5 against 27.5 us at M = 8 with 3 stages, run 109
     short_k = n < 16384 or (n_mats == 1 and method == "swap")
     bk = C.pow2_divisor(k, 128 if short_k else 256)
     bn = C.pow2_divisor(n, 128 if n >= 16384 else 64)

@@ -614,11 +614,11 @@ def default_slot_rows(fe: str, m: int, gate_up_split_k: int | None = None) -> st
   for "all"; at M = 8 "token" lost (192 against 133.5) until the routing moved out of its
   programs and the shared expert's programs went first (``prerouted``, ``shared_first``, on with
   it by default): 114.5 against 163; in the step (run 100) NVFP4 8x1K 7.20 against 8.16 ms, 4x1K
-  4.98 against 5.84. BF16 (run 109, with
-  the same two options; equal at M = 8 without them, run 29): 103.1 / 67.9 / 38.7 us at M = 8 /
-  4 / 2 against 113.3 / 81.7 / 40.5 for "all"; in the step (run 110, kernel busy time, the top-k
-  kernel included) 4x1K 4048 against 4207 us, 2x1K 3130 against 3184, but 8x1K 5900 against
-  5875 (in-loop 6.264 against 6.102 ms): "all" at M >= 5."""
+  4.98 against 5.84. BF16 (run 109, with the same two options; equal at M = 8 without them, run
+  29): 103.1 / 67.9 / 38.7 us at M = 8 / 4 / 2 against 113.3 / 81.7 / 40.5 for "all"; in the
+  step (run 110, kernel busy time, the top-k kernel included) 4x1K 4048 against 4207 us, 2x1K
+  3130 against 3184, but 8x1K 5900 against 5875 (in-loop 6.264 against 6.102 ms): "all" at
+  M >= 5."""
   token = m >= 2 and (fe == "nvfp4" or m <= 4)
   return "token" if token and (gate_up_split_k or 1) == 1 else "all"
 
@@ -648,12 +648,15 @@ def default_shared_rows(fe: str, fs: str, token: bool, down_shared_cols: int | N
   return "token" if token and fe == fs == "nvfp4" and not cut else "all"
 
 
-def default_moe_tiling(fe: str, m: int, token: bool = False) -> dict:
+def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool = False) -> dict:
   """Tile sizes of the two MoE kernels for expert format ``fe`` and M tokens on an H200;
   ``token``: the per-token slots of ``slot_rows="token"`` (M = 1 tiles, except the NVFP4
   gate_up at M >= 5: bn16 bk512 with 4 warps; H200 runs 96 and 99, both kernels at M = 8: 288 us
   on the M = 1 tile (bn16 bk1024, 16 warps), 180 with 8 warps; with the routing given and the
-  shared expert first 231 / 123, and **114.5** on bn16 bk512 w4).
+  shared expert first 231 / 123, and **114.5** on bn16 bk512 w4). ``shared_token``: the shared
+  expert per token too (``shared_rows="token"``): BF16's gate_up then on bk128 with 4 stages
+  (its M = 1 tile, bn64 bk256 3 stages, asks for 288 KB of shared memory, the H200 has 227 KB;
+  run 109).
 
   From the session-3 sweep (docs/kernels.md; Flint sizes, device us of gate_up + down):
   - BF16 M=1: gate_up bn64 bk256 w4 (13.0); down bn64 bk128 (7.7, against 10.8 with the old
@@ -673,6 +676,8 @@ def default_moe_tiling(fe: str, m: int, token: bool = False) -> dict:
   methods = {}
   if token and fe == "nvfp4" and m >= 5:
     gu, dn = (16, 512, 4, 2), (16, 512, 4, 2)
+  elif token and shared_token and fe == "bf16":
+    gu, dn = (64, 128, 4, 4), (64, 128, 4, 3)
   elif token:
     return default_moe_tiling(fe, 1)
   elif fe == "nvfp4" and m == 1:
@@ -735,11 +740,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   # NVFP4 token mode: the shared expert's M rows on CUDA-core rows tiles too (tensor-core tiles
   # at the NVFP4 M = 1 tiling (bn16, bk1024, 16 warps) made the call 4x slower at M = 2, run 25;
   # BF16's M = 1 tiling is the tensor-core one, where rows spills: 4.4 ms at M = 8, run 28)
-  tiling = default_moe_tiling(fe, m, token=token)
-  if shared_token and fe == "bf16":
-    # BF16 gate_up with the shared expert per token: its M = 1 tile (bn64 bk256, 3 stages) asks
-    # for 288 KB of shared memory (the H200 has 227 KB); bk128 with 4 stages fits (run 109)
-    tiling.update(block_k=128, num_stages=4)
+  tiling = default_moe_tiling(fe, m, token=token, shared_token=shared_token)
   # NVFP4 M = 1: per-block sums (run 84: gate_up 8.77 / down 8.69 us in the step against 9.44 /
   # 8.87 for reduce)
   base_method = (NV.default_method(1, layout=layout) if nv_m1

@@ -159,20 +159,16 @@ def _router_call(x, router_w, counter, *, top_k=None, counter_base=0, block_e, b
   kernel = functools.partial(_kernel, m=m, mp=mp, block_e=block_e, block_k=block_k, d=d,
                              top_k=top_k, n_exp=n_exp, base=counter_base, interpret=interpret)
   name = f"flint_router_m{m}_be{block_e}_bk{block_k}"
-  if top_k is None:
-    return C.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((m, n_exp), jnp.float32),
-        grid=(n_exp // block_e,), compiler_params=C.compiler_params(num_warps, num_stages),
-        interpret=interpret, name=name)(x, router_w)
-  return C.pallas_call(
-      kernel, grid=(n_exp // block_e,),
-      out_shape=(jax.ShapeDtypeStruct((m, n_exp), jnp.float32),
-                 jax.ShapeDtypeStruct((m, top_k), jnp.int32),
+  out_shape, args, aliases = jax.ShapeDtypeStruct((m, n_exp), jnp.float32), (x, router_w), {}
+  if top_k is not None:   # + ids, top logits and the counter (in place)
+    out_shape = (out_shape, jax.ShapeDtypeStruct((m, top_k), jnp.int32),
                  jax.ShapeDtypeStruct((m, top_k), jnp.float32),
-                 jax.ShapeDtypeStruct(counter.shape, jnp.int32)),
-      input_output_aliases={2: 3},     # the counter, in place
+                 jax.ShapeDtypeStruct(counter.shape, jnp.int32))
+    args, aliases, name = (x, router_w, counter), {2: 3}, f"{name}_top{top_k}"
+  return C.pallas_call(
+      kernel, grid=(n_exp // block_e,), out_shape=out_shape, input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"{name}_top{top_k}")(x, router_w, counter)
+      name=name)(*args)
 
 
 def router_logits_reference(x, router_w, **unused_tuning):

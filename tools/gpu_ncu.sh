@@ -11,6 +11,7 @@
 #   NAME_details.txt  ncu's details page (sections and its rule notes) for each regex in
 #                     KERNELS (second-step instance)
 #   NAME_sass.csv     per-SASS-instruction counters (stall samples) of the first KERNELS regex
+# NCU_FILTER (a kernel-name regex, default flint_) narrows what is profiled.
 # Clocks are left alone (--clock-control none, METHOD.md); caches are flushed before each
 # replayed pass (ncu's default), so the weights are cold as in the step, and so are the
 # activations, which the step finds in the L2.
@@ -23,7 +24,7 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="   # kernels, 
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # room for ncu's memory save / restore
 rep=/tmp/ncu_$name
 timeout ${NCU_TIMEOUT:-300} "$NCU" --clock-control none --target-processes all \
-  -k regex:flint_ --launch-count 600 \
+  -k regex:${NCU_FILTER:-flint_} --launch-count 600 \
   --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
   --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
   --metrics dram__bytes_read.sum,smsp__inst_executed.sum \

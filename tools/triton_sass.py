@@ -18,7 +18,8 @@ into the same one). Example::
   JAX_PLATFORMS=cpu PYTHONPATH=. python tools/triton_sass.py --kernel moe --m 8
 
 Kernels: nvfp4_gemv, multi_gemv (NVFP4 q|k|v), moe / moe_bf16 (routed, NVFP4 / BF16 experts,
-Flint sizes).
+Flint sizes), attn_ring / attn_full (``qk_norm_rope_attention``, the step's attention kernel;
+``--k`` is the full cache's length).
 """
 
 from __future__ import annotations
@@ -121,14 +122,27 @@ def build(kernel: str, m: int, n: int, k: int, kw: dict, prescaled: bool = False
     experts, shared = pre((experts, shared))
     return (functools.partial(mod.moe_decode_routed, **kw),
             (S((m, 2048), jnp.bfloat16), S((m, 256), jnp.float32), experts, shared))
-  raise SystemExit(f"unknown --kernel {kernel!r}: nvfp4_gemv, multi_gemv, moe or moe_bf16")
+  if kernel in ("attn_ring", "attn_full"):
+    # one decode token per row (m rows), the step's layer-stacked caches (7 layers here),
+    # 576-slot ring (513 rounded up to 64) or an n-slot full cache (n = --k rounded up to 256)
+    mod = importlib.import_module("flint_jax.pallas.attention_block")
+    ring = kernel == "attn_ring"
+    s_len = 576 if ring else -(-k // 256) * 256   # ring: FlintConfig.ring_size
+    cache = S((7, m, 4, s_len, 128), jnp.bfloat16)
+    fn = functools.partial(mod.qk_norm_rope_attention, rope=ring, ring=ring,
+                           window=513 if ring else None, **kw)
+    return fn, (S((m, 32, 128), jnp.bfloat16), S((m, 4, 128), jnp.bfloat16),
+                S((m, 4, 128), jnp.bfloat16), S((128,), jnp.bfloat16), S((128,), jnp.bfloat16),
+                S((m,), jnp.int32), cache, cache, S((32,), jnp.float32), S((), jnp.int32))
+  raise SystemExit(f"unknown --kernel {kernel!r}: nvfp4_gemv, multi_gemv, moe, moe_bf16, "
+                   f"attn_ring or attn_full")
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--kernel", default="nvfp4_gemv",
-                  help="nvfp4_gemv | multi_gemv | moe | moe_bf16")
+                  help="nvfp4_gemv | multi_gemv | moe | moe_bf16 | attn_ring | attn_full")
   ap.add_argument("--m", type=int, default=1, help="tokens (rows of x)")
   ap.add_argument("--n", type=int, default=4096, help="output rows (nvfp4_gemv)")
   ap.add_argument("--k", type=int, default=2048, help="input features (nvfp4_gemv)")

@@ -19,7 +19,8 @@ Grid ``(B, KVH, NS)`` like ``decode_attention``'s split kernel. Program (b, kv, 
    repeating the last; fp32 split-K partials of q / k / v, ``norm_qkv(split_k=S,
    sum_splits=False)``, are summed and rounded to the cache dtype on the way) and applies
    per-head RMSNorm (rounded to bf16) and, for ``rope=True``, NeoX RoPE at p (rounded to bf16):
-   the very code of ``qk_norm_rope`` (``_norm_rope_rows``), in two halves of Dh/2. QK^T is two
+   the very code of ``qk_norm_rope`` (``_norm_rope_rows``), in two halves of Dh/2; cos / sin
+   come in as an input ([B, 2, Dh/2] f32, ``rope_cos_sin``: one XLA op per step). QK^T is two
    K = Dh/2 dots against half-width loads of the K block (no concat).
 2. Computes this KV head's new k the same way (every one of the Gp rows holds it) and loads the
    raw v.
@@ -68,6 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flint_jax.layers import rope_angles
 from flint_jax.pallas import _common as C
 from flint_jax.pallas.decode_attention import _validate as _attn_validate
 from flint_jax.pallas.decode_attention import (decode_attention_reference,
@@ -75,7 +77,7 @@ from flint_jax.pallas.decode_attention import (decode_attention_reference,
                                                valid_slots)
 from flint_jax.pallas.qk_norm_rope import _norm_rope_rows, load_rows
 from flint_jax.pallas.qk_norm_rope import _validate as _norm_validate
-from flint_jax.pallas.qk_norm_rope import qk_norm_rope_reference, rope_inv_freq
+from flint_jax.pallas.qk_norm_rope import qk_norm_rope_reference
 
 __all__ = ["qk_norm_rope_attention", "qk_norm_rope_attention_reference", "MERGES"]
 
@@ -90,7 +92,8 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
             counter_stacked, mode, interpret):
   refs = list(refs)
   take = lambda k: [refs.pop(0) for _ in range(k)]  # noqa: E731
-  q_ref, k_ref, v_ref, wq_ref, wk_ref, pos_ref, invf_ref, sink_ref = take(8)
+  q_ref, k_ref, v_ref, wq_ref, wk_ref, pos_ref, sink_ref = take(7)
+  cs_ref = take(1)[0] if rope else None
   lead = (take(1)[0][0],) if stacked else ()
   cidx = (take(1)[0][0],) if mode == "atomic" and counter_stacked else ()
   kc_in, vc_in = take(2)
@@ -108,9 +111,8 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
 
   # 1-2. q rows of the group and the new k (norm + RoPE, rounded), raw v: [Gp, Dh/2] / [Gp, Dh].
   cos = sin = None
-  if rope:
-    ang = p.astype(f32) * invf_ref[...]                               # [Dh/2]
-    cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
+  if rope:   # computed once per step by XLA (``layers.rope_angles``), not per thread
+    cos, sin = cs_ref[b, 0, :][None, :], cs_ref[b, 1, :][None, :]     # [1, Dh/2] f32
   ld = lambda ref, c: ref[pl.ds(c, half)].astype(f32)               # noqa: E731
   dt = kc_in.dtype                  # q / k / v (or their summed split-K partials) dtype
   q1, q2 = _norm_rope_rows(q_ref, b, g, gp, half, ld(wq_ref, 0), ld(wq_ref, half), eps,
@@ -212,6 +214,15 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
                 (acc / den[:, None]).astype(out_ref.dtype), mask=omask[:, None])
 
 
+def rope_cos_sin(positions, head_dim: int, theta: float):
+  """[B, 2, Dh/2] f32: cos and sin of each row's RoPE angles, ``layers.rope_angles`` (the XLA
+  path's values). An XLA op outside the kernel: every sliding layer of a jitted step asks for the
+  same one, which XLA computes once (CSE), where the kernel's threads spent ~30% of their
+  instructions on 16 libdevice sincos each (SASS, session 18)."""
+  cos, sin = rope_angles(positions.astype(jnp.int32), head_dim, theta)
+  return jnp.stack([cos, sin], axis=1)
+
+
 def _logical_qkv(q, k, v, dtype):
   """(q, k, v) as the kernel sees them: the arrays, or for fp32 split-K partials [S, ...] the
   [...]-shaped ``dtype`` values they sum to (ShapeDtypeStructs, for validation)."""
@@ -287,8 +298,9 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
   scale = 1.0 / math.sqrt(dh) if scale is None else scale
   f32 = jnp.float32
 
-  args = [q, k, v, q_norm_w, k_norm_w, positions.astype(jnp.int32),
-          rope_inv_freq(dh, theta), sinks.astype(f32)]
+  args = [q, k, v, q_norm_w, k_norm_w, positions.astype(jnp.int32), sinks.astype(f32)]
+  if rope:
+    args.append(rope_cos_sin(positions, dh, theta))
   if layer is not None:
     args.append(C.as_index_array(layer, "layer"))
   if mode == "atomic" and counter_stacked:

@@ -267,7 +267,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
     the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'
     weights fetched into the L2 by the attention, router and MoE down kernels),
-    "pallas_pfa" / "pallas_pfr" / "pallas_pfd" / "pallas_pfad" (only those sites),
+    "pallas_pfa" / "pallas_pfr" / "pallas_pfd" / "pallas_pfad" / "pallas_pfkv" (only those
+    sites; kv: the sliding layers' attention programs fetch their first K / V blocks),
     "pallas_xrouter" / "pallas_prouter" (`router_pallas` forced off / on: the batch > 1 router
     GEMV on XLA / the Pallas kernel), "pallas_po" / "pallas_xo" (`bf16_o_proj_pallas` on / off:
     the BF16 o_proj at batch > 1 on the Pallas gemv, partials summed by the norm kernel),
@@ -346,6 +347,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "pfr": DecodeOptions(l2_prefetch="router"),
                "pfd": DecodeOptions(l2_prefetch="down"),
                "pfad": DecodeOptions(l2_prefetch="attn,down"),
+               "pfkv": DecodeOptions(l2_prefetch="kv"),
                "xrouter": DecodeOptions(router_pallas=False),
                "prouter": DecodeOptions(router_pallas=True),
                "po": DecodeOptions(bf16_o_proj_pallas=True),

@@ -218,9 +218,11 @@ class DecodeOptions:
       (``pallas.l2_prefetch``: cp.async.bulk.prefetch.L2, one instruction per chunk): a
       comma-separated subset of "attn" (the attention kernel fetches the o_proj), "router"
       (the add + norm + router kernel fetches the shared expert's gate / up), "down" (the MoE
-      down kernel fetches the next layer's q|k|v); True = all three, False / "" = none
-      (default: every site measured slower, H200 run 56: the requests go out lane by lane and
-      queue, and a hot o_proj saves only 0.3-0.5 us; perf log 44).
+      down kernel fetches the next layer's q|k|v), "kv" (each sliding layer's attention
+      program fetches its own first K / V blocks before its norm / RoPE work,
+      ``qk_norm_rope_attention(kv_prefetch=True)``); True = all four, False / "" = none
+      (default: the first three measured slower, H200 run 56: the requests go out lane by lane
+      and queue, and a hot o_proj saves only 0.3-0.5 us; perf log 44).
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -253,7 +255,7 @@ class DecodeOptions:
     nvfp4_asm: str = "auto"
     nvfp4_swap: bool = True
 
-    PREFETCH_SITES = ("attn", "router", "down")
+    PREFETCH_SITES = ("attn", "router", "down", "kv")
 
     #: The kernels ``nvfp4_asm="auto"`` gives the "post" decode (H200 run 91).
     POST_SITES = ("qkv", "moe_down")
@@ -648,7 +650,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         attn.sinks[...], j, rope=sliding, ring=sliding, window=window,
                         theta=cfg.rope_theta, eps=eps, num_splits=splits, interpret=interpret,
                         prefetch=_weight_arrays(attn.o_proj) if "attn" in pf else (),
-                        **atomic)
+                        kv_prefetch="kv" in pf and sliding, **atomic)
                     o, kc, vc = res[:3]
                     if counter is not None:
                         counter = res[3]

@@ -331,10 +331,10 @@ def test_router_topk_counter_stays_zero_between_steps():
 @pytest.mark.parametrize("fmt,rows", [("bf16", 1), ("nvfp4", 1), ("bf16", 2)])
 def test_l2_prefetch_step_equals_xla(fmt, rows):
     """Every L2 prefetch site on (attention -> o_proj, router kernel -> shared expert, MoE down
-    -> next q|k|v): the prefetch changes no result (interpret mode runs it as a no-op; the GPU
+    -> next q|k|v, sliding attention -> its first K / V blocks): the prefetch changes no result (interpret mode runs it as a no-op; the GPU
     tests compare the compiled kernels)."""
     opts = DecodeOptions(l2_prefetch=True)
-    assert opts.prefetch_sites() == {"attn", "router", "down"}
+    assert opts.prefetch_sites() == {"attn", "router", "down", "kv"}
     assert DecodeOptions(l2_prefetch="attn, down").prefetch_sites() == {"attn", "down"}
     assert DecodeOptions().prefetch_sites() == frozenset()
     data = [list(range(21, 91)), list(range(4, 12))][:rows]
@@ -360,7 +360,7 @@ def test_l2_prefetch_sites_in_triton_ir(quant):
         if not want:
             assert not with_pf
             continue
-        assert all(m["name"].endswith("_pf") == ("cp.async.bulk.prefetch.L2" in m["asm"])
+        assert all(("_pf" in m["name"]) == ("cp.async.bulk.prefetch.L2" in m["asm"])
                    for m in mods)
         kinds = {n.split("_")[1] + "_" + n.split("_")[2] for n in with_pf}
         assert kinds == {"qk_norm", "add_rms", "moe_down"}, with_pf

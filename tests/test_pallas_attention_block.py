@@ -46,9 +46,9 @@ def inputs(b, h, kvh, s_len, positions, *, ring, window, garbage, stacked, dh=DH
 
 
 def check(got, ref, merge, exact=INTERPRET):
-  """out close; caches (and counter) bit-identical. On a GPU the norm's rsqrt and the RoPE
-  cos/sin are not XLA's, so there cache values are only close (like test_pallas_qk_norm_rope),
-  with the same non-finite (garbage) slots."""
+  """out close; caches (and counter) bit-identical. On a GPU the norm's rsqrt is not XLA's, so
+  there cache values are only close (like test_pallas_qk_norm_rope), with the same non-finite
+  (garbage) slots."""
   assert len(got) == len(ref) == (3 if merge == "kernel" else 4)
   assert_close(got[0], ref[0], what="attention out")
   for g, w, name in zip(got[1:], ref[1:], ("k_cache", "v_cache", "counter")):
@@ -97,6 +97,36 @@ def test_ring(merge):
   slot dropping out (513), wrapped rings (p > R, p >> R)."""
   run(8, 32, 4, 576, [0, 1, 511, 512, 513, 1000, 5000, 70000], ring=True, rope=True,
       window=513, merge=merge, stacked=True, vs_kernel=merge == "kernel")
+
+
+@pytest.mark.parametrize("merge", ["kernel", "atomic"])
+def test_ring_kv_prefetch(merge):
+  """kv_prefetch (each program first asks the L2 for its first K / V blocks) changes no result:
+  layer-stacked rings at B=3, one not yet full, one wrapped (interpret mode runs the request as
+  a no-op; the GPU run compares the compiled kernel)."""
+  run(3, 32, 4, 576, [40, 513, 9000], ring=True, rope=True, window=513, merge=merge,
+      stacked=True, kv_prefetch=True)
+
+
+def test_kv_prefetch_in_the_lowered_kernel():
+  """Lowered for an H200: the K and V requests are in the kernel with kv_prefetch and absent
+  without; caches of 2 GB or more (int32 byte offsets) are refused with a clear error."""
+  from flint_jax.pallas.testing import triton_modules  # pylint: disable=g-import-not-at-top
+  S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+
+  def mods(cache_len, layers=35, **kw):
+    cache = S((layers, 1, 4, cache_len, DH), bf)
+    args = (S((1, 32, DH), bf), S((1, 4, DH), bf), S((1, 4, DH), bf), S((DH,), bf), S((DH,), bf),
+            S((1,), jnp.int32), cache, cache, S((32,), jnp.float32), S((), jnp.int32))
+    fn = lambda *a: qk_norm_rope_attention(*a, rope=True, ring=True, window=513, **kw)  # noqa
+    return triton_modules(fn, *args)
+
+  with_pf = [m for m in mods(576, kv_prefetch=True) if "attn_ring" in m["name"]]
+  assert len(with_pf) == 1 and with_pf[0]["name"].endswith("_kvpf")
+  assert with_pf[0]["asm"].count("cp.async.bulk.prefetch.L2.global") == 2
+  assert all("cp.async.bulk.prefetch" not in m["asm"] for m in mods(576))
+  with pytest.raises(ValueError, match="kv_prefetch needs caches under 2 GB"):
+    mods(1 << 16, layers=1024, kv_prefetch=True)
 
 
 def test_single_split_ring():

@@ -61,9 +61,22 @@ def _norm_rope_rows(ref, b, n, np_, half, w1, w2, eps, rope, cos, sin, offset=0,
   (``load_rows``: split-K partials are summed and rounded to ``dt``), RMSNorm (rounded), optional
   RoPE -> halves in ``dt`` (default ref.dtype)."""
   dt = dt or ref.dtype
+  x1, x2 = load_halves(ref, b, n, np_, half, offset, dt)
+  return norm_rope_halves(x1, x2, w1, w2, eps, rope, cos, sin, dt)
+
+
+def load_halves(ref, b, n, np_, half, offset, dt):
+  """Rows offset..offset+n-1 of ref[b] (padded to np_ by repeating the last) as two f32
+  halves [Np, Dh/2] (``load_rows``)."""
   rows = C.row_load_index(n, np_, offset)
-  x1 = load_rows(ref, b, rows, pl.ds(0, half), dt)              # [Np, Dh/2]
-  x2 = load_rows(ref, b, rows, pl.ds(half, half), dt)
+  return (load_rows(ref, b, rows, pl.ds(0, half), dt),
+          load_rows(ref, b, rows, pl.ds(half, half), dt))
+
+
+def norm_rope_halves(x1, x2, w1, w2, eps, rope, cos, sin, dt):
+  """``_norm_rope_rows``'s arithmetic on loaded halves: RMSNorm (rounded), optional RoPE ->
+  halves in ``dt``."""
+  half = x1.shape[-1]
   ms = (jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * half)
   r = jax.lax.rsqrt(ms + eps)[:, None]                          # [Np, 1]
   n1 = (w1[None, :] * (x1 * r)).astype(dt).astype(jnp.float32)

@@ -606,6 +606,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         qkv_split = opts.qkv_split_k_at(b) if fold and not wait else 1
         pf = opts.prefetch_sites()
+        # RoPE's cos / sin: computed by the first sliding layer's attention kernel, loaded by
+        # the others (SASS: the sincos were ~30% of a ring program's instructions)
+        rope_cs = None
         if not fold:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
         for i, layer in enumerate(layers):
@@ -650,10 +653,14 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         attn.sinks[...], j, rope=sliding, ring=sliding, window=window,
                         theta=cfg.rope_theta, eps=eps, num_splits=splits, interpret=interpret,
                         prefetch=_weight_arrays(attn.o_proj) if "attn" in pf else (),
-                        kv_prefetch="kv" in pf and sliding, **atomic)
+                        kv_prefetch="kv" in pf and sliding,
+                        rope_cos_sin=rope_cs if sliding else None,
+                        return_cos_sin=sliding and rope_cs is None, **atomic)
                     o, kc, vc = res[:3]
                     if counter is not None:
                         counter = res[3]
+                    if sliding and rope_cs is None:
+                        rope_cs = res[-1]
                 if sliding:
                     ring_k, ring_v = kc, vc
                 else:

@@ -77,7 +77,7 @@ def run(b, h, kvh, s_len, positions, *, ring, rope, window=None, garbage=True, s
   opts = dict(rope=rope, ring=ring, window=window, merge=merge, **kw)
   got = qk_norm_rope_attention(*args, counter, interpret=INTERPRET, **opts)
   ref = qk_norm_rope_attention_reference(*args, counter, **opts)
-  check(got, ref, merge)
+  check(got[:-1] if kw.get("return_cos_sin") else got, ref, merge)
   if vs_kernel:   # the caches also bit-identical to what the qk_norm_rope kernel writes
     _, kc, vc = qk_norm_rope(*args[:8], args[9], rope=rope, ring=ring, interpret=INTERPRET)
     check((got[0], kc, vc), (ref[0], *got[1:3]), "kernel")
@@ -127,6 +127,39 @@ def test_kv_prefetch_in_the_lowered_kernel():
   assert all("cp.async.bulk.prefetch" not in m["asm"] for m in mods(576))
   with pytest.raises(ValueError, match="kv_prefetch needs caches under 2 GB"):
     mods(1 << 16, layers=1024, kv_prefetch=True)
+
+
+@pytest.mark.parametrize("merge", ["kernel", "atomic"])
+def test_rope_cos_sin_handed_on(merge):
+  """return_cos_sin: the kernel also returns RoPE's cos / sin [B, 2, Dh/2] (those of
+  ``rope_cos_sin``: XLA's on the CPU, libdevice's within a few ulps on the GPU); a second layer
+  given them (rope_cos_sin=) computes what it computes without them. B=3, layer-stacked ring."""
+  from flint_jax.pallas.attention_block import rope_cos_sin  # pylint: disable=g-import-not-at-top
+  pos = [40, 513, 9000]
+  got = run(3, 32, 4, 576, pos, ring=True, rope=True, window=513, merge=merge, stacked=True,
+            return_cos_sin=True)
+  cs = got[-1]
+  want = rope_cos_sin(jnp.asarray(pos, jnp.int32), DH, 10000.0)
+  assert cs.shape == (3, 2, DH // 2) and cs.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(cs), np.asarray(want), rtol=0, atol=2e-6)
+  again = run(3, 32, 4, 576, pos, ring=True, rope=True, window=513, merge=merge, stacked=True,
+              rope_cos_sin=cs)
+  for a, b in zip(got[:-1], again):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_rope_cos_sin_checked():
+  """Clear errors: cos / sin of the wrong shape, both options at once, or on a layer without
+  RoPE."""
+  args = inputs(2, 32, 4, 576, [3, 700], ring=True, window=513, garbage=False, stacked=False)
+  kw = dict(ring=True, window=513, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="rope_cos_sin must be f32"):
+    qk_norm_rope_attention(*args, rope=True, rope_cos_sin=jnp.zeros((2, 2, 32)), **kw)
+  with pytest.raises(ValueError, match="not both"):
+    qk_norm_rope_attention(*args, rope=True, rope_cos_sin=jnp.zeros((2, 2, 64)),
+                           return_cos_sin=True, **kw)
+  with pytest.raises(ValueError, match="only for rope=True"):
+    qk_norm_rope_attention(*args, rope=False, return_cos_sin=True, **kw)
 
 
 def test_single_split_ring():

@@ -128,12 +128,18 @@ def build(kernel: str, m: int, n: int, k: int, kw: dict, prescaled: bool = False
     mod = importlib.import_module("flint_jax.pallas.attention_block")
     ring = kernel == "attn_ring"
     s_len = 576 if ring else -(-k // 256) * 256   # ring: FlintConfig.ring_size
+    # (--kw cos_sin_input=1: RoPE's cos / sin loaded, ``rope_cos_sin=``, as the later
+    # sliding layers of the step run it)
     cache = S((7, m, 4, s_len, 128), jnp.bfloat16)
+    cs = S((m, 2, 64), jnp.float32) if kw.pop("cos_sin_input", 0) else None
     fn = functools.partial(mod.qk_norm_rope_attention, rope=ring, ring=ring,
                            window=513 if ring else None, **kw)
-    return fn, (S((m, 32, 128), jnp.bfloat16), S((m, 4, 128), jnp.bfloat16),
-                S((m, 4, 128), jnp.bfloat16), S((128,), jnp.bfloat16), S((128,), jnp.bfloat16),
-                S((m,), jnp.int32), cache, cache, S((32,), jnp.float32), S((), jnp.int32))
+    args = (S((m, 32, 128), jnp.bfloat16), S((m, 4, 128), jnp.bfloat16),
+            S((m, 4, 128), jnp.bfloat16), S((128,), jnp.bfloat16), S((128,), jnp.bfloat16),
+            S((m,), jnp.int32), cache, cache, S((32,), jnp.float32), S((), jnp.int32))
+    if cs is None:
+      return fn, args
+    return (lambda *a: fn(*a[:-1], rope_cos_sin=a[-1])), (*args, cs)
   raise SystemExit(f"unknown --kernel {kernel!r}: nvfp4_gemv, multi_gemv, moe, moe_bf16, "
                    f"attn_ring or attn_full")
 

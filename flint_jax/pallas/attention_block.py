@@ -19,8 +19,8 @@ Grid ``(B, KVH, NS)`` like ``decode_attention``'s split kernel. Program (b, kv, 
    repeating the last; fp32 split-K partials of q / k / v, ``norm_qkv(split_k=S,
    sum_splits=False)``, are summed and rounded to the cache dtype on the way) and applies
    per-head RMSNorm (rounded to bf16) and, for ``rope=True``, NeoX RoPE at p (rounded to bf16):
-   the very code of ``qk_norm_rope`` (``_norm_rope_rows``), in two halves of Dh/2; cos / sin
-   come in as an input ([B, 2, Dh/2] f32, ``rope_cos_sin``: one XLA op per step). QK^T is two
+   the very code of ``qk_norm_rope`` (``_norm_rope_rows``), in two halves of Dh/2 (cos / sin
+   computed in the kernel, or loaded: ``rope_cos_sin`` / ``return_cos_sin``). QK^T is two
    K = Dh/2 dots against half-width loads of the K block (no concat).
 2. Computes this KV head's new k the same way (every one of the Gp rows holds it) and loads the
    raw v.
@@ -79,7 +79,7 @@ from flint_jax.pallas.decode_attention import (decode_attention_reference,
 from flint_jax.pallas.qk_norm_rope import (_norm_rope_rows, load_halves, load_rows,
                                            norm_rope_halves)
 from flint_jax.pallas.qk_norm_rope import _validate as _norm_validate
-from flint_jax.pallas.qk_norm_rope import qk_norm_rope_reference
+from flint_jax.pallas.qk_norm_rope import qk_norm_rope_reference, rope_inv_freq
 
 __all__ = ["qk_norm_rope_attention", "qk_norm_rope_attention_reference", "MERGES"]
 
@@ -91,11 +91,12 @@ _MERGE_ELEMS = 8192
 
 
 def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, stacked,
-            counter_stacked, mode, kv_prefetch, interpret):
+            counter_stacked, mode, cs_mode, kv_prefetch, interpret):
   refs = list(refs)
   take = lambda k: [refs.pop(0) for _ in range(k)]  # noqa: E731
   q_ref, k_ref, v_ref, wq_ref, wk_ref, pos_ref, sink_ref = take(7)
-  cs_ref = take(1)[0] if rope else None
+  rope_ref = take(1)[0] if rope else None     # cos / sin [B, 2, Dh/2] ("load"), else inv_freq
+  cs_out = refs.pop() if cs_mode == "store" else None
   lead = (take(1)[0][0],) if stacked else ()
   cidx = (take(1)[0][0],) if mode == "atomic" and counter_stacked else ()
   kc_in, vc_in = take(2)
@@ -117,8 +118,17 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
 
   # 1-2. q rows of the group and the new k (norm + RoPE, rounded), raw v: [Gp, Dh/2] / [Gp, Dh].
   cos = sin = None
-  if rope:   # computed once per step by XLA (``layers.rope_angles``), not per thread
-    cos, sin = cs_ref[b, 0, :][None, :], cs_ref[b, 1, :][None, :]     # [1, Dh/2] f32
+  if rope and cs_mode == "load":   # another kernel's, or XLA's (``rope_cos_sin``)
+    cos, sin = rope_ref[b, 0, :][None, :], rope_ref[b, 1, :][None, :]   # [1, Dh/2] f32
+  elif rope:
+    ang = p.astype(f32) * rope_ref[...]                               # [Dh/2]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if cs_out is not None:    # one program per row hands them to the later sliding layers
+      @pl.when((kv == 0) & (j == 0))
+      def _():
+        cs_out[b, 0, :] = cos
+        cs_out[b, 1, :] = sin
+    cos, sin = cos[None, :], sin[None, :]
   ld = lambda ref, c: ref[pl.ds(c, half)].astype(f32)               # noqa: E731
   dt = kc_in.dtype                  # q / k / v (or their summed split-K partials) dtype
   if len(v_ref.shape) == 3:
@@ -240,9 +250,8 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
 
 def rope_cos_sin(positions, head_dim: int, theta: float):
   """[B, 2, Dh/2] f32: cos and sin of each row's RoPE angles, ``layers.rope_angles`` (the XLA
-  path's values). An XLA op outside the kernel: every sliding layer of a jitted step asks for the
-  same one, which XLA computes once (CSE), where the kernel's threads spent ~30% of their
-  instructions on 16 libdevice sincos each (SASS, session 18)."""
+  path's values), in the layout ``qk_norm_rope_attention(rope_cos_sin=)`` takes (an XLA op:
+  one more kernel where it runs on a GPU)."""
   cos, sin = rope_angles(positions.astype(jnp.int32), head_dim, theta)
   return jnp.stack([cos, sin], axis=1)
 
@@ -271,14 +280,15 @@ def _blocks(b, kvh, s_len, block_k, num_splits):
 
 @functools.partial(jax.jit, static_argnames=(
     "rope", "ring", "window", "theta", "eps", "scale", "block_k", "num_splits", "merge",
-    "num_warps", "num_stages", "kv_prefetch", "interpret"))
+    "num_warps", "num_stages", "kv_prefetch", "return_cos_sin", "interpret"))
 def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, sinks,
                            layer=None, counter=None, *, counter_layer=None, rope: bool,
                            ring: bool, window: int | None = None, theta: float = 10000.0,
                            eps: float = 1e-6, scale: float | None = None,
                            block_k: int | None = None, num_splits: int | None = None,
                            merge: str = "kernel", num_warps: int = 4, num_stages: int = 2,
-                           prefetch=(), kv_prefetch: bool = False, interpret: bool = False):
+                           prefetch=(), kv_prefetch: bool = False, rope_cos_sin=None,
+                           return_cos_sin: bool = False, interpret: bool = False):
   """qk_norm_rope + decode_attention in one split kernel; see the module docstring.
 
   ``prefetch``: arrays (a later kernel's weights) whose bytes the programs ask the L2 to fetch
@@ -286,6 +296,12 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
   each program first asks the L2 for its first K and V blocks (``l2_prefetch.prefetch_l2``),
   whose loads otherwise wait on HBM after the norm / RoPE work; needs caches under 2 GB (int32
   byte offsets). Neither changes a result.
+
+  RoPE's cos / sin (``rope=True``): by default every program computes them (libdevice sincos,
+  ~30% of a ring program's instructions, SASS session 18). ``return_cos_sin=True`` appends them
+  to the returned tuple ([B, 2, Dh/2] f32, stored by one program per row), and a later call
+  given them as ``rope_cos_sin`` (same positions and theta) loads them instead: the decode step
+  computes them in its first sliding layer only, with no extra kernel.
 
   q / k / v may also be fp32 split-K partials [S, B, H, Dh] / [S, B, KVH, Dh] (``norm_qkv(...,
   split_k=S, sum_splits=False)``): every program sums them in fp32 and rounds to the caches'
@@ -308,6 +324,15 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
           f"block_k must be a power of two >= 16 dividing S: {block_k=} S={s_len}")
   C.check(C.is_pow2(num_splits), f"num_splits must be a power of two, got {num_splits=}")
   counter_stacked = (counter_layer if counter_layer is not None else layer) is not None
+  C.check(rope or (rope_cos_sin is None and not return_cos_sin),
+          "rope_cos_sin / return_cos_sin are only for rope=True")
+  C.check(rope_cos_sin is None or not return_cos_sin,
+          "give rope_cos_sin or ask for return_cos_sin, not both")
+  if rope_cos_sin is not None:
+    C.check(rope_cos_sin.shape == (b, 2, dh // 2) and rope_cos_sin.dtype == jnp.float32,
+            f"rope_cos_sin must be f32 [B, 2, Dh/2] = [{b}, 2, {dh // 2}], got "
+            f"{rope_cos_sin.dtype} {rope_cos_sin.shape}")
+  cs_mode = "load" if rope_cos_sin is not None else "store" if return_cos_sin else "compute"
   C.check(not kv_prefetch or k_cache.size * k_cache.dtype.itemsize < 2 ** 31,
           f"kv_prefetch needs caches under 2 GB (int32 byte offsets), got {k_cache.shape}")
   if merge == "atomic":
@@ -329,7 +354,7 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
 
   args = [q, k, v, q_norm_w, k_norm_w, positions.astype(jnp.int32), sinks.astype(f32)]
   if rope:
-    args.append(rope_cos_sin(positions, dh, theta))
+    args.append(rope_cos_sin if cs_mode == "load" else rope_inv_freq(dh, theta))
   if layer is not None:
     args.append(C.as_index_array(layer, "layer"))
   if mode == "atomic" and counter_stacked:
@@ -355,7 +380,9 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
       _kernel, g=g, gp=gp, gm=gm, bk=block_k, ns=num_splits, mc=mc, dh=dh,
       window=window or s_len, ring=ring, rope=rope, eps=eps, scale=scale,
       stacked=layer is not None, counter_stacked=counter_stacked, mode=mode,
-      kv_prefetch=kv_prefetch, interpret=interpret)
+      cs_mode=cs_mode, kv_prefetch=kv_prefetch, interpret=interpret)
+  if cs_mode == "store":
+    out_shape = (*out_shape, jax.ShapeDtypeStruct((b, 2, dh // 2), f32))
   prefetch = tuple(prefetch)
   res = C.pallas_call(
       kernel, out_shape=out_shape, grid=(b, kvh, num_splits), input_output_aliases=aliases,
@@ -365,6 +392,9 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
             f"_bk{block_k}_ns{num_splits}{'' if mode == 'kernel' else '_' + mode}"
             f"{'_pf' if prefetch else ''}{'_kvpf' if kv_prefetch else ''}"),
   )(*args, *prefetch)
+  extra = ()
+  if cs_mode == "store":
+    res, extra = res[:-1], res[-1:]
   if mode == "direct":
     out, kc, vc = res
   elif mode == "kernel":
@@ -372,7 +402,7 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
     out = merge_splits(o, m, l, sinks, qs.dtype, interpret=interpret)
   else:
     out, _, _, _, kc, vc, counter = res
-  return (out, kc, vc) if merge == "kernel" else (out, kc, vc, counter)
+  return ((out, kc, vc) if merge == "kernel" else (out, kc, vc, counter)) + extra
 
 
 def qk_norm_rope_attention_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache,

@@ -144,8 +144,10 @@ def test_rope_cos_sin_handed_on(merge):
   np.testing.assert_allclose(np.asarray(cs), np.asarray(want), rtol=0, atol=2e-6)
   again = run(3, 32, 4, 576, pos, ring=True, rope=True, window=513, merge=merge, stacked=True,
               rope_cos_sin=cs)
-  for a, b in zip(got[:-1], again):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for a, b in zip(got[:-1], again):   # bit for bit (the caches' dead slots hold NaN garbage)
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def test_rope_cos_sin_checked():

@@ -31,7 +31,7 @@ timeout ${NCU_TIMEOUT:-300} "$NCU" --clock-control none --target-processes all \
   -f -o $rep python3 benchmarks/ncu_step.py --format $fmt --batch $batch --path $path \
   --steps 2 > $OUT/${name}.log 2>&1
 echo "ncu rc $? ($name)"; tail -3 $OUT/${name}.log
-"$NCU" --import $rep.ncu-rep --page raw --csv > $rep.csv 2>> $OUT/${name}.log
+"$NCU" --import $rep.ncu-rep --page raw --csv --print-units base > $rep.csv 2>> $OUT/${name}.log
 n=$(( ($(grep -c '"flint_' $rep.csv) + 1) / 2 ))   # kernels per step: two steps profiled
 python3 tools/ncu_summary.py $rep.csv --last $n > $OUT/${name}.txt
 for k in "$@"; do

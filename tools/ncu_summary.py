@@ -17,7 +17,7 @@ import csv
 import re
 import sys
 
-COLUMNS = [  # (header, metric, scale, format)
+COLUMNS = [  # (header, metric (or "a|b": the first present), scale to ns / bytes / counts, format)
     ("us", "gpu__time_duration.sum", 1e-3, "{:7.2f}"),
     ("grid", "launch__grid_size", 1, "{:6.0f}"),
     ("blk", "launch__block_size", 1, "{:4.0f}"),
@@ -25,7 +25,8 @@ COLUMNS = [  # (header, metric, scale, format)
     ("waves", "launch__waves_per_multiprocessor", 1, "{:5.2f}"),
     ("occ%", "sm__warps_active.avg.pct_of_peak_sustained_active", 1, "{:5.1f}"),
     ("issue%", "smsp__issue_active.avg.pct_of_peak_sustained_active", 1, "{:5.1f}"),
-    ("dram%", "dram__throughput.avg.pct_of_peak_sustained_elapsed", 1, "{:5.1f}"),
+    ("dram%", "dram__throughput.avg.pct_of_peak_sustained_elapsed|"
+              "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", 1, "{:5.1f}"),
     ("MB", "dram__bytes_read.sum", 1e-6, "{:7.2f}"),
     ("Minst", "smsp__inst_executed.sum", 1e-6, "{:6.2f}"),
 ]
@@ -41,8 +42,9 @@ def _num(text: str) -> float | None:
 
 def _unit_scale(unit: str) -> float:
   """Factor to the base unit the COLUMNS scales assume (ns, bytes, counts)."""
-  return {"usecond": 1e3, "msecond": 1e6, "second": 1e9, "Kbyte": 1e3, "Mbyte": 1e6,
-          "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}.get(unit.strip(), 1.0)
+  return {"us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6, "s": 1e9, "second": 1e9,
+          "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}.get(
+              unit.strip(), 1.0)
 
 
 def summarize(path: str, last: int | None = None, width: int = 60) -> str:
@@ -59,8 +61,8 @@ def summarize(path: str, last: int | None = None, width: int = 60) -> str:
   for r in data:
     name = r[col["Kernel Name"]]
     cells = []
-    for _, metric, scale, fmt in COLUMNS:
-      i = col.get(metric)
+    for _, metrics, scale, fmt in COLUMNS:
+      i = next((col[m] for m in metrics.split("|") if m in col), None)
       v = _num(r[i]) if i is not None and i < len(r) else None
       if v is not None:
         v *= _unit_scale(units[i]) * scale

@@ -230,41 +230,32 @@ def _weight_args(fmt, w, name):
 def _topk_logits(l_ref, t, top_k, n_exp, ep):
   """In-kernel top-k of row t of the router logits l_ref [M, E] f32 (E padded to ep = next_pow2
   by a masked load): [(id, logit)] * top_k in ``lax.top_k`` order (descending, lowest index first
-  among equal values), ``topk_select``'s ids and their logits loaded back from l_ref (Triton has
-  no top_k / sort). Sigmoid is monotonic, so these are the experts of the top-k sigmoid scores.
-  A NaN logit is never selected while another is left (routing on NaN logits is unspecified,
-  reads stay in bounds)."""
+  among equal values), by repeated max + masked argmin-of-index (Triton has no top_k / sort).
+  Sigmoid is monotonic, so these are the experts of the top-k sigmoid scores. A NaN logit is never
+  selected except as a clamped id (routing on NaN logits is unspecified, reads stay in bounds)."""
   cols = jnp.arange(ep, dtype=jnp.int32)
   if ep == n_exp:
     lg = l_ref[t, pl.ds(0, ep)]
   else:
     lg = plgpu.load(l_ref.at[t, cols], mask=cols < n_exp, other=-jnp.inf)
-  ids = list(topk_select(lg, cols, cols >= n_exp, top_k, n_exp))
-  return [(e, plgpu.load(l_ref.at[t, e])) for e in ids]
+  return list(topk_select(lg, cols, cols >= n_exp, top_k, n_exp))
 
 
 def topk_select(lg, cols, taken, top_k, n_exp):
-  """The top-k selection inside a kernel: the id of each of ``top_k`` rounds, in ``lax.top_k``
-  order (the max of the columns not yet taken, the lowest such index among equal values),
-  along the last axis of ``lg`` f32 [Ep] (scalars out) or [R, Ep] ([R] out), Ep =
+  """The top-k selection inside a kernel: (ids, logits) of each of ``top_k`` rounds, in
+  ``lax.top_k`` order (the max of the columns not yet taken, the lowest such index among equal
+  values), along the last axis of ``lg`` f32 [Ep] (scalars out) or [R, Ep] ([R] out), Ep =
   next_pow2(E); ``cols`` = arange(Ep) int32, ``taken`` (bool, lg's shape) marks the padding
-  columns >= E. The caller loads the selected logits back (one load each, in parallel).
-
-  One reduction per round: an argmax (value and index reduced together, ties to the lower
-  index) over int32 keys that order like the logits (their f32 bits, the negative ones' low 31
-  bits flipped; -0.0 as +0.0, which ``lax.top_k`` holds equal), the taken columns and NaN at
-  the int32 minimum, which no logit's key reaches (-inf's is above it). The block-wide
-  reductions are the routing's cost in the batch-1 gate_up programs: ~31% of their warp
-  samples (Nsight Compute, session 18) when each round took a max and then an argmin."""
+  columns >= E."""
+  ep = cols.shape[0]
   col = (lambda a: a) if lg.ndim == 1 else (lambda a: a[:, None])  # noqa: E731 (per-row value)
-  lowest = jnp.int32(jnp.iinfo(jnp.int32).min)
-  bits = lax.bitcast_convert_type(jnp.where(lg == 0, 0.0, lg).astype(jnp.float32), jnp.int32)
-  key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)      # monotone in the value
-  key = jnp.where(taken | jnp.isnan(lg), lowest, key)
   for _ in range(top_k):
-    idx = jnp.argmax(key, axis=-1).astype(jnp.int32)
-    key = jnp.where(cols == col(idx), lowest, key)
-    yield jnp.minimum(idx, n_exp - 1)
+    v = jnp.where(taken, -jnp.inf, lg)
+    mx = jnp.max(v, axis=-1)
+    idx = jnp.min(jnp.where((v == col(mx)) & jnp.logical_not(taken), cols, ep), axis=-1)
+    idx = jnp.minimum(idx, n_exp - 1)
+    taken = taken | (cols == col(idx))
+    yield idx, mx
 
 
 def _slot_route(l_ref, u, route):

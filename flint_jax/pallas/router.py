@@ -93,9 +93,9 @@ def _topk_rows(l_ref, ids_ref, top_ref, *, m, mp, top_k, n_exp):
                   volatile=True)                                          # [Mp, Ep]
   taken = jnp.broadcast_to((cols >= n_exp)[None, :], (mp, ep))
   r, rmask = C.row_store_index(m, mp)
-  for j, idx in enumerate(topk_select(lg, cols, taken, top_k, n_exp)):   # [Mp] each
+  for j, (idx, mx) in enumerate(topk_select(lg, cols, taken, top_k, n_exp)):   # [Mp] each
     plgpu.store(ids_ref.at[r, j], idx, mask=rmask)
-    plgpu.store(top_ref.at[r, j], plgpu.load(l_ref.at[rows, idx], volatile=True), mask=rmask)
+    plgpu.store(top_ref.at[r, j], mx, mask=rmask)
 
 
 def default_router_blocks(m: int, n_exp: int, d: int) -> tuple[int, int]:

@@ -132,14 +132,14 @@ def test_kv_prefetch_in_the_lowered_kernel():
 @pytest.mark.parametrize("merge", ["kernel", "atomic"])
 def test_rope_cos_sin_handed_on(merge):
   """return_cos_sin: the kernel also returns RoPE's cos / sin [B, 2, Dh/2] (those of
-  ``rope_cos_sin``: XLA's on the CPU, libdevice's within a few ulps on the GPU); a second layer
+  ``rope_cos_sin_table``: XLA's on the CPU, libdevice's within a few ulps on the GPU); a second layer
   given them (rope_cos_sin=) computes what it computes without them. B=3, layer-stacked ring."""
-  from flint_jax.pallas.attention_block import rope_cos_sin  # pylint: disable=g-import-not-at-top
+  from flint_jax.pallas.attention_block import rope_cos_sin_table  # pylint: disable=g-import-not-at-top
   pos = [40, 513, 9000]
   got = run(3, 32, 4, 576, pos, ring=True, rope=True, window=513, merge=merge, stacked=True,
             return_cos_sin=True)
   cs = got[-1]
-  want = rope_cos_sin(jnp.asarray(pos, jnp.int32), DH, 10000.0)
+  want = rope_cos_sin_table(jnp.asarray(pos, jnp.int32), DH, 10000.0)
   assert cs.shape == (3, 2, DH // 2) and cs.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(cs), np.asarray(want), rtol=0, atol=2e-6)
   again = run(3, 32, 4, 576, pos, ring=True, rope=True, window=513, merge=merge, stacked=True,

@@ -118,7 +118,7 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
 
   # 1-2. q rows of the group and the new k (norm + RoPE, rounded), raw v: [Gp, Dh/2] / [Gp, Dh].
   cos = sin = None
-  if rope and cs_mode == "load":   # another kernel's, or XLA's (``rope_cos_sin``)
+  if rope and cs_mode == "load":   # another kernel's, or XLA's (``rope_cos_sin_table``)
     cos, sin = rope_ref[b, 0, :][None, :], rope_ref[b, 1, :][None, :]   # [1, Dh/2] f32
   elif rope:
     ang = p.astype(f32) * rope_ref[...]                               # [Dh/2]
@@ -248,7 +248,7 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
                 (acc / den[:, None]).astype(out_ref.dtype), mask=omask[:, None])
 
 
-def rope_cos_sin(positions, head_dim: int, theta: float):
+def rope_cos_sin_table(positions, head_dim: int, theta: float):
   """[B, 2, Dh/2] f32: cos and sin of each row's RoPE angles, ``layers.rope_angles`` (the XLA
   path's values), in the layout ``qk_norm_rope_attention(rope_cos_sin=)`` takes (an XLA op:
   one more kernel where it runs on a GPU)."""

@@ -3,8 +3,8 @@
 A synthetic checkpoint with Flint's full hidden size (2048, 32 heads, full attention and expert
 widths; fewer experts and a smaller vocabulary keep it fast) is written with 2 and with 4 layers,
 and converted by `flint-jax convert` in a child process; the child's peak RSS
-(`getrusage(RUSAGE_CHILDREN).ru_maxrss`, read by a wrapper process that ran only that child) must
-stay flat while the checkpoint doubles. HF (per-expert bf16 tensors stacked on the fly) and NVFP4
+(`getrusage(RUSAGE_CHILDREN).ru_maxrss`, read by a wrapper process that ran only that child; the
+least of three runs) must stay flat while the checkpoint doubles. HF (per-expert bf16 tensors stacked on the fly) and NVFP4
 GGUF (blocks repacked) sources both.
 """
 
@@ -50,8 +50,11 @@ def test_peak_memory_flat_in_layers(tmp_path, fmt):
         out = tmp_path / f"{fmt}-{layers}"
         info = synth.synth(out, fmt=fmt, config=cfg, seed=layers, tokenizer=False, workers=2)
         sizes[layers] = info["bytes"]
-        peaks[layers] = peak_rss_of_convert(info["path"], tmp_path / f"conv-{fmt}-{layers}",
-                                            out if fmt == "gguf" else None)
+        # The least of three conversions: one process's peak RSS moves by up to ~70 MiB between
+        # runs of the same conversion (allocator and thread timing), more than the bound below.
+        peaks[layers] = min(
+            peak_rss_of_convert(info["path"], tmp_path / f"conv-{fmt}-{layers}-{rep}",
+                                out if fmt == "gguf" else None) for rep in range(3))
     added = sizes[4] - sizes[2]
     stack = 16 * 1024 * 2048 * (2 if fmt == "hf" else 0.5625)  # one gate_up expert stack
     growth = peaks[4] - peaks[2]

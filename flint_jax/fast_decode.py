@@ -648,6 +648,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 else:
                     atomic = dict(counter=counter, counter_layer=i, merge="atomic") if (
                         counter is not None) else dict(merge="kernel")
+                    first_rope = sliding and rope_cs is None   # computes and returns cos / sin
                     res = qk_norm_rope_attention(
                         q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc,
                         attn.sinks[...], j, rope=sliding, ring=sliding, window=window,
@@ -655,11 +656,11 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         prefetch=_weight_arrays(attn.o_proj) if "attn" in pf else (),
                         kv_prefetch="kv" in pf and sliding,
                         rope_cos_sin=rope_cs if sliding else None,
-                        return_cos_sin=sliding and rope_cs is None, **atomic)
+                        return_cos_sin=first_rope, **atomic)
                     o, kc, vc = res[:3]
                     if counter is not None:
                         counter = res[3]
-                    if sliding and rope_cs is None:
+                    if first_rope:
                         rope_cs = res[-1]
                 if sliding:
                     ring_k, ring_v = kc, vc

@@ -32,8 +32,7 @@ timeout ${NCU_TIMEOUT:-300} "$NCU" --clock-control none --target-processes all \
   --steps 2 > $OUT/${name}.log 2>&1
 echo "ncu rc $? ($name)"; tail -3 $OUT/${name}.log
 "$NCU" --import $rep.ncu-rep --page raw --csv --print-units base > $rep.csv 2>> $OUT/${name}.log
-n=$(( ($(grep -c '"flint_' $rep.csv) + 1) / 2 ))   # kernels per step: two steps profiled
-python3 tools/ncu_summary.py $rep.csv --last $n > $OUT/${name}.txt
+python3 tools/ncu_summary.py $rep.csv --steps 2 > $OUT/${name}.txt   # the second step
 for k in "$@"; do
   "$NCU" --import $rep.ncu-rep --page details -k regex:$k --launch-skip 1 --launch-count 1 \
     2>&1 | head -c 400000 >> $OUT/${name}_details.txt

@@ -18,6 +18,14 @@ import gzip
 import sys
 
 
+def _opcode(source: str) -> str:
+  """The opcode of one SASS line ("@!P0 BRA 0x560" -> "BRA")."""
+  words = source.replace(",", " ").split()
+  if words and words[0].startswith("@"):
+    words = words[1:]
+  return words[0] if words else ""
+
+
 def regions(path: str, chunk: int = 50) -> str:
   opener = gzip.open if path.endswith(".gz") else open
   with opener(path, "rt", newline="") as f:
@@ -35,8 +43,7 @@ def regions(path: str, chunk: int = 50) -> str:
     share = 100 * sum(num(r, "# Samples") for r in part) / total
     execs = [num(r, "Instructions Executed") for r in part]
     top = sorted(((sum(num(r, h) for r in part), h[6:]) for h in stalls), reverse=True)[:3]
-    ops = sorted({w for r in part for w in r[ci["Source"]].split()[:2]
-                  if w[:1].isupper() and not w.startswith("R")})[:12]
+    ops = sorted({_opcode(r[ci["Source"]]) for r in part} - {""})[:12]
     out.append(f"{s:5d} {share:5.1f}% exec ({min(execs)}, {max(execs)}) "
                + " ".join(f"{name} {v}" for v, name in top) + " | " + " ".join(ops))
   return "\n".join(out)

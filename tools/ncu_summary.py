@@ -6,8 +6,8 @@
 For each kernel: duration, grid / block, registers, waves per SM, achieved occupancy, issue
 slots busy, DRAM throughput, instructions executed, and the three largest warp-stall reasons
 (warps stalled per issued instruction, ``smsp__average_warps_issue_stalled_*``: how many warp
-cycles each reason costs for every instruction issued). ``--last N`` keeps the last N kernels
-(the last decode step when the run profiled several).
+cycles each reason costs for every instruction issued). ``--steps N``: the profile holds N
+decode steps, print the last; ``--last K``: only the last K kernels.
 """
 
 from __future__ import annotations
@@ -47,12 +47,14 @@ def _unit_scale(unit: str) -> float:
               unit.strip(), 1.0)
 
 
-def summarize(path: str, last: int | None = None, width: int = 60) -> str:
+def summarize(path: str, last: int | None = None, width: int = 60, steps: int = 1) -> str:
   with open(path, newline="") as f:
     rows = [r for r in csv.reader(f) if r]
   start = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
   header, units, data = rows[start], rows[start + 1], rows[start + 2:]
   col = {h: i for i, h in enumerate(header)}
+  if steps > 1:      # the same kernels, step after step: keep the last step's
+    data = data[len(data) - len(data) // steps:]
   if last:
     data = data[-last:]
   stall_cols = [(m.group(1), i) for h, i in col.items() if (m := STALL.fullmatch(h))]
@@ -79,9 +81,11 @@ def main(argv=None) -> int:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("csv", help="ncu --page raw --csv output")
   ap.add_argument("--last", type=int, default=None, help="only the last N kernels")
+  ap.add_argument("--steps", type=int, default=1,
+                  help="decode steps the profile holds: only the last one is printed")
   ap.add_argument("--width", type=int, default=60, help="kernel-name column width")
   a = ap.parse_args(argv)
-  print(summarize(a.csv, a.last, a.width))
+  print(summarize(a.csv, a.last, a.width, a.steps))
   return 0
 
 

@@ -242,8 +242,10 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     / "pallas_nonq" (`norm_in_qkv` forced on / off; the default: on for BF16 at batch 1), "pallas_fa" / "pallas_faa" (attention "fused" /
     "fused_atomic"), "pallas_nqfa" / "pallas_nqfaa" (both), "pallas_sp" (attention "split": the
     session-2 default step), "pallas_rsN" (the sliding layers' attention in N splits,
-    `DecodeOptions.ring_splits`), "pallas_qw" (`qkv_wait`: each layer's end and the next q|k|v
-    as one producer / consumer kernel), "pallas_allrows" / "pallas_tokrows" (the routed MoE's
+    `DecodeOptions.ring_splits`), "pallas_aw2" / "pallas_aw8" / "pallas_aw16"
+    (`attention_num_warps`: the fused attention kernels on 2 / 8 / 16 warps per program instead
+    of 4), "pallas_qw" (`qkv_wait`: each layer's end and the next q|k|v as one producer /
+    consumer kernel), "pallas_allrows" / "pallas_tokrows" (the routed MoE's
     `moe_slot_rows` forced to "all" / "token"), "pallas_tokpre" / "pallas_tokpresf" /
     "pallas_allpresf" (`moe_slot_rows` "token" / "all" with `moe_prerouted`, and
     `moe_shared_first`), "pallas_nopresf" (both off: the batch 2-4 default before run 100),
@@ -315,6 +317,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "shtok": DecodeOptions(moe_shared_rows="token"),
                "shall": DecodeOptions(moe_shared_rows="all"),
                "topkw": DecodeOptions(moe_topk_form="warp"),
+               "aw2": DecodeOptions(attention_num_warps=2),
+               "aw8": DecodeOptions(attention_num_warps=8),
+               "aw16": DecodeOptions(attention_num_warps=16),
                "topkb": DecodeOptions(moe_topk_form="block"),
                "tokshtok": DecodeOptions(moe_slot_rows="token", moe_shared_rows="token"),
                "toknopre": DecodeOptions(moe_slot_rows="token", moe_prerouted=False),

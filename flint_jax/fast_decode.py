@@ -97,6 +97,8 @@ class DecodeOptions:
     ring_splits: split count of the sliding layers' attention (their 576-slot ring holds 513
       live keys); None = `decode_attention.default_attention_blocks` (16 at batch 1). 1 = one
       program per (row, KV head) that normalises itself: no merge kernel.
+    attention_num_warps: warps per program of the fused attention kernels (sliding and full
+      layers, `qk_norm_rope_attention`'s ``num_warps``); None = the kernel's default (4).
     moe_slot_rows: `moe_decode_routed`'s ``slot_rows`` at batch > 1: "all" (every routed slot's
       expert times all rows, tensor-core tiles), "token" (each slot times its own token only, the
       M = 1 kernels) or None (the kernel's measured default, `moe.default_slot_rows`: "token" at
@@ -234,6 +236,7 @@ class DecodeOptions:
     norm_in_qkv: bool | None = None
     attention: str = "fused"
     ring_splits: int | None = None
+    attention_num_warps: int | None = None
     qkv_wait: bool = False
     qkv_wait_max_batch: int = 1
     qkv_wait_block_n: int = 16
@@ -347,7 +350,7 @@ class DecodeOptions:
         if self.attention not in ("split", "fused", "fused_atomic"):
             raise ValueError("DecodeOptions.attention must be split|fused|fused_atomic, got "
                              f"{self.attention!r}")
-        for name in ("ring_splits", "qkv_split_k"):
+        for name in ("ring_splits", "qkv_split_k", "attention_num_warps"):
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"DecodeOptions.{name} must be a power of two >= 1, got "
@@ -616,6 +619,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         qkv_split = opts.qkv_split_k_at(b) if fold and not wait else 1
         pf = opts.prefetch_sites()
+        attn_warps = ({} if opts.attention_num_warps is None
+                      else dict(num_warps=opts.attention_num_warps))
         # RoPE's cos / sin: computed by the first sliding layer's attention kernel, loaded by
         # the others (SASS: the sincos were ~30% of a ring program's instructions)
         rope_cs = None
@@ -666,7 +671,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         prefetch=_weight_arrays(attn.o_proj) if "attn" in pf else (),
                         kv_prefetch="kv" in pf and sliding,
                         rope_cos_sin=rope_cs if sliding else None,
-                        return_cos_sin=first_rope, **atomic)
+                        return_cos_sin=first_rope, **atomic, **attn_warps)
                     o, kc, vc = res[:3]
                     if counter is not None:
                         counter = res[3]

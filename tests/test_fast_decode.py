@@ -126,6 +126,30 @@ def test_moe_topk_form_reaches_the_gate_up_kernel(form):
     assert all(("_topkw" in n) == want for n in gate_up), gate_up
 
 
+@pytest.mark.parametrize("warps", [None, 8])
+def test_attention_num_warps_reaches_the_attention_kernels(warps):
+    """`attention_num_warps`: the step's fused attention kernels (sliding and full layers,
+    lowered for an H200) run on that many warps per program (None: the kernel's 4); no other
+    kernel changes."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
+    mods = {}
+    for w in (None, warps):
+        step = fast_decode.make_decode_step(graphdef, cfg,
+                                            options=DecodeOptions(attention_num_warps=w))
+        mods[w] = {m["name"]: m["num_warps"] for m in triton_modules(
+            lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
+            jax.ShapeDtypeStruct((1,), jnp.int32))}
+    attn = {n for n in mods[warps] if n.startswith("flint_qk_norm")}
+    assert {n.split("_attn_")[1][:4] for n in attn} == {"ring", "full"}, sorted(attn)
+    assert all(mods[warps][n] == (warps or 4) for n in attn)
+    assert all(mods[warps][n] == mods[None][n] for n in mods[warps] if n not in attn)
+
+
 def test_moe_gate_up_split_k_default_is_two_at_batch_one():
     """The measured choice (runs 45-46): two K slices at batch 1, none above; 1 turns it off."""
     assert DecodeOptions().moe_gate_up_split_k_at(1) == 2
@@ -222,6 +246,7 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(moe_slot_rows="tokens"), "moe_slot_rows"),
     (dict(moe_shared_rows="tokens"), "moe_shared_rows"),
     (dict(moe_topk_form="heap"), "moe_topk_form"),
+    (dict(attention_num_warps=6), "attention_num_warps"),
     (dict(nvfp4_m1_method="rows"), "nvfp4_m1_method"),
     (dict(qkv_split_k=3), "qkv_split_k"),
     (dict(early_trigger="some"), "early_trigger"),

@@ -99,6 +99,18 @@ def test_ring(merge):
       window=513, merge=merge, stacked=True, vs_kernel=merge == "kernel")
 
 
+@pytest.mark.parametrize("num_warps", [2, 8, 16])
+def test_num_warps(num_warps):
+  """Other warp counts per program (``DecodeOptions.attention_num_warps``), on the step's
+  shapes: a layer-stacked 576-slot ring (B=2, one ring wrapped, cos / sin returned) and a
+  full cache (B=3, around position 512); compiled on a GPU, where the warps change the
+  layouts and reductions."""
+  run(2, 32, 4, 576, [300, 9000], ring=True, rope=True, window=513, stacked=True,
+      return_cos_sin=True, num_warps=num_warps)
+  run(3, 32, 4, 1024, [0, 511, 700], ring=False, rope=False, stacked=True,
+      num_warps=num_warps)
+
+
 @pytest.mark.parametrize("merge", ["kernel", "atomic"])
 def test_ring_kv_prefetch(merge):
   """kv_prefetch (each program first asks the L2 for its first K / V blocks) changes no result:

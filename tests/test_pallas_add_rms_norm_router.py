@@ -165,3 +165,50 @@ def test_reference_matches_add_rms_norm_reference_up_to_rounding():
   s_a, x_a = add_rms_norm_reference(h, a, w)
   np.testing.assert_array_equal(f32(s), f32(s_a))
   np.testing.assert_allclose(f32(x), f32(x_a), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("m,d,e,top_k,form,kw", [
+    (1, 2048, 256, 6, "warp", {}),            # Flint at batch 1: 64 programs
+    (1, 2048, 256, 6, "block", {}),
+    (3, 320, 40, 5, "warp", dict(block_e=16)),   # E not a power of two, a partial last block
+    (8, 256, 20, 6, "block", {}),
+    (2, 256, 24, 24, "warp", {}),             # top_k = E
+])
+def test_add_rms_norm_router_top_k(m, d, e, top_k, form, kw):
+  """With a counter, the last program's top-k (every warp alone / over all warps) equals
+  lax.top_k of the kernel's own logits, bit for bit, ties included (duplicated router rows give
+  exactly equal logits: lowest index first); s, x and logits equal the plain call's; the counter
+  entry returns to zero and the others are untouched."""
+  _, h, a, w, router = _inputs(m, d, e, "topk", form)
+  router = router.at[e - 1].set(router[1]).at[e // 2].set(router[1])   # three-way tie
+  counter = jnp.zeros((8,), jnp.int32).at[0].set(7)
+  s, x, logits, route, cnt = add_rms_norm_router(
+      h, a, w, router, counter, top_k=top_k, counter_base=3, topk_form=form,
+      interpret=INTERPRET, **kw)
+  s0, x0, l0 = add_rms_norm_router(h, a, w, router, interpret=INTERPRET, **kw)
+  for got, want in ((s, s0), (x, x0), (logits, l0)):
+    np.testing.assert_array_equal(f32(got), f32(want))
+  want_v, want_ids = jax.lax.top_k(logits, top_k)
+  assert route.ids.shape == (m, top_k) and route.ids.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(want_ids))
+  np.testing.assert_array_equal(f32(route.logits).view(np.uint32), f32(want_v).view(np.uint32))
+  assert (np.asarray(logits)[:, 1] == np.asarray(logits)[:, e - 1]).all()
+  np.testing.assert_array_equal(np.asarray(cnt), np.asarray(counter))
+  ref = add_rms_norm_router_reference(h, a, w, router, counter, top_k=top_k)
+  assert len(ref) == 5 and ref[3].ids.shape == (m, top_k)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(top_k=0), "1 <= top_k <= E"),
+    (dict(top_k=17), "1 <= top_k <= E"),
+    (dict(topk_form="heap"), "topk_form must be 'warp' or 'block'"),
+    (dict(counter_base=8), "counter must be int32"),
+    (dict(counter=jnp.zeros((8,), jnp.float32)), "counter must be int32"),
+])
+def test_add_rms_norm_router_top_k_bad_inputs(kw, msg):
+  h = jnp.zeros((2, 320), jnp.bfloat16)
+  w = jnp.ones((320,), jnp.bfloat16)
+  router = jnp.zeros((16, 320), jnp.float32)
+  counter = kw.pop("counter", jnp.zeros((8,), jnp.int32))
+  with pytest.raises(ValueError, match=msg):
+    add_rms_norm_router(h, h, w, router, counter, interpret=INTERPRET, **kw)

@@ -252,9 +252,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "pallas_shtok" / "pallas_shall" (`moe_shared_rows` "token": the shared expert per token on
     the M = 1 tiles, the NVFP4 default since run 102 / "all": its rows on one program per row
     block), "pallas_topkw" / "pallas_topkb" (`moe_topk_form` "warp" / "block": the batch-1 MoE
-    gate_up kernel's top-k by each warp alone / over all its warps), "pallas_nrtopkw" /
-    "pallas_nrtopkb" (`norm_router_topk`: the batch-1 top-k in the norm + router kernel's last
-    program, per warp / over its warps), "pallas_tokshtok" (per-token slots and shared expert: the NVFP4 batch > 1 MoE, for
+    gate_up kernel's top-k by each warp alone / over all its warps), "pallas_tokshtok" (per-token slots and shared expert: the NVFP4 batch > 1 MoE, for
     BF16 experts), "pallas_toknopre" / "pallas_toknopresf" (per-token slots with the routing in
     every gate_up program, no top-k kernel; and the shared expert's programs not first),
     "pallas_rtopk" / "pallas_notopk" (`router_topk` on / off: the MoE's top-k in the router
@@ -319,8 +317,6 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "shtok": DecodeOptions(moe_shared_rows="token"),
                "shall": DecodeOptions(moe_shared_rows="all"),
                "topkw": DecodeOptions(moe_topk_form="warp"),
-               "nrtopkw": DecodeOptions(norm_router_topk="warp"),
-               "nrtopkb": DecodeOptions(norm_router_topk="block"),
                "aw2": DecodeOptions(attention_num_warps=2),
                "aw8": DecodeOptions(attention_num_warps=8),
                "aw16": DecodeOptions(attention_num_warps=16),

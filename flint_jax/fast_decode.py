@@ -113,10 +113,6 @@ class DecodeOptions:
     moe_shared_first: the routed MoE kernels launch the shared expert's programs first
       (`moe_decode_routed(shared_first=True)`). None = the kernel's default: on with per-token
       slots at batch > 1.
-    norm_router_topk: (with `router_in_norm`, batch 1 by default) the MoE's top-k in the
-      `add_rms_norm_router` kernel's last program (a counter in the cache's counters), its
-      routing handed to the MoE kernels, so that no gate_up program selects experts itself:
-      "warp" (each warp of that program alone) or "block" (over its warps); None / "" = off.
     moe_topk_form: `moe_decode_routed`'s ``topk_form`` where its gate_up kernel selects the
       experts itself (batch 1 by default): "block" (the row spread over all warps, a CTA barrier
       in each of the 12 reductions) or "warp" (each warp selects alone, shuffles only). None =
@@ -250,7 +246,6 @@ class DecodeOptions:
     moe_shared_first: bool | None = None
     moe_shared_rows: str | None = None
     moe_topk_form: str | None = None
-    norm_router_topk: str | None = None
     nvfp4_rows: bool = False
     nvfp4_qkv_method: str | None = None
     nvfp4_m1_method: str | None = None
@@ -363,9 +358,6 @@ class DecodeOptions:
         if self.moe_shared_rows not in (None, "all", "token"):
             raise ValueError("DecodeOptions.moe_shared_rows must be None|'all'|'token', got "
                              f"{self.moe_shared_rows!r}")
-        if self.norm_router_topk not in (None, "", "block", "warp"):
-            raise ValueError("DecodeOptions.norm_router_topk must be None|'block'|'warp', got "
-                             f"{self.norm_router_topk!r}")
         if self.moe_topk_form not in (None, "block", "warp"):
             raise ValueError("DecodeOptions.moe_topk_form must be None|'block'|'warp', got "
                              f"{self.moe_topk_form!r}")
@@ -695,27 +687,20 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                             sum_splits=False, bf16_pallas=opts.bf16_o_proj_pallas_at(b))
                 mlp = layer.mlp
                 post_ln = layer.post_attention_layernorm.weight[...]
-                router_logits = route = None
+                router_logits = None
                 if router_in_norm:
                     shared = mlp.shared_expert
-                    # norm_router_topk: the top-k in the kernel's last program, handed to
-                    # the MoE kernels as their routing
-                    topk_kw = (dict(counter=counters, top_k=top_k,
-                                    counter_base=ROUTER_TOPK_COUNTER,
-                                    topk_form=opts.norm_router_topk)
-                               if opts.norm_router_topk else {})
-                    h, x, router_logits, *routed = add_rms_norm_router(
+                    h, x, router_logits = add_rms_norm_router(
                         h, a, post_ln, mlp.gate.weight[...], eps=eps, interpret=interpret,
                         prefetch=(_weight_arrays(shared.gate_proj, shared.up_proj)
-                                  if "router" in pf else ()), **topk_kw)
-                    if routed:
-                        route, counters = routed
+                                  if "router" in pf else ()))
                 else:
                     h, x = add_rms_norm(h, a, post_ln, eps=eps, interpret=interpret)
                 nxt = layers[i + 1].input_layernorm.weight[...] if not last else m.model.norm.weight[...]
                 # the MoE down kernel fetches the next layer's q|k|v weights into the L2
                 down_pf = (dict(down_prefetch=_weight_arrays(*_qkv_lins(layers[i + 1])))
                            if "down" in pf and not last else {})
+                route = None
                 if cfg.is_moe(i) and router_logits is None and opts.moe == "routed":
                     router_logits, route, counters = _route(
                         x, mlp, cfg, opts.router_pallas_at(b), router_topk, counters, interpret)

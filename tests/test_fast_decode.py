@@ -246,7 +246,6 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(moe_slot_rows="tokens"), "moe_slot_rows"),
     (dict(moe_shared_rows="tokens"), "moe_shared_rows"),
     (dict(moe_topk_form="heap"), "moe_topk_form"),
-    (dict(norm_router_topk="heap"), "norm_router_topk"),
     (dict(attention_num_warps=6), "attention_num_warps"),
     (dict(nvfp4_m1_method="rows"), "nvfp4_m1_method"),
     (dict(qkv_split_k=3), "qkv_split_k"),
@@ -382,54 +381,6 @@ def test_router_topk_counter_stays_zero_between_steps():
         l2, c2 = plain(state, c2, tokens)
         assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
         np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
-
-
-@pytest.mark.parametrize("fmt,form", [("nvfp4", "warp"), ("bf16", "block")])
-def test_norm_router_topk_batch_one(fmt, form):
-    """`norm_router_topk`: at batch 1 the norm + router kernel's last program selects the
-    experts. Every step hands the counters back as zeros, and its logits equal the default
-    step's bit for bit (same routing, same kernels otherwise)."""
-    import jax
-    import jax.numpy as jnp
-    from flint_jax.cache import init_cache
-    cfg = small_cfg()
-    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=fmt == "nvfp4", rngs=nnx.Rngs(8)))
-    fused = jax.jit(fast_decode.make_decode_step(
-        graphdef, cfg, interpret=True, options=DecodeOptions(norm_router_topk=form)))
-    plain = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True))
-    c1 = c2 = init_cache(cfg, 1, 64)
-    for t in (5, 17, 3):
-        tokens = jnp.array([t], jnp.int32)
-        l1, c1 = fused(state, c1, tokens)
-        l2, c2 = plain(state, c2, tokens)
-        assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
-        np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
-
-
-def test_norm_router_topk_kernels():
-    """The NVFP4 batch-1 step lowered for an H200: with `norm_router_topk` the norm + router
-    kernel carries the top-k and the MoE gate_up kernel no longer selects (2 * top_k fewer
-    reductions in its Triton IR); by default the gate_up kernel selects."""
-    import jax
-    import jax.numpy as jnp
-    from flint_jax.cache import cache_shapes
-    from flint_jax.pallas.testing import triton_modules
-    cfg = flint_jax.preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
-    k = cfg.num_experts_per_tok
-    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
-    found = {}
-    for form in ("warp", None):
-        step = fast_decode.make_decode_step(graphdef, cfg,
-                                            options=DecodeOptions(norm_router_topk=form))
-        mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
-                              jax.ShapeDtypeStruct((1,), jnp.int32))
-        names = [m["name"] for m in mods]
-        router = [n for n in names if n.startswith("flint_add_rms_norm_router")]
-        assert len(router) == 1, names
-        assert router[0].endswith(f"_top{k}w") == (form == "warp"), router
-        (gate_up,) = [m["asm"] for m in mods if "moe_gate_up" in m["name"]]
-        found[form] = gate_up.count('"tt.reduce"')
-    assert found["warp"] == found[None] - 2 * k, found
 
 
 @pytest.mark.parametrize("fmt,rows", [("bf16", 1), ("nvfp4", 1), ("bf16", 2)])

@@ -70,14 +70,8 @@ MAX_ROWS = 16
 _TILE_ELEMS = 8192   # default block_e * block_d: 64 fp32 registers per thread with 4 warps
 
 
-def _kernel(h_ref, a_ref, wn_ref, rw_ref, *refs, m, d, dp, n_exp, block_e, block_d, eps,
-            top_k=None, base=0, topk_form="warp", num_warps=4, interpret=False):
-  """refs: (s, x, logits) outputs; with ``top_k``: (counter in, s, x, logits, ids, top logits,
-  counter out), and the last program to finish selects every row's top-k (``_route_rows``)."""
-  if top_k is None:
-    s_ref, x_ref, l_ref = refs
-  else:
-    _, s_ref, x_ref, l_ref, ids_ref, top_ref, cnt_ref = refs
+def _kernel(h_ref, a_ref, wn_ref, rw_ref, s_ref, x_ref, l_ref, *, m, d, dp, n_exp, block_e,
+            block_d, eps):
   pid = pl.program_id(0)
   cols = jnp.arange(dp, dtype=jnp.int32)
   cmask = cols < d
@@ -129,39 +123,6 @@ def _kernel(h_ref, a_ref, wn_ref, rw_ref, *refs, m, d, dp, n_exp, block_e, block
     return carry
 
   lax.fori_loop(0, m, row, 0)
-  if top_k is None:
-    return
-  if not interpret:   # every thread's stores precede the atomic (no CPU lowering)
-    plgpu.debug_barrier()
-  old = plgpu.atomic_add(cnt_ref, (jnp.int32(base),), jnp.int32(1))
-
-  @pl.when(old == pl.num_programs(0) - 1)
-  def _():
-    plgpu.store(cnt_ref.at[jnp.int32(base)], jnp.int32(0))
-    _route_rows(l_ref, ids_ref, top_ref, m=m, top_k=top_k, n_exp=n_exp, topk_form=topk_form,
-                num_warps=num_warps)
-
-
-def _route_rows(l_ref, ids_ref, top_ref, *, m, top_k, n_exp, topk_form, num_warps):
-  """ids / top [M, top_k] from the logits l_ref [M, E] the other programs just wrote (volatile
-  loads), one row at a time: "warp" = ``moe._topk_logits_per_warp`` with one replica per warp
-  (shuffles only), "block" = ``moe._topk_logits`` (the row over all warps)."""
-  ep = C.next_pow2(n_exp)
-
-  def row(t, carry):
-    if topk_form == "warp":
-      sel = MOE._topk_logits_per_warp(l_ref, t, top_k, n_exp, ep, num_warps, volatile=True)
-      for j, (idx, mx) in enumerate(sel):   # every replica equal; 2 * top_k independent
-        ids_ref[t, j] = jnp.min(idx)            # cross-warp reductions take them out
-        top_ref[t, j] = jnp.max(mx)
-    else:
-      for j, (idx, mx) in enumerate(MOE._topk_logits(l_ref, t, top_k, n_exp, ep,
-                                                     volatile=True)):
-        ids_ref[t, j] = idx
-        top_ref[t, j] = mx
-    return carry
-
-  lax.fori_loop(0, m, row, 0)
 
 
 def _check(h, a, w_norm, router_w):
@@ -190,12 +151,10 @@ def _tuning(d, n_exp, block_e, block_d, num_warps):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_e", "block_d", "num_warps",
-                                             "top_k", "counter_base", "topk_form", "interpret"))
-def add_rms_norm_router(h, a, w_norm, router_w, counter=None, *, eps: float = 1e-6,
-                        block_e: int | None = None, block_d: int | None = None,
-                        num_warps: int | None = None, prefetch=(), top_k: int = 6,
-                        counter_base: int = 0, topk_form: str = "warp",
-                        interpret: bool = False):
+                                             "interpret"))
+def add_rms_norm_router(h, a, w_norm, router_w, *, eps: float = 1e-6, block_e: int | None = None,
+                        block_d: int | None = None, num_warps: int | None = None,
+                        prefetch=(), interpret: bool = False):
   """(s, x, logits) = (bf16(h + a), RMSNorm(s) * w_norm, f32(x) . f32(router_w)^T); one launch.
 
   h [M, D] (M <= 16), a [M, D] (h's dtype) or fp32 split-K partials [S, M, D] (summed in the
@@ -204,62 +163,29 @@ def add_rms_norm_router(h, a, w_norm, router_w, counter=None, *, eps: float = 1e
   (power of two dividing next_pow2(D); default 8192 / block_e), ``num_warps`` (default
   ``add_rms_norm``'s, which keeps its row reduction order). ``prefetch``: arrays (a later
   kernel's weights) the programs ask the L2 to fetch while they work (``_common.pallas_call``).
-
-  With ``counter`` (int32 [> counter_base], entry ``counter_base`` zero on entry) the kernel also
-  runs the MoE's top-k, as ``router.router_logits_topk`` does: every program counts itself done
-  on that entry (CTA barrier, then an atomic add), and the last one loads the logits back
-  (volatile) and selects each row's ``top_k`` experts (``topk_form`` "warp": every warp alone,
-  ``moe._topk_logits_per_warp``, or "block": ``moe._topk_logits``), then zeroes the entry.
-  Returns ``(s, x, logits, MoERoute(ids [M, top_k] int32, top logits [M, top_k] f32),
-  counter)``, the route equal to ``moe.moe_topk_route(logits)`` (ties: lowest index first): what
-  ``moe_decode_routed(route=)`` takes instead of selecting in every gate_up program.
   """
   _check(h, a, w_norm, router_w)
   m, d = h.shape
   n_exp = router_w.shape[0]
   dp, block_e, block_d, num_warps = _tuning(d, n_exp, block_e, block_d, num_warps)
-  routed = counter is not None
-  if routed:
-    C.check(1 <= top_k <= n_exp, f"need 1 <= top_k <= E, got {top_k=} E={n_exp}")
-    C.check(topk_form in ("warp", "block"),
-            f"topk_form must be 'warp' or 'block', got {topk_form!r}")
-    C.check(counter.ndim == 1 and counter.dtype == jnp.int32
-            and 0 <= counter_base < counter.shape[0],
-            f"counter must be int32 [> counter_base={counter_base}], got {counter.shape=} "
-            f"{counter.dtype=}")
   kernel = functools.partial(_kernel, m=m, d=d, dp=dp, n_exp=n_exp, block_e=block_e,
-                             block_d=block_d, eps=eps, top_k=top_k if routed else None,
-                             base=counter_base, topk_form=topk_form, num_warps=num_warps,
-                             interpret=interpret)
-  out_shape = [jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype),
-               jax.ShapeDtypeStruct((m, n_exp), jnp.float32)]
-  args = [h, a, w_norm, router_w]
-  if routed:   # the counter: an input aliased to the last output
-    out_shape += [jax.ShapeDtypeStruct((m, top_k), jnp.int32),
-                  jax.ShapeDtypeStruct((m, top_k), jnp.float32),
-                  jax.ShapeDtypeStruct(counter.shape, jnp.int32)]
-    args.append(counter)
+                             block_d=block_d, eps=eps)
+  out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype),
+               jax.ShapeDtypeStruct((m, n_exp), jnp.float32))
   parts = f"_splits{a.shape[0]}" if a.ndim == 3 else ""
   prefetch = tuple(prefetch)
-  res = C.pallas_call(
-      kernel, out_shape=tuple(out_shape), grid=(C.cdiv(n_exp, block_e),),
-      input_output_aliases={4: 5} if routed else {},
+  return C.pallas_call(
+      kernel, out_shape=out_shape, grid=(C.cdiv(n_exp, block_e),),
       compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,
       prefetch=len(prefetch),
       name=(f"flint_add_rms_norm_router{parts}_d{d}_e{n_exp}_be{block_e}_bd{block_d}"
-            f"{'_pf' if prefetch else ''}"
-            f"{f'_top{top_k}{topk_form[0]}' if routed else ''}"),
-  )(*args, *prefetch)
-  if not routed:
-    return res
-  s_out, x_out, logits, ids, top, counter = res
-  return s_out, x_out, logits, MOE.MoERoute(ids, top), counter
+            f"{'_pf' if prefetch else ''}"),
+  )(h, a, w_norm, router_w, *prefetch)
 
 
-def add_rms_norm_router_reference(h, a, w_norm, router_w, counter=None, *, eps: float = 1e-6,
-                                  top_k: int = 6, **unused_tuning):
-  """Plain jnp: ``add_rms_norm_reference``'s formula, then ``moe_router_logits`` of the rounded x
-  (with ``counter``: also ``moe_topk_route`` of the logits, and the counter unchanged).
+def add_rms_norm_router_reference(h, a, w_norm, router_w, *, eps: float = 1e-6,
+                                  **unused_tuning):
+  """Plain jnp: ``add_rms_norm_reference``'s formula, then ``moe_router_logits`` of the rounded x.
 
   The two roundings (s and x to h.dtype) are forced with ``lax.reduce_precision``: under jit, XLA
   (``xla_allow_excess_precision``, on by default) may otherwise drop a bf16 round trip
@@ -270,10 +196,7 @@ def add_rms_norm_router_reference(h, a, w_norm, router_w, counter=None, *, eps: 
   del unused_tuning
   if a.ndim == 3:
     ARN.check_parts(h, a)
-  s, x, logits = _add_rms_norm_router_reference(h, a, w_norm, router_w, eps=eps)
-  if counter is None:
-    return s, x, logits
-  return s, x, logits, MOE.moe_topk_route(logits, top_k=top_k), counter
+  return _add_rms_norm_router_reference(h, a, w_norm, router_w, eps=eps)
 
 
 @functools.partial(jax.jit, static_argnames=("eps",))

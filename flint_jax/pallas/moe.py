@@ -227,19 +227,17 @@ def _weight_args(fmt, w, name):
 # Kernels
 
 
-def _topk_logits(l_ref, t, top_k, n_exp, ep, volatile=False):
+def _topk_logits(l_ref, t, top_k, n_exp, ep):
   """In-kernel top-k of row t of the router logits l_ref [M, E] f32 (E padded to ep = next_pow2
   by a masked load): [(id, logit)] * top_k in ``lax.top_k`` order (descending, lowest index first
   among equal values), by repeated max + masked argmin-of-index (Triton has no top_k / sort).
   Sigmoid is monotonic, so these are the experts of the top-k sigmoid scores. A NaN logit is never
-  selected except as a clamped id (routing on NaN logits is unspecified, reads stay in bounds).
-  ``volatile``: load the row with volatile loads (it was written by other programs of the same
-  kernel)."""
+  selected except as a clamped id (routing on NaN logits is unspecified, reads stay in bounds)."""
   cols = jnp.arange(ep, dtype=jnp.int32)
-  if ep == n_exp and not volatile:
+  if ep == n_exp:
     lg = l_ref[t, pl.ds(0, ep)]
   else:
-    lg = plgpu.load(l_ref.at[t, cols], mask=cols < n_exp, other=-jnp.inf, volatile=volatile)
+    lg = plgpu.load(l_ref.at[t, cols], mask=cols < n_exp, other=-jnp.inf)
   return list(topk_select(lg, cols, cols >= n_exp, top_k, n_exp))
 
 
@@ -260,24 +258,23 @@ def topk_select(lg, cols, taken, top_k, n_exp):
     yield idx, mx
 
 
-def _topk_logits_per_warp(l_ref, t, top_k, n_exp, ep, replicas, volatile=False):
+def _topk_logits_per_warp(l_ref, t, top_k, n_exp, ep, replicas):
   """``_topk_logits``'s selection (same rounds, same ids, same ties) with no barrier inside:
   row t of l_ref [M, E] f32 is loaded ``replicas`` times (the kernel's warp count) as
   ceil(ep / 128) chunks ``[replicas, 128]``, a shape Triton lays out one replica per warp (128
   f32 = 4 per lane), so every max / argmin of a round is a warp shuffle tree and each warp
   computes the whole top-k by itself (the block form spreads the 256 logits over all warps:
   a shared-memory exchange and a CTA barrier in each of its 2 * top_k reductions). Returns
-  [(ids [replicas] int32, logits [replicas] f32)] * top_k, every replica equal. ``volatile``:
-  as ``_topk_logits``."""
+  [(ids [replicas] int32, logits [replicas] f32)] * top_k, every replica equal."""
   width = min(ep, 128)
   c = lax.broadcasted_iota(jnp.int32, (replicas, width), 1)
   chunks = []
   for h in range(ep // width):
     cols = c + h * width
     if (h + 1) * width <= n_exp:
-      lg = plgpu.load(l_ref.at[t, cols], volatile=volatile)
+      lg = plgpu.load(l_ref.at[t, cols])
     else:
-      lg = plgpu.load(l_ref.at[t, cols], mask=cols < n_exp, other=-jnp.inf, volatile=volatile)
+      lg = plgpu.load(l_ref.at[t, cols], mask=cols < n_exp, other=-jnp.inf)
     chunks.append((cols, lg, cols >= n_exp))
   out = []
   for _ in range(top_k):

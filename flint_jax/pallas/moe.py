@@ -322,10 +322,10 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   (``prerouted``) slot u's expert is ``route_ids_in[u // top_k, u % top_k]`` instead (no top-k,
   nothing stored); ``topk_replicas`` > 0: that top-k run by every warp alone (``_slot_route``,
   ``topk_form="warp"``). shared_first: the shared expert's programs take the first program ids
-  (they are launched first, so their longer work does not trail the routed slots').
-  shared_token (with token_method): the shared expert as M one-token parts too, one program
-  per (token, row block) on the ``token_method`` tile writing hs [M, 1, I_s] row t; otherwise
-  one program per row block for all M rows (``method``).
+  (they are launched first, so their longer work does not trail the routed slots'). shared_token (with
+  token_method): the shared expert as M one-token parts too, one program per (token, row
+  block) on the ``token_method`` tile writing hs [M, 1, I_s] row t; otherwise one program per
+  row block for all M rows (``method``).
   token_method (routed only): slot u multiplies only its own token t = u // top_k (x row t, the
   tile method ``token_method`` at M = 1) and writes h [U, 1, I]; otherwise all M rows.
   split_k > 1 (bf16): grid axis 1 is the K slice s; the program writes fp32 partial g and u

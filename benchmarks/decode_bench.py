@@ -251,8 +251,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     `moe_shared_first`), "pallas_nopresf" (both off: the batch 2-4 default before run 100),
     "pallas_shtok" / "pallas_shall" (`moe_shared_rows` "token": the shared expert per token on
     the M = 1 tiles, the NVFP4 default since run 102 / "all": its rows on one program per row
-    block), "pallas_topkw" / "pallas_topkb" (`moe_topk_form` "warp" / "block": the batch-1 MoE
-    gate_up kernel's top-k by each warp alone / over all its warps), "pallas_tokshtok" (per-token slots and shared expert: the NVFP4 batch > 1 MoE, for
+    block), "pallas_tokshtok" (per-token slots and shared expert: the NVFP4 batch > 1 MoE, for
     BF16 experts), "pallas_toknopre" / "pallas_toknopresf" (per-token slots with the routing in
     every gate_up program, no top-k kernel; and the shared expert's programs not first),
     "pallas_rtopk" / "pallas_notopk" (`router_topk` on / off: the MoE's top-k in the router
@@ -316,11 +315,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "nopresf": DecodeOptions(moe_prerouted=False, moe_shared_first=False),
                "shtok": DecodeOptions(moe_shared_rows="token"),
                "shall": DecodeOptions(moe_shared_rows="all"),
-               "topkw": DecodeOptions(moe_topk_form="warp"),
                "aw2": DecodeOptions(attention_num_warps=2),
                "aw8": DecodeOptions(attention_num_warps=8),
                "aw16": DecodeOptions(attention_num_warps=16),
-               "topkb": DecodeOptions(moe_topk_form="block"),
                "tokshtok": DecodeOptions(moe_slot_rows="token", moe_shared_rows="token"),
                "toknopre": DecodeOptions(moe_slot_rows="token", moe_prerouted=False),
                "toknopresf": DecodeOptions(moe_slot_rows="token", moe_prerouted=False,

@@ -113,10 +113,6 @@ class DecodeOptions:
     moe_shared_first: the routed MoE kernels launch the shared expert's programs first
       (`moe_decode_routed(shared_first=True)`). None = the kernel's default: on with per-token
       slots at batch > 1.
-    moe_topk_form: `moe_decode_routed`'s ``topk_form`` where its gate_up kernel selects the
-      experts itself (batch 1 by default): "block" (the row spread over all warps, a CTA barrier
-      in each of the 12 reductions) or "warp" (each warp selects alone, shuffles only). None =
-      the kernel's default (`moe.DEFAULT_TOPK_FORM`).
     moe_shared_rows: `moe_decode_routed`'s ``shared_rows`` at batch > 1 with per-token slots:
       "token" runs the shared expert as one program per (token, row block) on the M = 1 tiles
       too; "all": one program per row block for all rows. None = the kernel's default
@@ -245,7 +241,6 @@ class DecodeOptions:
     moe_prerouted: bool | None = None
     moe_shared_first: bool | None = None
     moe_shared_rows: str | None = None
-    moe_topk_form: str | None = None
     nvfp4_rows: bool = False
     nvfp4_qkv_method: str | None = None
     nvfp4_m1_method: str | None = None
@@ -358,9 +353,6 @@ class DecodeOptions:
         if self.moe_shared_rows not in (None, "all", "token"):
             raise ValueError("DecodeOptions.moe_shared_rows must be None|'all'|'token', got "
                              f"{self.moe_shared_rows!r}")
-        if self.moe_topk_form not in (None, "block", "warp"):
-            raise ValueError("DecodeOptions.moe_topk_form must be None|'block'|'warp', got "
-                             f"{self.moe_topk_form!r}")
         if self.moe_slot_rows not in (None, "all", "token"):
             raise ValueError("DecodeOptions.moe_slot_rows must be None|'all'|'token', got "
                              f"{self.moe_slot_rows!r}")
@@ -595,8 +587,6 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                       down_shared_cols=opts.moe_down_shared_cols,
                       shared_rows=opts.moe_shared_rows if b > 1 else None,
                       prerouted=opts.moe_prerouted, shared_first=opts.moe_shared_first)
-        if opts.moe_topk_form:
-            moe_kw["topk_form"] = opts.moe_topk_form
         moe_quant = any(cfg.is_moe(i) and lay.mlp.experts.quant for i, lay in enumerate(layers))
         if b == 1 and moe_quant and opts.nvfp4_m1_method:
             moe_kw["method"] = opts.nvfp4_m1_method

@@ -97,35 +97,6 @@ def test_default_step_batch_one_nvfp4_equals_xla():
     assert_generate_equal("nvfp4", 9, DecodeOptions(), [list(range(30, 100))], 5)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
-def test_moe_topk_form_warp_batch_one_equals_xla(fmt):
-    """One row with the MoE gate_up kernel's top-k run by each warp alone (`moe_topk_form`
-    "warp"; at batch 1 the gate_up kernel selects the experts itself)."""
-    assert_generate_equal(fmt, 11, DecodeOptions(moe_topk_form="warp"),
-                          [list(range(25, 95))], 5)
-
-
-@pytest.mark.parametrize("form", ["warp", "block", None])
-def test_moe_topk_form_reaches_the_gate_up_kernel(form):
-    """The batch-1 NVFP4 step lowered for an H200: its MoE gate_up kernels select the experts
-    with the form asked for (None: `moe.DEFAULT_TOPK_FORM`); the kernel's name says which."""
-    import jax
-    import jax.numpy as jnp
-    from flint_jax.cache import cache_shapes
-    from flint_jax.pallas import moe
-    from flint_jax.pallas.testing import triton_modules
-    cfg = flint_jax.preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
-    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
-    step = fast_decode.make_decode_step(graphdef, cfg,
-                                        options=DecodeOptions(moe_topk_form=form))
-    mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
-                          jax.ShapeDtypeStruct((1,), jnp.int32))
-    gate_up = [m["name"] for m in mods if "moe_gate_up" in m["name"]]
-    assert gate_up, [m["name"] for m in mods]
-    want = (form or moe.DEFAULT_TOPK_FORM) == "warp"
-    assert all(("_topkw" in n) == want for n in gate_up), gate_up
-
-
 @pytest.mark.parametrize("warps", [None, 8])
 def test_attention_num_warps_reaches_the_attention_kernels(warps):
     """`attention_num_warps`: the step's fused attention kernels (sliding and full layers,
@@ -245,7 +216,6 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(ring_splits=0), "power of two"),
     (dict(moe_slot_rows="tokens"), "moe_slot_rows"),
     (dict(moe_shared_rows="tokens"), "moe_shared_rows"),
-    (dict(moe_topk_form="heap"), "moe_topk_form"),
     (dict(attention_num_warps=6), "attention_num_warps"),
     (dict(nvfp4_m1_method="rows"), "nvfp4_m1_method"),
     (dict(qkv_split_k=3), "qkv_split_k"),

@@ -132,40 +132,6 @@ def test_topk_logits_matches_lax_top_k(m, e, top_k, ties):
   np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_sig))
 
 
-def _topk_per_warp_kernel(l_ref, ids_ref, vals_ref, *, top_k, n_exp, ep, replicas):
-  t = pl.program_id(0)
-  for j, (idx, v) in enumerate(
-      moe_mod._topk_logits_per_warp(l_ref, t, top_k, n_exp, ep, replicas)):
-    ids_ref[t, :, j] = idx
-    vals_ref[t, :, j] = v
-
-
-@pytest.mark.parametrize("m,e,top_k,ties,replicas", [
-    (1, 256, 6, False, 16), (2, 256, 6, True, 16),   # the gate_up's: two 128-wide chunks
-    (3, 200, 6, True, 4),      # E not a power of two: the second chunk masked
-    (5, 20, 5, True, 8),       # E < 128: one chunk of next_pow2(E)
-    (8, 384, 6, False, 2),     # four chunks, the last one all padding
-    (1, 16, 16, False, 1),     # top_k = E
-    (2, 20, 20, True, 4)])     # top_k = E past the -inf entries: padding never selected
-def test_topk_logits_per_warp_matches_lax_top_k(m, e, top_k, ties, replicas):
-  """The per-warp top-k (topk_form="warp"): every replica's ids (and order) and logits ==
-  lax.top_k's, lowest index first among equal logits, -inf entries included."""
-  gen = rng("topk-warp", m, e, top_k, ties)
-  lg = tie_logits(gen, m, e) if ties else randn(gen, (m, e), jnp.float32, 2.0)
-  kern = functools.partial(_topk_per_warp_kernel, top_k=top_k, n_exp=e, ep=C.next_pow2(e),
-                           replicas=replicas)
-  # one replica per warp, as in the gate_up kernel (compiled on a GPU)
-  ids, vals = pl.pallas_call(
-      kern, grid=(m,), interpret=INTERPRET, compiler_params=C.compiler_params(replicas, 1),
-      out_shape=(jax.ShapeDtypeStruct((m, replicas, top_k), jnp.int32),
-                 jax.ShapeDtypeStruct((m, replicas, top_k), jnp.float32)))(lg)
-  want_v, want_ids = jax.lax.top_k(lg, top_k)
-  for r in range(replicas):
-    np.testing.assert_array_equal(np.asarray(ids[:, r]), np.asarray(want_ids))
-    np.testing.assert_array_equal(np.asarray(vals[:, r]).view(np.uint32),
-                                  np.asarray(want_v).view(np.uint32))
-
-
 def _routed_case(fmt, m, e, top_k, d, inter, inter_s, ties, *params):
   gen = rng("routed", fmt, m, e, top_k, d, inter, inter_s, ties, *params)
   experts, shared = random_moe_weights(fmt, e, d, inter, inter_s, gen)
@@ -483,27 +449,6 @@ def test_moe_decode_routed_rejects_bad_token_method():
                       token_method="rows", interpret=True)
 
 
-def test_moe_decode_routed_rejects_bad_topk_form():
-  _, experts, shared, x, _, logits = _routed_case("bf16", 1, 16, 4, 128, 64, 64, False)
-  with pytest.raises(ValueError, match="topk_form must be 'block' or 'warp', got 'heap'"):
-    moe_decode_routed(x, logits, experts, shared, top_k=4, topk_form="heap",
-                      interpret=INTERPRET)
-
-
-def test_moe_decode_routed_topk_form_lowers_for_h200():
-  """At Flint sizes (batch 1, NVFP4): the gate_up kernel with the per-warp top-k lowers for an
-  H200, and the form reaches the kernel (its name says so; the default's does not)."""
-  s = jax.ShapeDtypeStruct
-  experts, shared = random_moe_weights("nvfp4", 256, 2048, 512, 1024, np.random.default_rng(0))
-  abstract = lambda t: jax.tree.map(lambda a: s(a.shape, a.dtype), t)  # noqa: E731
-  args = (s((1, 2048), jnp.bfloat16), s((1, 256), jnp.float32), abstract(experts),
-          abstract(shared))
-  warp = lower_for_h200(functools.partial(moe_decode_routed, top_k=6, topk_form="warp"),
-                        *args).as_text()
-  block = lower_for_h200(functools.partial(moe_decode_routed, top_k=6), *args).as_text()
-  assert "_topkw" in warp and "_topkw" not in block
-
-
 def test_moe_decode_routed_rejects_bad_slot_rows():
   _, experts, shared, x, _, logits = _routed_case("bf16", 2, 16, 2, 128, 64, 64, False, "bad")
   with pytest.raises(ValueError, match="slot_rows"):
@@ -524,11 +469,9 @@ def assert_route_is_top_k(route, logits, top_k):
                                 np.asarray(want_v).view(np.uint32))
 
 
-@pytest.mark.parametrize("fmt,m,e,top_k,topk_form", [
-    ("bf16", 5, 16, 6, None), ("nvfp4", 2, 256, 6, None), ("bf16", 8, 20, 5, None),
-    ("bf16", 1, 256, 6, None), ("nvfp4", 1, 256, 6, "warp"), ("bf16", 3, 200, 5, "warp"),
-    ("nvfp4", 2, 20, 6, "block")])
-def test_moe_decode_routed_route_ties(fmt, m, e, top_k, topk_form):
+@pytest.mark.parametrize("fmt,m,e,top_k", [("bf16", 5, 16, 6), ("nvfp4", 2, 256, 6),
+                                           ("bf16", 8, 20, 5), ("bf16", 1, 256, 6)])
+def test_moe_decode_routed_route_ties(fmt, m, e, top_k):
   """The stored routing on tied logits (a 3-level set, an all-equal row, -inf entries; E up to
   256): ids == lax.top_k's (lowest index first), the all-equal row routes to experts 0..k-1,
   and the combine weights from the stored logits equal moe_route_from_logits'."""
@@ -536,9 +479,7 @@ def test_moe_decode_routed_route_ties(fmt, m, e, top_k, topk_form):
   experts, shared = random_moe_weights(fmt, e, 128, 64, 64, gen)
   x = randn(gen, (m, 128))
   logits = tie_logits(gen, m, e)
-  # (topk_form reaches the gate_up kernel where it computes the top-k: without prerouted)
   y, route = moe_decode_routed(x, logits, experts, shared, top_k=top_k, decode=DECODE,
-                               topk_form=topk_form, prerouted=False if topk_form else None,
                                interpret=INTERPRET)
   assert_route_is_top_k(route, logits, top_k)
   np.testing.assert_array_equal(np.asarray(route.ids)[0], np.arange(top_k))

@@ -258,71 +258,29 @@ def topk_select(lg, cols, taken, top_k, n_exp):
     yield idx, mx
 
 
-def _topk_logits_per_warp(l_ref, t, top_k, n_exp, ep, replicas):
-  """``_topk_logits``'s selection (same rounds, same ids, same ties) with no barrier inside:
-  row t of l_ref [M, E] f32 is loaded ``replicas`` times (the kernel's warp count) as
-  ceil(ep / 128) chunks ``[replicas, 128]``, a shape Triton lays out one replica per warp (128
-  f32 = 4 per lane), so every max / argmin of a round is a warp shuffle tree and each warp
-  computes the whole top-k by itself (the block form spreads the 256 logits over all warps:
-  a shared-memory exchange and a CTA barrier in each of its 2 * top_k reductions). Returns
-  [(ids [replicas] int32, logits [replicas] f32)] * top_k, every replica equal."""
-  width = min(ep, 128)
-  c = lax.broadcasted_iota(jnp.int32, (replicas, width), 1)
-  chunks = []
-  for h in range(ep // width):
-    cols = c + h * width
-    if (h + 1) * width <= n_exp:
-      lg = plgpu.load(l_ref.at[t, cols])
-    else:
-      lg = plgpu.load(l_ref.at[t, cols], mask=cols < n_exp, other=-jnp.inf)
-    chunks.append((cols, lg, cols >= n_exp))
-  out = []
-  for _ in range(top_k):
-    vs = [jnp.where(taken, -jnp.inf, lg) for _, lg, taken in chunks]
-    mx = functools.reduce(jnp.maximum, [jnp.max(v, axis=1) for v in vs])          # [replicas]
-    idx = functools.reduce(jnp.minimum, [
-        jnp.min(jnp.where((v == mx[:, None]) & jnp.logical_not(taken), cols, ep), axis=1)
-        for v, (cols, _, taken) in zip(vs, chunks)])
-    idx = jnp.minimum(idx, n_exp - 1)
-    chunks = [(cols, lg, taken | (cols == idx[:, None])) for cols, lg, taken in chunks]
-    out.append((idx, mx))
-  return out
-
-
-def _slot_route(l_ref, u, route, replicas=0):
+def _slot_route(l_ref, u, route):
   """(expert id, its logit) of slot u = t * top_k + rank from the logits l_ref [M, E]
-  (route = (top_k, n_exp, ep)): token t's rank-th ``_topk_logits`` pair. ``replicas`` > 0:
-  by ``_topk_logits_per_warp`` with that many replicas (the kernel's warp count): the slot's id
-  leaves the warps through one cross-warp min, and its logit is loaded from l_ref (the same
-  fp32 value; only the routing store uses it)."""
+  (route = (top_k, n_exp, ep)): token t's rank-th ``_topk_logits`` pair."""
   top_k, n_exp, ep = route
-  t, rank = u // top_k, u % top_k
-  if replicas:
-    sel = _topk_logits_per_warp(l_ref, t, top_k, n_exp, ep, replicas)
-  else:
-    sel = _topk_logits(l_ref, t, top_k, n_exp, ep)
+  sel = _topk_logits(l_ref, u // top_k, top_k, n_exp, ep)
+  rank = u % top_k
   e, lg = sel[0]
   for it in range(1, top_k):
     e = jnp.where(rank == it, sel[it][0], e)
     lg = jnp.where(rank == it, sel[it][1], lg)
-  if replicas:
-    e = jnp.min(e)
-    lg = l_ref[t, e]
   return e, lg
 
 
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
                     decode, layout, method, route=None, token_method=None, split_k=1,
-                    finish=False, shared_first=False, shared_token=False, topk_replicas=0,
-                    interpret=False):
+                    finish=False, shared_first=False, shared_token=False, interpret=False):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
   ``route_ids`` / ``route_logits`` [u // top_k, u % top_k]; with a ``route_ids_in`` input
   (``prerouted``) slot u's expert is ``route_ids_in[u // top_k, u % top_k]`` instead (no top-k,
-  nothing stored); ``topk_replicas`` > 0: that top-k run by every warp alone (``_slot_route``,
-  ``topk_form="warp"``). shared_first: the shared expert's programs take the first program ids
-  (they are launched first, so their longer work does not trail the routed slots'). shared_token (with
+  nothing stored). shared_first: the shared expert's programs take the first program ids (they
+  are launched first, so their longer work does not trail the routed slots'). shared_token (with
   token_method): the shared expert as M one-token parts too, one program per (token, row
   block) on the ``token_method`` tile writing hs [M, 1, I_s] row t; otherwise one program per
   row block for all M rows (``method``).
@@ -397,7 +355,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       elif "route_ids_in" in r:
         e = r["route_ids_in"][u // route[0], u % route[0]]
       else:
-        e, lg = _slot_route(r["logits"], u, route, topk_replicas)
+        e, lg = _slot_route(r["logits"], u, route)
         top_k = route[0]
 
         @pl.when((j == 0) & (ks == 0))  # one program per slot stores the routing (scalars)
@@ -676,11 +634,6 @@ def _routed_defaults(fe, m, slot_rows, prerouted, shared_first, gate_up_split_k=
           token if shared_first is None else shared_first)
 
 
-#: How the routed gate_up kernel's programs select their expert (``moe_decode_routed``'s
-#: ``topk_form``): "block" (all warps, 2 * top_k barriers) or "warp" (every warp alone).
-DEFAULT_TOPK_FORM = "block"
-
-
 def default_shared_rows(fe: str, fs: str, token: bool, down_shared_cols: int | None) -> str:
   """``shared_rows`` of the routed MoE: "token" with per-token slots (``token``: slot_rows
   "token" at M > 1) when the experts and the shared expert are both NVFP4 and the shared down
@@ -751,7 +704,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
             token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
             down_shared_cols=None, combine=None, asm_down=None, route_given=None,
-            shared_first=False, shared_rows=None, topk_form=None):
+            shared_first=False, shared_rows=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -776,9 +729,6 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
                                     else "dot")
     C.check_method(token_method, 1, allowed=C.CUDA_CORE_M1 + ("dot",) if fe == "nvfp4"
                    else ("dot", "reduce"))
-  C.check(topk_form in (None, "block", "warp"),
-          f"topk_form must be 'block' or 'warp', got {topk_form!r}")
-  topk_form = topk_form or DEFAULT_TOPK_FORM
   C.check(shared_rows in (None, "all", "token"),
           f"shared_rows must be 'all' or 'token', got {shared_rows!r}")
   shared_rows = shared_rows or default_shared_rows(fe, fs, token, down_shared_cols)
@@ -884,21 +834,17 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     args.append(gate_up_counter)
     names.append("counter_out")
     out_shape.append(jax.ShapeDtypeStruct(gate_up_counter.shape, jnp.int32))
-  # the per-warp top-k replicates the logits row once per warp (where the kernel selects)
-  topk_replicas = num_warps if topk_form == "warp" and route and route_given is None else 0
   kernel = functools.partial(
       _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter,
       inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
       layout=layout, method=method, route=route, token_method=token_method, split_k=sk,
-      finish=finish, shared_first=shared_first, shared_token=shared_token,
-      topk_replicas=topk_replicas, interpret=interpret)
+      finish=finish, shared_first=shared_first, shared_token=shared_token, interpret=interpret)
   tag += ("_token" if token else "") + ("_shtok" if shared_token else "")
   res = C.pallas_call(
       kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
       input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_moe_gate_up{tag}{'_topkw' if topk_replicas else ''}_{fe}_{fs}_{method}"
-           f"_bn{bn}_bk{bk}"
+      name=f"flint_moe_gate_up{tag}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
            + (f"_splitk{sk}" if sk > 1 else "") + ("_finish" if finish else ""),
   )(*args)
   res = list(res)
@@ -1086,7 +1032,7 @@ def _check_top_logits(top_logits, m) -> int:
 
 
 _ROUTED_KNOBS = ("top_k", "slot_rows", "token_method", "asm_down", "prerouted", "shared_first",
-                 "shared_rows", "topk_form")
+                 "shared_rows")
 
 
 def _launch_routed(x, logits, experts, shared, options, **extra):
@@ -1125,7 +1071,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       down_shared_cols: int | None = None, asm_down: str | None = None,
                       prerouted: bool | None = None, shared_first: bool | None = None,
                       shared_rows: str | None = None, route: MoERoute | None = None,
-                      topk_form: str | None = None, interpret: bool = False):
+                      interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls; 3 with ``prerouted``,
   the default for NVFP4 experts at M > 1) and the routing.
 
@@ -1179,13 +1125,6 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   ``route``: the routing already computed (``router.router_logits_topk``: the router kernel's
   last program runs the top-k of these logits); the kernels take its ids as with ``prerouted``
   (which must not be False) and return it; no top-k kernel of their own.
-  ``topk_form`` (top-k in the gate_up kernel only: not ``prerouted``, no ``route``): "block"
-  = ``_topk_logits``, the row spread over all of the program's warps (2 * top_k cross-warp
-  reductions, each a shared-memory exchange and a CTA barrier; ncu, H200, batch 1: ~31% of the
-  gate_up's warp samples); "warp" = ``_topk_logits_per_warp``, every warp runs the whole
-  selection on its own copy of the row (warp shuffles only, one cross-warp min for the id:
-  2 barriers instead of 35 in the SASS, 504 instructions per thread instead of 312). Same ids,
-  same order, same ties. None = ``DEFAULT_TOPK_FORM``.
   """
   options = locals()    # first statement: exactly the arguments
   y, route_out, counter = _launch_routed(x, logits, experts, shared, options)
@@ -1208,8 +1147,7 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               down_shared_cols: int | None = None, down_prefetch=(),
                               asm_down: str | None = None, prerouted: bool | None = None,
                               shared_first: bool | None = None, shared_rows: str | None = None,
-                              route: MoERoute | None = None, topk_form: str | None = None,
-                              interpret: bool = False):
+                              route: MoERoute | None = None, interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its

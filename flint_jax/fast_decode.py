@@ -164,6 +164,11 @@ class DecodeOptions:
       expert's columns of each block over that many programs, its K being 2x a routed
       expert's); None = 1 (measured no faster: run 58, BF16 1x1K in-loop 2.550 against 2.573
       ms with 2, busy time 2373 against 2363 us; 8x1K 6.769 against 6.756).
+    rms_in_qkv: (batch 1, NVFP4 q|k|v, the combine in the down kernel) the MoE down kernel
+      stops at the residual s and per-column-block sums of squares (its last program of each
+      block, no second counter level and no one-program RMSNorm tail), and the next layer's
+      q|k|v kernel normalises s as it loads it (`multi_gemv(rms_sumsq=, rms_weight=)`). None /
+      False = off (the default until measured).
     moe_combine_in_down: (routed MoE, where the layer end is not folded into the next
       q|k|v) the MoE combine + residual add + next RMSNorm done by the down kernel's last
       program (`moe_decode_routed_combine`, two-level arrival counters in
@@ -253,6 +258,7 @@ class DecodeOptions:
     router_topk: bool | None = None
     moe_down_shared_cols: int | None = None
     moe_combine_in_down: bool | None = None
+    rms_in_qkv: bool | None = None
     bf16_o_proj_pallas: bool | None = None
     launch: str = "xla"
     nvfp4_asm: str = "auto"
@@ -269,6 +275,12 @@ class DecodeOptions:
         if self.nvfp4_asm != "auto":
             return self.nvfp4_asm
         return "post" if site in self.POST_SITES else "mul"
+
+    def rms_in_qkv_at(self, batch: int, quant: bool) -> bool:
+        """Whether the MoE layers' next RMSNorm moves into the next q|k|v kernel (see
+        ``rms_in_qkv``)."""
+        return (bool(self.rms_in_qkv) and batch == 1 and quant and self.fused_qkv
+                and self.combine_in_down_at(batch))
 
     def combine_in_down_at(self, batch: int) -> bool:
         """Whether the routed MoE's combine runs in the down kernel at this batch size."""
@@ -606,6 +618,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         router_topk = opts.router_topk_at(b)
         gate_up_split = opts.moe_gate_up_split_k_at(b) if (not moe_quant and fold) else 1
         combine_in_down = opts.combine_in_down_at(b) and not fold and opts.moe == "routed"
+        rms_in_qkv = combine_in_down and opts.rms_in_qkv_at(b, quant)
+        pending_rms = None   # (sums of squares, norm weight): the next q|k|v normalises h
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         qkv_split = opts.qkv_split_k_at(b) if fold and not wait else 1
         pf = opts.prefetch_sites()
@@ -634,6 +648,13 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                             y=pending[0], top_logits=pending[1], eps=eps,
                                             split_k=qkv_split, sum_splits=False,
                                             interpret=interpret)
+                elif pending_rms is not None:   # x = RMSNorm(h), formed as it is loaded
+                    with nvfp4_asm_decode(opts.nvfp4_asm_at("qkv")):
+                        q, k, v = multi_gemv(h, _qkv_weights(attn), method=nv_method,
+                                             rms_sumsq=pending_rms[0],
+                                             rms_weight=pending_rms[1], rms_eps=eps,
+                                             interpret=interpret)
+                    pending_rms = None
                 else:
                     with nvfp4_asm_decode(opts.nvfp4_asm_at("qkv")):
                         q, k, v = _qkv(attn, x, opts.fused_qkv, interpret,
@@ -704,6 +725,12 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     if counter_out:
                         (counters,) = counter_out
                     pending = (y, route.logits)
+                elif cfg.is_moe(i) and rms_in_qkv and not last:
+                    h, sumsq, _, counters = moe_decode_routed_combine(
+                        x, router_logits, _experts_arg(mlp.experts), _shared_arg(mlp), h, nxt,
+                        counters, counter_base=COMBINE_COUNTER_BASE, eps=eps, norm=False,
+                        top_k=top_k, interpret=interpret, route=route, **moe_kw, **down_pf)
+                    x, pending_rms = None, (sumsq, nxt)
                 elif cfg.is_moe(i):
                     h, x, out_counters = _moe_add_rms_norm(
                         mlp, cfg, x, h, nxt, opts.moe, interpret, router_logits,

@@ -651,6 +651,33 @@ def test_moe_decode_routed_combine(fmt, m, block_n_down):
                               **kw)
 
 
+@pytest.mark.parametrize("fmt,m,block_n_down", [("nvfp4", 1, None), ("bf16", 3, 32)])
+def test_moe_decode_routed_combine_without_norm(fmt, m, block_n_down):
+  """norm=False: each column block's last program writes that block's s and its fp32 sum of
+  squares; s equals the norm=True call's bit for bit, the sums equal s's (up to fp32 order),
+  and the counter entries come back zero (twice)."""
+  _, experts, shared, x, _, logits = _routed_case(fmt, m, 16, 3, 256, 64, 128, False, "res")
+  gen = rng("res-h")
+  h = randn(gen, (m, 256))
+  w_next = randn(gen, (256,)) + 1.0
+  kw = dict(top_k=3, decode=DECODE, interpret=INTERPRET, block_n_down=block_n_down,
+            counter_base=20)
+  counter = jnp.zeros((64,), jnp.int32)
+  s_want, _, route, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next,
+                                                        counter, **kw)
+  bn = block_n_down or 16
+  for _ in range(2):
+    s_got, sumsq, route2, counter = moe_decode_routed_combine(
+        x, logits, experts, shared, h, w_next, counter, norm=False, **kw)
+    np.testing.assert_array_equal(np.asarray(route2.ids), np.asarray(route.ids))
+    np.testing.assert_array_equal(np.asarray(s_got, np.float32), np.asarray(s_want, np.float32))
+    assert sumsq.shape == (m, 256 // bn) and sumsq.dtype == jnp.float32
+    s32 = np.asarray(s_got, np.float32)
+    np.testing.assert_allclose(np.asarray(sumsq), (s32 ** 2).reshape(m, -1, bn).sum(-1),
+                               rtol=1e-5)
+    assert not np.asarray(counter).any(), "the counter entries must come back zeroed"
+
+
 @pytest.mark.parametrize("fmt,m", [("nvfp4", 1), ("bf16", 8)])
 def test_moe_decode_routed_combine_lowers_for_h200(fmt, m):
   """At Flint sizes: the down kernel with the combine lowers for an H200."""

@@ -190,3 +190,55 @@ def test_reference_matches_per_matrix():
   for r, w in zip(multi_gemv_reference(x, ws), ws):
     np.testing.assert_array_equal(np.asarray(r, np.float32),
                                   np.asarray(nvfp4_gemv_reference(x, *w), np.float32))
+
+
+def _rms_case(g, k, n_parts):
+  s = randn(g, (1, k), scale=3.0)
+  w = randn(g, (k,), scale=0.3) + 1
+  s32 = np.asarray(s, np.float32)
+  sumsq = jnp.asarray((s32 ** 2).reshape(1, n_parts, -1).sum(-1), jnp.float32)
+  return s, w, sumsq
+
+
+@pytest.mark.parametrize("ns,k,n_parts,kw", [
+    ((256, 64, 64), 256, 16, {}),                                # default blocks, 16 blocks
+    ((256, 64, 64), 384, 3, dict(method="blocks", block_k=128)),  # 3 parts (not a power of 2)
+    ((128, 64), 256, 4, dict(method="reduce")),
+    ((128, 64), 256, 1, dict(method="lanes", block_k=128)),
+])
+def test_multi_gemv_rms(ns, k, n_parts, kw):
+  """x given as the residual s with the sums of squares of its column blocks: the kernel's
+  output equals the reference of x = bf16(w * (s * rsqrt(mean + eps))), and that x equals
+  add_rms_norm's up to one bf16 ulp (the mean square's fp32 summation order)."""
+  from flint_jax.pallas import add_rms_norm_reference
+  g = rng("rms", ns, k, n_parts, kw)
+  s, w, sumsq = _rms_case(g, k, n_parts)
+  ws = nvfp4_weights(g, ns, k)
+  rms = dict(rms_sumsq=sumsq, rms_weight=w, rms_eps=1e-5)
+  out = multi_gemv(s, ws, decode=DECODE, interpret=INTERPRET, **rms, **kw)
+  check_all(out, multi_gemv_reference(s, ws, **rms), ns, 1, "multi_gemv rms")
+  # the same as multiplying the normalised x (add_rms_norm's), to the GEMV's tolerance
+  _, x = add_rms_norm_reference(s, jnp.zeros_like(s), w, eps=1e-5)
+  check_all(out, multi_gemv_reference(x, ws), ns, 1, "multi_gemv rms vs add_rms_norm x")
+  # and not the GEMV of s itself: the normalisation happened
+  plain = multi_gemv_reference(s, ws)
+  assert not np.allclose(np.asarray(out[0], np.float32), np.asarray(plain[0], np.float32),
+                         rtol=0.05, atol=0.05)
+
+
+def test_multi_gemv_rms_rejects_bad_inputs():
+  g = rng("rms-bad")
+  s, w, sumsq = _rms_case(g, 256, 4)
+  ws = nvfp4_weights(g, (128, 64), 256)
+  with pytest.raises(ValueError, match="together"):
+    multi_gemv(s, ws, rms_sumsq=sumsq, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="M = 1"):
+    multi_gemv(jnp.concatenate([s, s]), ws, rms_sumsq=sumsq, rms_weight=w,
+               interpret=INTERPRET)
+  with pytest.raises(ValueError, match="NVFP4"):
+    multi_gemv(s, bf16_weights(g, (128, 64), 256), rms_sumsq=sumsq, rms_weight=w,
+               interpret=INTERPRET)
+  with pytest.raises(ValueError, match="rms_sumsq must be f32"):
+    multi_gemv(s, ws, rms_sumsq=sumsq.astype(jnp.bfloat16), rms_weight=w, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="rms_weight"):
+    multi_gemv(s, ws, rms_sumsq=sumsq, rms_weight=w[:128], interpret=INTERPRET)

@@ -542,7 +542,7 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
 
 
 def _down_combine_finish(r, *, m, d, n_slots, progs_per_block, top_k, base, eps, dp,
-                         interpret):
+                         interpret, bn=None, norm=True):
   """The tail of the down kernel with ``combine``: see ``_down_kernel``."""
   cnt = r["cmb_counter_out"]
   n_blocks = pl.num_programs(0)
@@ -554,6 +554,10 @@ def _down_combine_finish(r, *, m, d, n_slots, progs_per_block, top_k, base, eps,
   @pl.when(old == progs_per_block - 1)
   def _():
     plgpu.store(cnt.at[base + 1 + jb], jnp.int32(0))
+    if not norm:   # this block's columns of s and their sum of squares; no second level
+      for t in range(m):
+        _combine_block(r, jnp.int32(t), jb, m=m, top_k=top_k, n_slots=n_slots, bn=bn)
+      return
     old2 = plgpu.atomic_add(cnt, (jnp.int32(base),), jnp.int32(1))
 
     @pl.when(old2 == n_blocks - 1)
@@ -561,6 +565,23 @@ def _down_combine_finish(r, *, m, d, n_slots, progs_per_block, top_k, base, eps,
       plgpu.store(cnt.at[jnp.int32(base)], jnp.int32(0))
       for t in range(m):
         _combine_row_flat(r, t, m=m, top_k=top_k, n_slots=n_slots, d=d, dp=dp, eps=eps)
+
+
+def _combine_block(r, t, jb, *, m, top_k, n_slots, bn):
+  """Token t's s = bf16(h + moe) at the columns of block jb, stored with its fp32 sum of
+  squares ``cmb_ss[t, jb]`` (the combine with ``norm=False``; y read back volatile)."""
+  y_ref = r["out"]
+  cols = pl.multiple_of(jb * bn, bn) + jnp.arange(bn, dtype=jnp.int32)
+  mask = cols >= 0     # every column of a block is real (D % bn == 0)
+
+  def y_row(u, cols, mask):   # y[u, t] of the [U + 1, M, D] view
+    return plgpu.load(y_ref.at[u * m + t, cols], mask=mask, other=0, volatile=True)
+
+  s = _combine_s(y_row, r["cmb_logits"], r["cmb_h"], t, cols, mask, top_k=top_k, u=n_slots,
+                 dtype=r["cmb_s"].dtype)
+  plgpu.store(r["cmb_s"].at[t, cols], s)
+  s32 = s.astype(jnp.float32)
+  r["cmb_ss"][t, jb] = jnp.sum(s32 * s32)
 
 
 def _combine_row_flat(r, t, *, m, top_k, n_slots, d, dp, eps):
@@ -892,8 +913,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     names += ["sd_q", "sd_s", "sd_s2"]
     args += _weight_args(fs, shared["down_proj"], "") + [C.scalar_f32(shared["down_proj"][2])]
   combine_kw = None
-  if combine is not None:   # (h, w_next, counter, base, eps): the combine in the last program
-    c_h, c_w, c_counter, c_base, c_eps = combine
+  if combine is not None:   # (h, w_next, counter, base, eps[, norm]): the combine in the
+    c_h, c_w, c_counter, c_base, c_eps, *c_norm = combine     # last program(s)
+    c_norm = c_norm[0] if c_norm else True
     n_blocks = d // bn_dn
     C.check(route is not None and down_split, "the combine needs the routed, split down kernel")
     C.check(c_h.shape == (m, d) and c_h.dtype == x.dtype and c_w.shape == (d,),
@@ -905,10 +927,11 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             f"{c_base + n_blocks} (got shape {c_counter.shape} {c_counter.dtype})")
     names += ["cmb_logits", "cmb_h", "cmb_w", "cmb_counter"]
     args += [route_out.logits, c_h, c_w, c_counter]
-    combine_kw = dict(top_k=route[0], base=c_base, eps=c_eps, dp=C.next_pow2(d))
+    combine_kw = dict(top_k=route[0], base=c_base, eps=c_eps, dp=C.next_pow2(d), bn=bn_dn,
+                      norm=c_norm)
   names += ["out"]
   if combine is not None:
-    names += ["cmb_s", "cmb_x", "cmb_counter_out"]
+    names += ["cmb_s", "cmb_x" if c_norm else "cmb_ss", "cmb_counter_out"]
   kernel = functools.partial(
       _down_kernel, names=names, m=m, mp=C.pad_rows(m, method_down), inter=inter,
       inter_s=inter_s, bn=bn_dn, bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs,
@@ -923,8 +946,10 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     out_shape = [jax.ShapeDtypeStruct(((u + 1) * m, d), x.dtype)]
     aliases = {}
     if combine is not None:
-      out_shape += [jax.ShapeDtypeStruct((m, d), x.dtype)] * 2 + [
-          jax.ShapeDtypeStruct(c_counter.shape, jnp.int32)]
+      out_shape += [jax.ShapeDtypeStruct((m, d), x.dtype),
+                    jax.ShapeDtypeStruct((m, d), x.dtype) if c_norm else
+                    jax.ShapeDtypeStruct((m, d // bn_dn), jnp.float32),
+                    jax.ShapeDtypeStruct(c_counter.shape, jnp.int32)]
       aliases = {len(args) - 1: 3}     # the counter, in place
     # the down kernel's body is traced inside this call: ``asm_down`` picks its decode sequence
     with NV.asm_decode(asm_down or NV.asm_decode.value):
@@ -936,7 +961,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
           prefetch=len(down_prefetch),
           name=(f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}"
                 f"{f'_sc{down_shared_cols}' if down_shared_cols > 1 else ''}"
-                f"{'_combine' if combine is not None else ''}"
+                f"{'' if combine is None else '_combine' if c_norm else '_residual'}"
                 f"{'_pf' if down_prefetch else ''}"),
       )(*args, *down_prefetch)
     y = res[0].reshape(u + 1, m, d)
@@ -1131,9 +1156,11 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   return (y, route_out) if gate_up_counter is None else (y, route_out, counter)
 
 
-@functools.partial(jax.jit, static_argnames=("counter_base", "eps") + _ROUTED_KNOBS + _TUNING)
+@functools.partial(jax.jit,
+                   static_argnames=("counter_base", "eps", "norm") + _ROUTED_KNOBS + _TUNING)
 def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
-                              counter_base: int, eps: float = 1e-6, top_k: int = 6,
+                              counter_base: int, eps: float = 1e-6, norm: bool = True,
+                              top_k: int = 6,
                               slot_rows: str | None = None, token_method: str | None = None,
                               block_n: int | None = None,
                               block_k: int | None = None, block_n_down: int | None = None,
@@ -1154,10 +1181,18 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
   RMSNorm times w_next [M, D], the routing, and ``counter`` (int32 [>= counter_base + 1 +
   D / block_n_down], whose entries counter_base .. counter_base + D / block_n_down must be zero
   on entry) with those entries back at zero. The outputs equal the 3-launch composition's (same
-  formulas, same rounding points; the y rows the combine reads are the same values)."""
+  formulas, same rounding points; the y rows the combine reads are the same values).
+
+  ``norm=False``: no RMSNorm and no second counter level. The last program of each column block
+  writes that block's s and its fp32 sum of squares; returns ``(s, sumsq, route, counter)``,
+  sumsq f32 [M, D / block_n_down] (``sumsq[t, b] = sum over block b's columns of f32(s[t])^2``),
+  for a consumer that normalises as it loads (``multi_gemv(s, ..., rms_sumsq=sumsq,
+  rms_weight=w_next)``). s is the same either way; w_next is not read."""
   options = locals()    # first statement: exactly the arguments
+  options.pop("norm")
   (_, s_out, x_out, counter), route_out, _ = _launch_routed(
-      x, logits, experts, shared, options, combine=(h, w_next, counter, counter_base, eps))
+      x, logits, experts, shared, options,
+      combine=(h, w_next, counter, counter_base, eps, norm))
   return s_out, x_out, route_out, counter
 
 
@@ -1177,24 +1212,31 @@ def _combine_add_rms_norm_row(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, t, *, to
                eps=eps)
 
 
-def _combine_row(y_row, l_ref, h_ref, w_ref, s_ref, o_ref, t, *, top_k, u, d, dp, eps):
-  """The combine + residual add + RMSNorm of token t; ``y_row(slot, cols, mask)`` loads y[slot,
-  t] (slot t * top_k + j: the token's j-th expert; slot u: the shared expert)."""
-  cols = jnp.arange(dp, dtype=jnp.int32)
-  mask = cols < d
+def _combine_s(y_row, l_ref, h_ref, t, cols, mask, *, top_k, u, dtype):
+  """s = bf16(h + moe) of token t at columns ``cols`` (``mask``: the real ones; the others 0);
+  ``y_row(slot, cols, mask)`` loads y[slot, t] (slot t * top_k + j: the token's j-th expert;
+  slot u: the shared expert)."""
   # the selected logits, top-k order (scalar loads: stored by the gate_up kernel)
   sig = [jax.nn.sigmoid(l_ref[t, j]) for j in range(top_k)]
   den = sig[0]
   for sj in sig[1:]:
     den = den + sj
-  tot = jnp.zeros((dp,), jnp.float32)
+  tot = jnp.zeros(cols.shape, jnp.float32)
   for j, sj in enumerate(sig):                                          # top-k order
     tot = tot + (sj / den) * y_row(t * top_k + j, cols, mask).astype(jnp.float32)
   ys = y_row(u, cols, mask)
   moe = (tot + ys.astype(jnp.float32)).astype(ys.dtype)                 # rounded as y is
   h = plgpu.load(h_ref.at[t, cols], mask=mask, other=0)
+  return (h.astype(jnp.float32) + moe.astype(jnp.float32)).astype(dtype)
+
+
+def _combine_row(y_row, l_ref, h_ref, w_ref, s_ref, o_ref, t, *, top_k, u, d, dp, eps):
+  """The combine + residual add + RMSNorm of token t (``_combine_s``, then ``add_rms_norm``'s
+  normalisation)."""
+  cols = jnp.arange(dp, dtype=jnp.int32)
+  mask = cols < d
+  s = _combine_s(y_row, l_ref, h_ref, t, cols, mask, top_k=top_k, u=u, dtype=s_ref.dtype)
   w = plgpu.load(w_ref.at[cols], mask=mask, other=0).astype(jnp.float32)
-  s = (h.astype(jnp.float32) + moe.astype(jnp.float32)).astype(s_ref.dtype)
   out = ARN._normalize(s.astype(jnp.float32), w, d, eps)
   plgpu.store(s_ref.at[t, cols], s, mask=mask)
   plgpu.store(o_ref.at[t, cols], out.astype(o_ref.dtype), mask=mask)

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
 import flint_jax.pallas.gemv  # noqa: F401  (modules, not the functions the package re-exports)
@@ -167,14 +168,29 @@ def _validate(x, weights, fmt, block_n, block_k):
   return m, k, tuple(ns)
 
 
+class _NormedRow:
+  """The x operand of ``multi_gemv(rms_sumsq=...)``: indexed like the x view [1, K/64, 2, 2, 16],
+  it loads the residual s there and the norm weight w at the same columns and returns
+  bf16(w * (f32(s) * r)), ``add_rms_norm``'s formula with r = rsqrt(mean square + eps)."""
+
+  def __init__(self, s_ref, w_ref, r):
+    self.s_ref, self.w_ref, self.r = s_ref, w_ref, r
+
+  def __getitem__(self, idx):
+    s = self.s_ref[idx]
+    w = self.w_ref[idx[1:]]                 # the same columns of w [K/64, 2, 2, 16]
+    return (w.astype(jnp.float32) * (s.astype(jnp.float32) * self.r)).astype(s.dtype)
+
+
 def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode, layout,
-                       method):
+                       method, rms_eps=None):
   """Programs [starts[i], starts[i+1]) compute BN-row tiles of matrix i into output i.
 
   refs (bf16): x [M, K], w_0..w_{n-1} [N_i, K], o_0..o_{n-1} [M, N_i].
   refs (nvfp4): x view [M, K/64, 2, 2, 16], (codes, scales) views per matrix, then one [1] f32
   tensor scale per matrix (separate inputs: stacking them would be an XLA launch per call),
-  o_0..o_{n-1}.
+  then with ``rms_eps`` (M = 1) the sums of squares [1, P] and the norm weight view [K/64, 2, 2,
+  16], o_0..o_{n-1}.
   """
   pid = pl.program_id(0)
   x_ref = refs[0]
@@ -185,6 +201,13 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
     w_refs = [tuple(refs[1 + 2 * i:3 + 2 * i]) for i in range(n_mats)]
     s2_refs = refs[1 + 2 * n_mats:1 + 3 * n_mats]
   o_refs = refs[len(refs) - n_mats:]
+  if rms_eps is not None:   # x is the residual s: normalised as it is loaded
+    ss_ref, wn_ref = refs[1 + 3 * n_mats:3 + 3 * n_mats]
+    n_parts = ss_ref.shape[1]
+    idx = jnp.arange(C.next_pow2(n_parts), dtype=jnp.int32)
+    ss = plgpu.load(ss_ref.at[0, idx], mask=idx < n_parts, other=0)
+    r = lax.rsqrt(jnp.sum(ss) / (n_iter * bk) + rms_eps)
+    x_ref = _NormedRow(x_ref, wn_ref, r)
 
   def matrix(i):
     n0 = pl.multiple_of((pid - starts[i]) * bn, bn)
@@ -233,12 +256,12 @@ def run_matrix_branches(pid, starts, matrix):
 
 @functools.partial(jax.jit, static_argnames=(
     "out_dtype", "block_n", "block_k", "method", "decode", "layout", "num_warps", "num_stages",
-    "interpret"))
+    "rms_eps", "interpret"))
 def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
                block_k: int | None = None, method: str | None = None, decode: str = "asm",
                layout: str = "tile", num_warps: int | None = None,
-               num_stages: int | None = None,
-               interpret: bool = False):
+               num_stages: int | None = None, rms_sumsq=None, rms_weight=None,
+               rms_eps: float = 1e-6, interpret: bool = False):
   """(y_0, ..., y_{n-1}), y_i[M, N_i] = out_dtype(x @ W_i^T [* weight_scale_2_i]), one kernel.
 
   weights: tuple of 1..4 bf16 [N_i, K] arrays, or tuple of 1..4 ``NVFP4Weight``. ``method``:
@@ -248,6 +271,13 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   ``decode`` / ``layout``: NVFP4 only (see ``nvfp4_gemv``; ``decode="asm"`` falls back to
   ``"fp8"`` in interpret mode). Block defaults:
   ``default_multi_gemv_blocks`` (not yet measured for the fused kernel).
+
+  ``rms_sumsq`` f32 [1, P] and ``rms_weight`` [K] (NVFP4, M = 1, tile layout, a CUDA-core
+  method): x is a residual s, and the kernel multiplies its RMSNorm instead, x' = bf16(w *
+  (f32(s) * rsqrt(sum(rms_sumsq) / K + rms_eps))), computed as each K step loads x;
+  ``rms_sumsq`` holds the sums of squares of s over any P column blocks
+  (``moe_decode_routed_combine(norm=False)``). Equal to ``add_rms_norm``'s x' up to the fp32
+  summation order of the mean square.
   """
   fmt = _format(weights)
   C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
@@ -262,6 +292,16 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   nv_dot = fmt == "nvfp4" and method == "dot" and m > 1
   num_stages = num_stages or (4 if (fmt == "bf16" and m == 1) or nv_dot else 3)
   m, k, ns = _validate(x, weights, fmt, block_n, block_k)
+  rms = rms_sumsq is not None
+  if rms or rms_weight is not None:
+    C.check(rms and rms_weight is not None, "give rms_sumsq and rms_weight together")
+    C.check(fmt == "nvfp4" and m == 1 and layout == "tile" and method in C.CUDA_CORE_M1,
+            f"rms_sumsq needs NVFP4 weights, M = 1, the tile layout and a CUDA-core method "
+            f"{C.CUDA_CORE_M1}, got {fmt=} {m=} {layout=} {method=}")
+    C.check(rms_sumsq.ndim == 2 and rms_sumsq.shape[0] == 1
+            and rms_sumsq.dtype == jnp.float32 and rms_weight.shape == (k,),
+            f"rms_sumsq must be f32 [1, P] and rms_weight [K={k}], got {rms_sumsq.shape} "
+            f"{rms_sumsq.dtype} / {rms_weight.shape}")
   mp = C.pad_rows(m, method)
   n_mats = len(weights)
   starts = tuple(sum(ns[:i]) // block_n for i in range(n_mats + 1))
@@ -275,9 +315,12 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
       args += NV.nvfp4_views(w[0], w[1])
     args += [C.scalar_f32(w[2]) for w in weights]
     tag = f"nvfp4_{method}_{decode}_{layout}"
+    if rms:
+      args += [rms_sumsq, NV.x_view(rms_weight.astype(x.dtype)[None])[0]]
+      tag += "_rms"
   kernel = functools.partial(_multi_gemv_kernel, fmt=fmt, n_mats=n_mats, starts=starts, m=m,
                              mp=mp, bn=block_n, bk=block_k, n_iter=k // block_k, decode=decode,
-                             layout=layout, method=method)
+                             layout=layout, method=method, rms_eps=rms_eps if rms else None)
   out_shape = tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns)
   return tuple(C.pallas_call(
       kernel, out_shape=out_shape, grid=(starts[-1],),
@@ -286,10 +329,15 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   )(*args))
 
 
-def multi_gemv_reference(x, weights, *, out_dtype=jnp.bfloat16, **unused_tuning):
+def multi_gemv_reference(x, weights, *, out_dtype=jnp.bfloat16, rms_sumsq=None,
+                         rms_weight=None, rms_eps: float = 1e-6, **unused_tuning):
   """Plain jnp: per matrix the fp32 dot (NVFP4: exact dequantisation, times weight_scale_2),
-  rounded once to ``out_dtype``; returns a tuple."""
+  rounded once to ``out_dtype``; returns a tuple. With ``rms_sumsq``: of x normalised first
+  (``multi_gemv``'s formula)."""
   del unused_tuning
+  if rms_sumsq is not None:
+    r = lax.rsqrt(jnp.sum(rms_sumsq, axis=-1, keepdims=True) / x.shape[-1] + rms_eps)
+    x = (rms_weight.astype(jnp.float32) * (x.astype(jnp.float32) * r)).astype(x.dtype)
   fmt = _format(weights)
   if fmt == "bf16":
     return tuple(G.gemv_reference(x, w, out_dtype=out_dtype) for w in weights)

@@ -244,8 +244,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     session-2 default step), "pallas_rsN" (the sliding layers' attention in N splits,
     `DecodeOptions.ring_splits`), "pallas_aw2" / "pallas_aw8" / "pallas_aw16"
     (`attention_num_warps`: the fused attention kernels on 2 / 8 / 16 warps per program instead
-    of 4), "pallas_rmsq" (`rms_in_qkv`: the MoE layers' next RMSNorm applied by the next q|k|v
-    kernel as it loads the residual), "pallas_qw" (`qkv_wait`: each layer's end and the next q|k|v as one producer /
+    of 4), "pallas_rmsq" / "pallas_normsq" (`rms_in_qkv` on / off: the MoE layers' next RMSNorm
+    applied by the next q|k|v kernel as it loads the residual; on by default at batch 1), "pallas_qw" (`qkv_wait`: each layer's end and the next q|k|v as one producer /
     consumer kernel), "pallas_allrows" / "pallas_tokrows" (the routed MoE's
     `moe_slot_rows` forced to "all" / "token"), "pallas_tokpre" / "pallas_tokpresf" /
     "pallas_allpresf" (`moe_slot_rows` "token" / "all" with `moe_prerouted`, and
@@ -317,6 +317,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "shtok": DecodeOptions(moe_shared_rows="token"),
                "shall": DecodeOptions(moe_shared_rows="all"),
                "rmsq": DecodeOptions(rms_in_qkv=True),
+               "normsq": DecodeOptions(rms_in_qkv=False),
                "aw2": DecodeOptions(attention_num_warps=2),
                "aw8": DecodeOptions(attention_num_warps=8),
                "aw16": DecodeOptions(attention_num_warps=16),

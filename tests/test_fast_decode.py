@@ -354,22 +354,24 @@ def test_router_topk_counter_stays_zero_between_steps():
 
 
 def test_rms_in_qkv_batch_one():
-    """`rms_in_qkv` (NVFP4, batch 1): the MoE down kernel stops at the residual and its sums
+    """`rms_in_qkv` (NVFP4, batch 1, the default): the MoE down kernel stops at the residual and its sums
     of squares, the next q|k|v kernel normalises as it loads. Greedy tokens equal the XLA path's,
     the counters come back zero and the logits stay close to the default step's (the mean
     square's summation order is the only difference)."""
     import jax
     import jax.numpy as jnp
     from flint_jax.cache import init_cache
-    opts = DecodeOptions(rms_in_qkv=True)
+    opts = DecodeOptions()    # the default at batch 1 (runs 125-126)
     assert opts.rms_in_qkv_at(1, quant=True)
     assert not opts.rms_in_qkv_at(2, quant=True) and not opts.rms_in_qkv_at(1, quant=False)
-    assert not DecodeOptions().rms_in_qkv_at(1, quant=True)
+    assert not DecodeOptions(rms_in_qkv=False).rms_in_qkv_at(1, quant=True)
+    assert not DecodeOptions(moe_combine_in_down=False).rms_in_qkv_at(1, quant=True)
     assert_generate_equal("nvfp4", 12, opts, [list(range(35, 105))], 5)
     cfg = small_cfg()
     graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(13)))
     fused = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True, options=opts))
-    plain = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True))
+    plain = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True,
+                                                 options=DecodeOptions(rms_in_qkv=False)))
     c1 = c2 = init_cache(cfg, 1, 64)
     for t in (5, 17, 3):
         tokens = jnp.array([t], jnp.int32)
@@ -379,9 +381,9 @@ def test_rms_in_qkv_batch_one():
         np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("on", [True, False])
+@pytest.mark.parametrize("on", [None, False])
 def test_rms_in_qkv_kernels(on):
-    """The NVFP4 batch-1 step lowered for an H200: with `rms_in_qkv` a MoE layer that is not
+    """The NVFP4 batch-1 step lowered for an H200: with `rms_in_qkv` (default) a MoE layer that is not
     the last ends in the down kernel's residual mode and the next q|k|v kernel normalises
     (the last MoE layer keeps the full combine for the LM head); 350-kernel structure kept."""
     import jax
@@ -395,8 +397,8 @@ def test_rms_in_qkv_kernels(on):
         lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
         jax.ShapeDtypeStruct((1,), jnp.int32))]
     assert any(n.startswith("flint_moe_down") and n.endswith("_combine") for n in names), names
-    assert any("_residual" in n for n in names) == on, names
-    assert any(n.startswith("flint_multi_gemv") and "_rms" in n for n in names) == on, names
+    assert any("_residual" in n for n in names) == (on is None), names
+    assert any(n.startswith("flint_multi_gemv") and "_rms" in n for n in names) == (on is None)
 
 
 @pytest.mark.parametrize("fmt,rows", [("bf16", 1), ("nvfp4", 1), ("bf16", 2)])

@@ -491,7 +491,8 @@ def test_moe_combine_in_down_counters_stay_zero():
     cfg = small_cfg()
     graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(16)))
     fused = jax.jit(fast_decode.make_decode_step(
-        graphdef, cfg, interpret=True, options=DecodeOptions(moe_combine_in_down=True)))
+        graphdef, cfg, interpret=True,
+        options=DecodeOptions(moe_combine_in_down=True, rms_in_qkv=False)))
     plain = jax.jit(fast_decode.make_decode_step(
         graphdef, cfg, interpret=True, options=DecodeOptions(moe_combine_in_down=False)))
     c1 = c2 = init_cache(cfg, 1, 64)

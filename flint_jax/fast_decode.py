@@ -503,12 +503,13 @@ def _shared_arg(mlp):
 
 
 def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_kw=None,
-                      counters=None, route=None):
+                      counters=None, route=None, norm=True):
     """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). Routed mode: `logits`
     the router's (`_route`), `route` its routing when that was computed too, `moe_kw`
     `moe_decode_routed`'s options, `counters` the cache's counters, the combine then done by
-    the down kernel. Returns (h, x, counters), the counters as the kernels leave them (None
-    when not given)."""
+    the down kernel (with ``norm=False`` it stops at h + moe and returns the sums of squares of
+    its column blocks in x's place, `moe_decode_routed_combine`). Returns (h, x, counters), the
+    counters as the kernels leave them (None when not given)."""
     eps = cfg.rms_norm_eps
     k = cfg.num_experts_per_tok
     if mode == "v1":
@@ -517,8 +518,8 @@ def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_
         if counters is not None:   # the combine in the down kernel's last program
             s, x_next, _, counters = moe_decode_routed_combine(
                 x, logits, _experts_arg(mlp.experts), _shared_arg(mlp), h, w_next, counters,
-                counter_base=COMBINE_COUNTER_BASE, eps=eps, top_k=k, interpret=interpret,
-                route=route, **(moe_kw or {}))
+                counter_base=COMBINE_COUNTER_BASE, eps=eps, norm=norm, top_k=k,
+                interpret=interpret, route=route, **(moe_kw or {}))
             return s, x_next, counters
         y, route = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp),
                                      top_k=k, interpret=interpret, route=route, **(moe_kw or {}))
@@ -728,19 +729,16 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     if counter_out:
                         (counters,) = counter_out
                     pending = (y, route.logits)
-                elif cfg.is_moe(i) and rms_in_qkv and not last:
-                    h, sumsq, _, counters = moe_decode_routed_combine(
-                        x, router_logits, _experts_arg(mlp.experts), _shared_arg(mlp), h, nxt,
-                        counters, counter_base=COMBINE_COUNTER_BASE, eps=eps, norm=False,
-                        top_k=top_k, interpret=interpret, route=route, **moe_kw, **down_pf)
-                    x, pending_rms = None, (sumsq, nxt)
                 elif cfg.is_moe(i):
+                    norm = not (rms_in_qkv and not last)   # else the next q|k|v normalises
                     h, x, out_counters = _moe_add_rms_norm(
                         mlp, cfg, x, h, nxt, opts.moe, interpret, router_logits,
                         {**moe_kw, **down_pf}, counters=counters if combine_in_down else None,
-                        route=route)
+                        route=route, norm=norm)
                     if combine_in_down:
                         counters = out_counters
+                    if not norm:    # x holds the sums of squares of h's column blocks
+                        x, pending_rms = None, (x, nxt)
                 else:
                     hid = _silu_mul(mlp, x, interpret, nv_method, bf16_dense_pallas)
                     # partials only for add_rms_norm (norm_qkv / layer_end_qkv take [M, D])

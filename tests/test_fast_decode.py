@@ -16,6 +16,25 @@ def small_cfg():
                             layer_types=("full_attention", "sliding_attention", "full_attention"))
 
 
+def paired_steps(quant, seed, options, other, rows, tokens):
+    """Decode steps of one small random model (`small_cfg`) on two `DecodeOptions`, from the
+    same empty caches (interpret mode): per step, row r decodes token t + r for t in
+    `tokens`; yields (logits of `options`, its cache, logits of `other`)."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import init_cache
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=quant, rngs=nnx.Rngs(seed)))
+    step_a, step_b = (jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True,
+                                                           options=o)) for o in (options, other))
+    cache_a = cache_b = init_cache(cfg, rows, 64)
+    for t in tokens:
+        toks = jnp.arange(t, t + rows, dtype=jnp.int32)
+        logits_a, cache_a = step_a(state, cache_a, toks)
+        logits_b, cache_b = step_b(state, cache_b, toks)
+        yield np.asarray(logits_a), cache_a, np.asarray(logits_b)
+
+
 # default: fused q|k|v + routed MoE; v1: separate GEMVs + the "slots" (NVFP4) / "xla" (BF16) MoE;
 # fused: the options that are off by default (not yet measured on the GPU).
 # attn / attn_atomic: Q/K norm + RoPE + cache write inside the attention kernel, the merge in its
@@ -283,24 +302,13 @@ def test_nvfp4_asm_auto_sites(options, post):
 def test_cache_counters_stay_zero_between_steps(split_k):
     """The gate_up kernel's K-slice counters live in the cache (no kernel zeroes them per step):
     every step must hand them back as zeros, with its logits equal to the unsplit step's."""
-    import jax
-    import jax.numpy as jnp
-    from flint_jax.cache import COUNTER_ENTRIES, init_cache
-    cfg = small_cfg()
-    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=False, rngs=nnx.Rngs(4)))
-    split = jax.jit(fast_decode.make_decode_step(
-        graphdef, cfg, interpret=True, options=DecodeOptions(moe_gate_up_split_k=split_k)))
-    plain = jax.jit(fast_decode.make_decode_step(
-        graphdef, cfg, interpret=True, options=DecodeOptions(moe_gate_up_split_k=1)))
-    c1 = c2 = init_cache(cfg, 1, 64)
-    assert c1.counters.shape == (COUNTER_ENTRIES,)
-    for t in (5, 17, 3):
-        tokens = jnp.array([t], jnp.int32)
-        l1, c1 = split(state, c1, tokens)
-        l2, c2 = plain(state, c2, tokens)
+    from flint_jax.cache import COUNTER_ENTRIES
+    for l1, c1, l2 in paired_steps(False, 4, DecodeOptions(moe_gate_up_split_k=split_k),
+                                   DecodeOptions(moe_gate_up_split_k=1), 1, (5, 17, 3)):
+        assert c1.counters.shape == (COUNTER_ENTRIES,)
         assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
-        np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=2e-2, atol=2e-2)
-        assert np.asarray(l1).argmax() == np.asarray(l2).argmax()
+        np.testing.assert_allclose(l1, l2, rtol=2e-2, atol=2e-2)
+        assert l1.argmax() == l2.argmax()
 
 
 def test_router_topk_default():
@@ -336,21 +344,10 @@ def test_router_topk_kernels(router_topk):
 def test_router_topk_counter_stays_zero_between_steps():
     """The router kernel's arrival counter lives in the cache: every NVFP4 batch-2 step hands
     the counters back as zeros, its logits equal to the step with the separate top-k kernel."""
-    import jax
-    import jax.numpy as jnp
-    from flint_jax.cache import init_cache
-    cfg = small_cfg()
-    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(6)))
-    fused = jax.jit(fast_decode.make_decode_step(
-        graphdef, cfg, interpret=True, options=DecodeOptions(router_topk=True)))
-    plain = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True))
-    c1 = c2 = init_cache(cfg, 2, 64)
-    for t in (5, 17, 3):
-        tokens = jnp.array([t, t + 1], jnp.int32)
-        l1, c1 = fused(state, c1, tokens)
-        l2, c2 = plain(state, c2, tokens)
+    for l1, c1, l2 in paired_steps(True, 6, DecodeOptions(router_topk=True), DecodeOptions(),
+                                   2, (5, 17, 3)):
         assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
-        np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+        np.testing.assert_array_equal(l1, l2)
 
 
 def test_rms_in_qkv_batch_one():
@@ -358,27 +355,16 @@ def test_rms_in_qkv_batch_one():
     of squares, the next q|k|v kernel normalises as it loads. Greedy tokens equal the XLA path's,
     the counters come back zero and the logits stay close to the default step's (the mean
     square's summation order is the only difference)."""
-    import jax
-    import jax.numpy as jnp
-    from flint_jax.cache import init_cache
     opts = DecodeOptions()    # the default at batch 1 (runs 125-126)
     assert opts.rms_in_qkv_at(1, quant=True)
     assert not opts.rms_in_qkv_at(2, quant=True) and not opts.rms_in_qkv_at(1, quant=False)
     assert not DecodeOptions(rms_in_qkv=False).rms_in_qkv_at(1, quant=True)
     assert not DecodeOptions(moe_combine_in_down=False).rms_in_qkv_at(1, quant=True)
     assert_generate_equal("nvfp4", 12, opts, [list(range(35, 105))], 5)
-    cfg = small_cfg()
-    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(13)))
-    fused = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True, options=opts))
-    plain = jax.jit(fast_decode.make_decode_step(graphdef, cfg, interpret=True,
-                                                 options=DecodeOptions(rms_in_qkv=False)))
-    c1 = c2 = init_cache(cfg, 1, 64)
-    for t in (5, 17, 3):
-        tokens = jnp.array([t], jnp.int32)
-        l1, c1 = fused(state, c1, tokens)
-        l2, c2 = plain(state, c2, tokens)
+    for l1, c1, l2 in paired_steps(True, 13, opts, DecodeOptions(rms_in_qkv=False), 1,
+                                   (5, 17, 3)):
         assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
-        np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(l1, l2, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("on", [None, False])
@@ -485,20 +471,8 @@ def test_moe_combine_in_down_equals_three_launches(fmt, rows):
 def test_moe_combine_in_down_counters_stay_zero():
     """Three NVFP4 steps with the combine in the down kernel: the cache's counters come back as
     zeros after each, and the logits equal the three-launch step's."""
-    import jax
-    import jax.numpy as jnp
-    from flint_jax.cache import init_cache
-    cfg = small_cfg()
-    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(16)))
-    fused = jax.jit(fast_decode.make_decode_step(
-        graphdef, cfg, interpret=True,
-        options=DecodeOptions(moe_combine_in_down=True, rms_in_qkv=False)))
-    plain = jax.jit(fast_decode.make_decode_step(
-        graphdef, cfg, interpret=True, options=DecodeOptions(moe_combine_in_down=False)))
-    c1 = c2 = init_cache(cfg, 1, 64)
-    for t in (9, 2, 30):
-        tokens = jnp.array([t], jnp.int32)
-        l1, c1 = fused(state, c1, tokens)
-        l2, c2 = plain(state, c2, tokens)
+    for l1, c1, l2 in paired_steps(True, 16,
+                                   DecodeOptions(moe_combine_in_down=True, rms_in_qkv=False),
+                                   DecodeOptions(moe_combine_in_down=False), 1, (9, 2, 30)):
         assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
-        np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+        np.testing.assert_array_equal(l1, l2)

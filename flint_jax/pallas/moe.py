@@ -572,12 +572,12 @@ def _combine_block(r, t, jb, *, m, top_k, n_slots, bn):
   squares ``cmb_ss[t, jb]`` (the combine with ``norm=False``; y read back volatile)."""
   y_ref = r["out"]
   cols = pl.multiple_of(jb * bn, bn) + jnp.arange(bn, dtype=jnp.int32)
-  mask = cols >= 0     # every column of a block is real (D % bn == 0)
 
   def y_row(u, cols, mask):   # y[u, t] of the [U + 1, M, D] view
-    return plgpu.load(y_ref.at[u * m + t, cols], mask=mask, other=0, volatile=True)
+    return plgpu.load(y_ref.at[u * m + t, cols], mask=mask, volatile=True)
 
-  s = _combine_s(y_row, r["cmb_logits"], r["cmb_h"], t, cols, mask, top_k=top_k, u=n_slots,
+  # every column of a block is real (D % bn == 0): no mask
+  s = _combine_s(y_row, r["cmb_logits"], r["cmb_h"], t, cols, None, top_k=top_k, u=n_slots,
                  dtype=r["cmb_s"].dtype)
   plgpu.store(r["cmb_s"].at[t, cols], s)
   s32 = s.astype(jnp.float32)
@@ -913,9 +913,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     names += ["sd_q", "sd_s", "sd_s2"]
     args += _weight_args(fs, shared["down_proj"], "") + [C.scalar_f32(shared["down_proj"][2])]
   combine_kw = None
-  if combine is not None:   # (h, w_next, counter, base, eps[, norm]): the combine in the
-    c_h, c_w, c_counter, c_base, c_eps, *c_norm = combine     # last program(s)
-    c_norm = c_norm[0] if c_norm else True
+  if combine is not None:   # (h, w_next, counter, base, eps, norm): the combine in the last
+    c_h, c_w, c_counter, c_base, c_eps, c_norm = combine      # program(s)
     n_blocks = d // bn_dn
     C.check(route is not None and down_split, "the combine needs the routed, split down kernel")
     C.check(c_h.shape == (m, d) and c_h.dtype == x.dtype and c_w.shape == (d,),
@@ -1213,7 +1212,8 @@ def _combine_add_rms_norm_row(y_ref, l_ref, h_ref, w_ref, s_ref, o_ref, t, *, to
 
 
 def _combine_s(y_row, l_ref, h_ref, t, cols, mask, *, top_k, u, dtype):
-  """s = bf16(h + moe) of token t at columns ``cols`` (``mask``: the real ones; the others 0);
+  """s = bf16(h + moe) of token t at columns ``cols`` (``mask``: the real ones, the others 0;
+  None: all real);
   ``y_row(slot, cols, mask)`` loads y[slot, t] (slot t * top_k + j: the token's j-th expert;
   slot u: the shared expert)."""
   # the selected logits, top-k order (scalar loads: stored by the gate_up kernel)
@@ -1226,7 +1226,7 @@ def _combine_s(y_row, l_ref, h_ref, t, cols, mask, *, top_k, u, dtype):
     tot = tot + (sj / den) * y_row(t * top_k + j, cols, mask).astype(jnp.float32)
   ys = y_row(u, cols, mask)
   moe = (tot + ys.astype(jnp.float32)).astype(ys.dtype)                 # rounded as y is
-  h = plgpu.load(h_ref.at[t, cols], mask=mask, other=0)
+  h = plgpu.load(h_ref.at[t, cols], mask=mask, other=None if mask is None else 0)
   return (h.astype(jnp.float32) + moe.astype(jnp.float32)).astype(dtype)
 
 

@@ -1,0 +1,151 @@
+"""Where the in-loop decode time goes beyond the kernels: host dispatch against GPU time.
+
+The suite's in-loop figure (`decode_bench.time_loop`) times windows of 2 calls of `generate`'s
+8-step device loop, each window starting from an idle device, so the first call's host dispatch
+is on the clock. This probe separates the two, for one path at one (batch, context), full-size
+random weights built on the device:
+
+- `dispatch_ms`: host time of one call, the device idle before it (the call returns once its
+  work is enqueued);
+- `call_ms`: the same call waited for (dispatch + whatever GPU time it does not hide);
+- `steady_ms[calls]`: per-step time of windows of `calls` back-to-back calls (calls = 2 is the
+  suite's in-loop figure; more calls hide each dispatch under the previous call's GPU work, which
+  is what `stream_generate`, dispatching one block ahead, gets);
+- the compiled program's command buffers: how many Triton custom calls lie inside a
+  `command_buffer` computation (a CUDA graph) and how many are launched one by one.
+
+    python3 benchmarks/dispatch_probe.py --format nvfp4 --out $OUT/dispatch.json
+
+Run it once per XLA_FLAGS setting (e.g. `--xla_gpu_enable_command_buffer=` for no graphs): the
+flags are read when jax starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import decode_bench
+from flint_jax.config import preset
+from flint_jax.decode import bucket_length
+from flint_jax.sampling import SamplingParams
+
+
+def _median_ms(xs):
+    return statistics.median(xs) * 1e3
+
+
+def command_buffer_summary(hlo_text: str) -> dict:
+    """Custom calls inside / outside `command_buffer` computations of an optimised HLO text."""
+    inside = outside = 0
+    n_buffers = 0
+    in_buffer = False
+    for line in hlo_text.splitlines():
+        head = re.match(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            in_buffer = "command_buffer" in head.group(2)
+            n_buffers += in_buffer
+            continue
+        if "custom-call(" in line or "custom_call_target" in line:
+            if in_buffer:
+                inside += 1
+            else:
+                outside += 1
+    return {"command_buffer_computations": n_buffers, "custom_calls_in_buffers": inside,
+            "custom_calls_outside": outside, "while_ops": hlo_text.count(" while(")}
+
+
+def probe(fn, leaves, make_cache, tokens, n_steps: int, calls_list, windows: int) -> dict:
+    """Dispatch, waited-call and steady per-step times (ms) of the decode loop `fn`; every
+    setting starts from a fresh cache at the same context, so none runs at longer contexts."""
+    rng, seen = jax.random.key(0), None
+    toks, _, cache, seen, rng = fn(leaves, make_cache(), tokens, rng, seen)  # compile + warm up
+    jax.block_until_ready(toks)
+    toks, _, cache, seen, rng = fn(leaves, cache, toks[:, -1], rng, seen)
+    jax.block_until_ready(toks)
+    dispatch, waited = [], []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        toks, _, cache, seen, rng = fn(leaves, cache, toks[:, -1], rng, seen)
+        t1 = time.perf_counter()
+        jax.block_until_ready(toks)
+        dispatch.append(t1 - t0)
+        waited.append(time.perf_counter() - t0)
+    out = {"n_steps": n_steps, "dispatch_ms": _median_ms(dispatch),
+           "dispatch_all_ms": [x * 1e3 for x in dispatch], "call_ms": _median_ms(waited),
+           "steady_ms": {}}
+    for calls in calls_list:
+        del cache
+        cache = make_cache()
+        toks, _, cache, seen, rng = fn(leaves, cache, toks[:, -1], rng, seen)
+        per = []
+        for _ in range(windows):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                toks, _, cache, seen, rng = fn(leaves, cache, toks[:, -1], rng, seen)
+            jax.block_until_ready(toks)
+            per.append((time.perf_counter() - t0) / (calls * n_steps))
+        out["steady_ms"][str(calls)] = _median_ms(per)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--format", choices=("bf16", "nvfp4"), default="nvfp4")
+    ap.add_argument("--path", default="pallas", help="a decode_bench path name (default: pallas)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--blocks", default="1,8,32", help="decode steps per device call")
+    ap.add_argument("--calls", default="2,6,16", help="calls per timed window")
+    ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--hlo-out", default=None, help="write the 8-step loop's optimised HLO (gz)")
+    ap.add_argument("--config", default="flint", help="model preset (tiny: a CPU smoke run)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    cfg = preset(a.config)
+    quant = a.format == "nvfp4"
+    t0 = time.perf_counter()
+    graphdef, state = decode_bench.build_state(cfg, quant)
+    model = decode_bench.make_handle(cfg, graphdef, state, quant, a.path)
+    blocks = [int(b) for b in a.blocks.split(",")]
+    calls_list = [int(c) for c in a.calls.split(",")]
+    longest = max(blocks) * (max(calls_list) * a.windows + 20)
+    length = bucket_length(a.context + longest + 64, 1 << 30, minimum=256)
+    res = {"format": a.format, "path": a.path, "batch": a.batch, "context": a.context,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "weights_s": time.perf_counter() - t0,
+           "blocks": {}}
+    tokens = jax.random.randint(jax.random.key(3), (a.batch,), 0, cfg.vocab_size, jnp.int32)
+    for n in blocks:
+        fn = model.decode_fn(SamplingParams(temperature=0.0), False, n)
+        def make_cache():
+            return decode_bench.random_cache(cfg, a.batch, length, a.context)
+        if n == 8:
+            hlo = fn.lower(model.leaves, make_cache(), tokens, jax.random.key(0),
+                           None).compile().as_text()
+            res["hlo"] = command_buffer_summary(hlo)
+            if a.hlo_out:
+                with gzip.open(a.hlo_out, "wt") as f:
+                    f.write(hlo)
+        r = probe(fn, model.leaves, make_cache, tokens, n, calls_list, a.windows)
+        res["blocks"][str(n)] = r
+        print(f"[{a.format} {a.path} B={a.batch} ctx={a.context}] {n} steps/call: dispatch "
+              f"{r['dispatch_ms']:.3f} ms, waited call {r['call_ms']:.3f} ms, per step at "
+              + ", ".join(f"{c} calls {v:.3f}" for c, v in r["steady_ms"].items()), flush=True)
+    if "hlo" in res:
+        print(f"[{a.format}] 8-step loop HLO: {res['hlo']}", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -8,9 +8,11 @@ random weights built on the device:
 - `dispatch_ms`: host time of one call, the device idle before it (the call returns once its
   work is enqueued);
 - `call_ms`: the same call waited for (dispatch + whatever GPU time it does not hide);
-- `steady_ms[calls]`: per-step time of windows of `calls` back-to-back calls (calls = 2 is the
-  suite's in-loop figure; more calls hide each dispatch under the previous call's GPU work, which
-  is what `stream_generate`, dispatching one block ahead, gets);
+- `steady_ms[calls]`: per-step time of windows of `calls` back-to-back calls from an idle device
+  (calls = 2 was the suite's in-loop figure up to run 126; more calls hide each dispatch under
+  the previous call's GPU work);
+- `loop_steady_ms`: per-step time with one call always queued ahead, as `stream_generate` runs
+  (the suite's in-loop figure from run 128, `decode_bench.time_loop`);
 - the compiled program's command buffers: how many Triton custom calls lie inside a
   `command_buffer` computation (a CUDA graph) and how many are launched one by one.
 
@@ -136,10 +138,14 @@ def main():
                 with gzip.open(a.hlo_out, "wt") as f:
                     f.write(hlo)
         r = probe(fn, model.leaves, make_cache, tokens, n, calls_list, a.windows)
+        # The suite's two in-loop figures (decode_bench.time_loop), 4 calls per window.
+        r["loop_steady_ms"], r["loop_idle_ms"], _ = decode_bench.time_loop(
+            model, make_cache(), tokens, n, 4, a.windows)
         res["blocks"][str(n)] = r
         print(f"[{a.format} {a.path} B={a.batch} ctx={a.context}] {n} steps/call: dispatch "
               f"{r['dispatch_ms']:.3f} ms, waited call {r['call_ms']:.3f} ms, per step at "
-              + ", ".join(f"{c} calls {v:.3f}" for c, v in r["steady_ms"].items()), flush=True)
+              + ", ".join(f"{c} calls {v:.3f}" for c, v in r["steady_ms"].items())
+              + f"; one call queued ahead {r['loop_steady_ms']:.3f}", flush=True)
     if "hlo" in res:
         print(f"[{a.format}] 8-step loop HLO: {res['hlo']}", flush=True)
     if a.out:

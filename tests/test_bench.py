@@ -44,7 +44,7 @@ def test_run_case_tiny_on_cpu():
                                 paths=["xla", "pallas"], steps=1, trace=False, loop_block=1)
     for p in ("xla", "pallas"):
         assert f"{p}_error" not in row, row.get(f"{p}_error")
-        assert row[f"{p}_ms"] > 0 and row[f"{p}_loop_ms"] > 0
+        assert row[f"{p}_ms"] > 0 and row[f"{p}_loop_ms"] > 0 and row[f"{p}_loop_idle_ms"] > 0
     assert row["floor_ms"] > 0
     # Same cache contents and token for both paths: the logits agree to bf16 accuracy.
     assert row["rel_l2_pallas_vs_xla"] < 2e-2

@@ -31,7 +31,9 @@ def main():
         by = c.get(p + "_by_kernel") or []
         pick = [r for r in by if any(r[0].startswith(x) for x in prefixes)] if prefixes else by[:5]
         ks = " ".join(f"{n[:40]}={us / cnt:.2f}" for n, cnt, us in pick)
-        print(f"  {p:18s} loop {c[p + '_loop_ms']:.3f} ms  busy {c.get(p + '_busy_us', 0):7.1f} us"
+        idle = c.get(p + "_loop_idle_ms")
+        print(f"  {p:18s} loop {c[p + '_loop_ms']:.3f} ms"
+              + (f" (idle {idle:.3f})" if idle else "") + f"  busy {c.get(p + '_busy_us', 0):7.1f} us"
               f"  kernels {c.get(p + '_kernels', 0):4.0f}  {ks}")
       for k, v in c.items():
         if k.startswith("rel_l2") or "parity" in k or k.endswith("_error"):

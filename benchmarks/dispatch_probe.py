@@ -13,6 +13,9 @@ random weights built on the device:
   the previous call's GPU work);
 - `loop_steady_ms`: per-step time with one call always queued ahead, as `stream_generate` runs
   (the suite's in-loop figure from run 128, `decode_bench.time_loop`);
+- `generate_ms_per_token`: `flint_jax.generate` itself (greedy, no stop tokens) timed for two
+  lengths from the same prompt, per token of the difference (prefill and the first dispatch
+  cancel out), the second of two runs each (the first compiles);
 - the compiled program's command buffers: how many Triton custom calls lie inside a
   `command_buffer` computation (a CUDA graph) and how many are launched one by one.
 
@@ -99,6 +102,23 @@ def probe(fn, leaves, make_cache, tokens, n_steps: int, calls_list, windows: int
     return out
 
 
+def time_generate(model, batch: int, prompt_len: int, lengths) -> dict:
+    """Wall time of `generate` (greedy, no stop) at two lengths; ms per token of the difference."""
+    from flint_jax.decode import generate
+    rows = jax.random.randint(jax.random.key(5), (batch, prompt_len), 0,
+                              model.config.vocab_size, jnp.int32).tolist()
+    walls = {}
+    for n in lengths:
+        for _ in range(2):   # the first run compiles
+            t0 = time.perf_counter()
+            out = generate(model, rows, max_new_tokens=n, temperature=0.0, stop_token_ids=[])
+            walls[n] = time.perf_counter() - t0
+        assert all(len(o) == n for o in out), [len(o) for o in out]
+    lo, hi = min(lengths), max(lengths)
+    return {"wall_s": {str(n): w for n, w in walls.items()},
+            "ms_per_token": (walls[hi] - walls[lo]) * 1e3 / (hi - lo)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", choices=("bf16", "nvfp4"), default="nvfp4")
@@ -108,6 +128,9 @@ def main():
     ap.add_argument("--blocks", default="1,8,32", help="decode steps per device call")
     ap.add_argument("--calls", default="2,6,16", help="calls per timed window")
     ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--generate", default="33,289",
+                    help="two max_new_tokens for the generate() timing ('' to skip)")
+    ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--hlo-out", default=None, help="write the 8-step loop's optimised HLO (gz)")
     ap.add_argument("--config", default="flint", help="model preset (tiny: a CPU smoke run)")
     ap.add_argument("--out", default=None)
@@ -146,6 +169,10 @@ def main():
               f"{r['dispatch_ms']:.3f} ms, waited call {r['call_ms']:.3f} ms, per step at "
               + ", ".join(f"{c} calls {v:.3f}" for c, v in r["steady_ms"].items())
               + f"; one call queued ahead {r['loop_steady_ms']:.3f}", flush=True)
+    if a.generate:
+        res["generate"] = time_generate(model, a.batch, a.prompt_len,
+                                        [int(n) for n in a.generate.split(",")])
+        print(f"[{a.format} {a.path} B={a.batch}] generate(): {res['generate']}", flush=True)
     if "hlo" in res:
         print(f"[{a.format}] 8-step loop HLO: {res['hlo']}", flush=True)
     if a.out:

@@ -164,14 +164,15 @@ class DecodeOptions:
       expert's columns of each block over that many programs, its K being 2x a routed
       expert's); None = 1 (measured no faster: run 58, BF16 1x1K in-loop 2.550 against 2.573
       ms with 2, busy time 2373 against 2363 us; 8x1K 6.769 against 6.756).
-    rms_in_qkv: (batch 1, NVFP4 q|k|v, the combine in the down kernel) the MoE down kernel
+    rms_in_qkv: (NVFP4 q|k|v, routed MoE, the combine in the down kernel) the MoE down kernel
       stops at the residual s and per-column-block sums of squares (its last program of each
       block, no second counter level and no one-program RMSNorm tail), and the next layer's
       q|k|v kernel normalises s as it loads it (`multi_gemv(rms_sumsq=, rms_weight=)`). None
-      (default) = on where it applies; False = off. H200, NVFP4 1x1K, runs 125-126 (both
+      (default) = at batch 1 (with the combine in the down kernel); True = at every batch,
+      the combine moving into the down kernel at batch > 1 too (one launch less per MoE layer:
+      no `moe_combine_add_rms_norm`); False = off. H200, NVFP4 1x1K, runs 125-126 (both
       orders in one process): busy 1797 / 1794 against 1840 / 1835 us (down kernel 8.46 ->
-      6.64 us, q|k|v 5.42 -> 6.20), in-loop 2.086 / 2.226 against 2.224 / 2.171 ms, 350
-      kernels, the same logits.
+      6.64 us, q|k|v 5.42 -> 6.20), 350 kernels, the same logits.
     moe_combine_in_down: (routed MoE, where the layer end is not folded into the next
       q|k|v) the MoE combine + residual add + next RMSNorm done by the down kernel's last
       program (`moe_decode_routed_combine`, two-level arrival counters in
@@ -281,9 +282,12 @@ class DecodeOptions:
 
     def rms_in_qkv_at(self, batch: int, quant: bool) -> bool:
         """Whether the MoE layers' next RMSNorm moves into the next q|k|v kernel (see
-        ``rms_in_qkv``)."""
-        return (self.rms_in_qkv is not False and batch == 1 and quant and self.fused_qkv
-                and self.moe == "routed" and self.combine_in_down_at(batch))
+        ``rms_in_qkv``; at batch > 1 it brings the combine into the down kernel with it)."""
+        if self.rms_in_qkv is False or not (quant and self.fused_qkv and self.moe == "routed"):
+            return False
+        if self.rms_in_qkv is None:
+            return batch == 1 and self.combine_in_down_at(batch)
+        return self.moe_combine_in_down is not False
 
     def combine_in_down_at(self, batch: int) -> bool:
         """Whether the routed MoE's combine runs in the down kernel at this batch size."""
@@ -621,8 +625,11 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         counters = cache.counters
         router_topk = opts.router_topk_at(b)
         gate_up_split = opts.moe_gate_up_split_k_at(b) if (not moe_quant and fold) else 1
-        combine_in_down = opts.combine_in_down_at(b) and not fold and opts.moe == "routed"
-        rms_in_qkv = combine_in_down and opts.rms_in_qkv_at(b, quant)
+        rms_in_qkv = opts.rms_in_qkv_at(b, quant) and not fold
+        combine_in_down = ((opts.combine_in_down_at(b) or rms_in_qkv) and not fold
+                           and opts.moe == "routed")
+        # the q|k|v's NVFP4 tile method at this batch (the rms_in_qkv one too)
+        qkv_method = (opts.nvfp4_qkv_method if b > 1 else None) or nv_method
         pending_rms = None   # (sums of squares, norm weight): the next q|k|v normalises h
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         qkv_split = opts.qkv_split_k_at(b) if fold and not wait else 1
@@ -654,15 +661,14 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                             interpret=interpret)
                 elif pending_rms is not None:   # x = RMSNorm(h), formed as it is loaded
                     with nvfp4_asm_decode(opts.nvfp4_asm_at("qkv")):
-                        q, k, v = multi_gemv(h, _qkv_weights(attn), method=nv_method,
+                        q, k, v = multi_gemv(h, _qkv_weights(attn), method=qkv_method,
                                              rms_sumsq=pending_rms[0],
                                              rms_weight=pending_rms[1], rms_eps=eps,
                                              interpret=interpret)
                     pending_rms = None
                 else:
                     with nvfp4_asm_decode(opts.nvfp4_asm_at("qkv")):
-                        q, k, v = _qkv(attn, x, opts.fused_qkv, interpret,
-                                       (opts.nvfp4_qkv_method if b > 1 else None) or nv_method)
+                        q, k, v = _qkv(attn, x, opts.fused_qkv, interpret, qkv_method)
                 q = q.reshape(*q.shape[:-1], h_, hd)
                 k, v = k.reshape(*k.shape[:-1], kvh, hd), v.reshape(*v.shape[:-1], kvh, hd)
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)
@@ -731,11 +737,14 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     pending = (y, route.logits)
                 elif cfg.is_moe(i):
                     norm = not (rms_in_qkv and not last)   # else the next q|k|v normalises
+                    # the last layer's full combine (its norm feeds the LM head) stays its own
+                    # kernel where the combine in the down kernel is not the batch's choice
+                    in_down = combine_in_down and (not norm or opts.combine_in_down_at(b))
                     h, x, out_counters = _moe_add_rms_norm(
                         mlp, cfg, x, h, nxt, opts.moe, interpret, router_logits,
-                        {**moe_kw, **down_pf}, counters=counters if combine_in_down else None,
+                        {**moe_kw, **down_pf}, counters=counters if in_down else None,
                         route=route, norm=norm)
-                    if combine_in_down:
+                    if in_down:
                         counters = out_counters
                     if not norm:    # x holds the sums of squares of h's column blocks
                         x, pending_rms = None, (x, nxt)

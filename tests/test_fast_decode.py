@@ -367,6 +367,47 @@ def test_rms_in_qkv_batch_one():
         np.testing.assert_allclose(l1, l2, rtol=2e-2, atol=2e-2)
 
 
+def test_rms_in_qkv_batch_above_one():
+    """`rms_in_qkv=True` at batch > 1: the combine moves into the down kernel (residual mode)
+    and the next q|k|v (tensor-core or rows tiles) normalises each row as it loads it. Greedy
+    tokens equal the XLA path's, the counters come back zero, and the logits stay close to the
+    default step's (separate combine kernel) over three steps of 3 and 8 rows."""
+    opts = DecodeOptions(rms_in_qkv=True)
+    assert opts.rms_in_qkv_at(8, quant=True) and opts.rms_in_qkv_at(1, quant=True)
+    assert not DecodeOptions().rms_in_qkv_at(8, quant=True)       # not the default there
+    assert not DecodeOptions(rms_in_qkv=True, moe_combine_in_down=False).rms_in_qkv_at(
+        8, quant=True)
+    assert not opts.rms_in_qkv_at(8, quant=False)
+    assert_generate_equal("nvfp4", 12, opts, [list(range(35, 105)), list(range(3, 14)),
+                                               list(range(50, 61))], 4)
+    for rows in (3, 8):
+        for l1, c1, l2 in paired_steps(True, 13, opts, DecodeOptions(), rows, (5, 17, 3)):
+            assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
+            np.testing.assert_allclose(l1, l2, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("on", [None, True])
+def test_rms_in_qkv_kernels_batch_eight(on):
+    """The NVFP4 batch-8 step lowered for an H200: by default every MoE layer ends in
+    `moe_combine_add_rms_norm`; with `rms_in_qkv=True` a MoE layer that is not the last ends in
+    the down kernel's residual mode and the next q|k|v normalises, the last layer keeping its
+    combine kernel (its norm feeds the LM head)."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
+    step = fast_decode.make_decode_step(graphdef, cfg, options=DecodeOptions(rms_in_qkv=on))
+    names = [m["name"] for m in triton_modules(
+        lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 8, 256),
+        jax.ShapeDtypeStruct((8,), jnp.int32))]
+    # (identical kernels are captured once: the last layer's combine kernel is there either way)
+    assert any(n.startswith("flint_moe_combine_add_rms_norm") for n in names), names
+    assert any("_residual" in n for n in names) == bool(on), names
+    assert any(n.startswith("flint_multi_gemv") and "_rms" in n for n in names) == bool(on)
+
+
 @pytest.mark.parametrize("on", [None, False])
 def test_rms_in_qkv_kernels(on):
     """The NVFP4 batch-1 step lowered for an H200: with `rms_in_qkv` (default) a MoE layer that is not

@@ -152,6 +152,17 @@ def test_multi_gemv_methods_lower(fmt, m, method):
     lower(functools.partial(multi_gemv, method=method, layout="chunk"), S((m, D), BF), ws)
 
 
+@pytest.mark.parametrize("m,method", [(1, None), (8, None), (8, "rows"), (3, "dot")])
+def test_multi_gemv_rms_lowers(m, method):
+  """The q|k|v normalising the residual s as it loads it (rms_sumsq of 128 column blocks per
+  row, as the MoE down kernel's residual mode leaves them), at batch 1 and 8."""
+  ws = tuple(nv(n, D) for n in QKV)
+  def qkv(x, ws, sumsq, w):
+    return multi_gemv(x, ws, method=method, decode="asm", rms_sumsq=sumsq, rms_weight=w)
+  text = lower(qkv, S((m, D), BF), ws, S((m, D // 16), F32), S((D,), BF))
+  assert "_rms" in text
+
+
 def moe_weights(fmt, e=E):
   if fmt == "bf16":
     experts = dict(gate_up_proj=S((e, 2 * I, D), BF), down_proj=S((e, D, I), BF))

@@ -651,7 +651,8 @@ def test_moe_decode_routed_combine(fmt, m, block_n_down):
                               **kw)
 
 
-@pytest.mark.parametrize("fmt,m,block_n_down", [("nvfp4", 1, None), ("bf16", 3, 32)])
+@pytest.mark.parametrize("fmt,m,block_n_down", [("nvfp4", 1, None), ("bf16", 3, 32),
+                                                ("nvfp4", 8, None)])   # per-token slots
 def test_moe_decode_routed_combine_without_norm(fmt, m, block_n_down):
   """norm=False: each column block's last program writes that block's s and its fp32 sum of
   squares; s equals the norm=True call's bit for bit, the sums equal s's (up to fp32 order),
@@ -678,14 +679,16 @@ def test_moe_decode_routed_combine_without_norm(fmt, m, block_n_down):
     assert not np.asarray(counter).any(), "the counter entries must come back zeroed"
 
 
-@pytest.mark.parametrize("fmt,m", [("nvfp4", 1), ("bf16", 8)])
-def test_moe_decode_routed_combine_lowers_for_h200(fmt, m):
-  """At Flint sizes: the down kernel with the combine lowers for an H200."""
+@pytest.mark.parametrize("fmt,m,norm", [("nvfp4", 1, True), ("bf16", 8, True),
+                                        ("nvfp4", 1, False), ("nvfp4", 8, False)])
+def test_moe_decode_routed_combine_lowers_for_h200(fmt, m, norm):
+  """At Flint sizes: the down kernel with the combine (or, norm=False, the residual mode)
+  lowers for an H200."""
   s = jax.ShapeDtypeStruct
   experts, shared = random_moe_weights(fmt, 256, 2048, 512, 1024, np.random.default_rng(0))
   abstract = lambda t: jax.tree.map(lambda a: s(a.shape, a.dtype), t)  # noqa: E731
   text = lower_for_h200(
-      functools.partial(moe_decode_routed_combine, top_k=6, counter_base=2048),
+      functools.partial(moe_decode_routed_combine, top_k=6, counter_base=2048, norm=norm),
       s((m, 2048), jnp.bfloat16), s((m, 256), jnp.float32), abstract(experts), abstract(shared),
       s((m, 2048), jnp.bfloat16), s((2048,), jnp.bfloat16), s((4096,), jnp.int32)).as_text()
-  assert "_combine" in text
+  assert ("_combine" if norm else "_residual") in text

@@ -192,34 +192,38 @@ def test_reference_matches_per_matrix():
                                   np.asarray(nvfp4_gemv_reference(x, *w), np.float32))
 
 
-def _rms_case(g, k, n_parts):
-  s = randn(g, (1, k), scale=3.0)
+def _rms_case(g, k, n_parts, m=1):
+  # rows of different scales, so that a row normalised with another row's r is caught
+  s = randn(g, (m, k), scale=3.0) * jnp.asarray(2.0 ** np.arange(m), jnp.bfloat16)[:, None]
   w = randn(g, (k,), scale=0.3) + 1
   s32 = np.asarray(s, np.float32)
-  sumsq = jnp.asarray((s32 ** 2).reshape(1, n_parts, -1).sum(-1), jnp.float32)
+  sumsq = jnp.asarray((s32 ** 2).reshape(m, n_parts, -1).sum(-1), jnp.float32)
   return s, w, sumsq
 
 
-@pytest.mark.parametrize("ns,k,n_parts,kw", [
-    ((256, 64, 64), 256, 16, {}),                                # default blocks, 16 blocks
-    ((256, 64, 64), 384, 3, dict(method="blocks", block_k=128)),  # 3 parts (not a power of 2)
-    ((128, 64), 256, 4, dict(method="reduce")),
-    ((128, 64), 256, 1, dict(method="lanes", block_k=128)),
+@pytest.mark.parametrize("m,ns,k,n_parts,kw", [
+    (1, (256, 64, 64), 256, 16, {}),                                # default blocks, 16 blocks
+    (1, (256, 64, 64), 384, 3, dict(method="blocks", block_k=128)),  # 3 parts (not a power of 2)
+    (1, (128, 64), 256, 4, dict(method="reduce")),
+    (1, (128, 64), 256, 1, dict(method="lanes", block_k=128)),
+    (8, (256, 64, 64), 256, 16, {}),                     # batch 8's default: tensor-core dot
+    (5, (128, 64), 384, 3, dict(method="dot", block_k=128)),        # padded rows (Mp = 16)
+    (3, (128, 64), 256, 4, dict(method="rows")),                    # CUDA-core rows
 ])
-def test_multi_gemv_rms(ns, k, n_parts, kw):
+def test_multi_gemv_rms(m, ns, k, n_parts, kw):
   """x given as the residual s with the sums of squares of its column blocks: the kernel's
-  output equals the reference of x = bf16(w * (s * rsqrt(mean + eps))), and that x equals
-  add_rms_norm's up to one bf16 ulp (the mean square's fp32 summation order)."""
+  output equals the reference of x = bf16(w * (s * rsqrt(mean + eps))) row by row, and that x
+  equals add_rms_norm's up to one bf16 ulp (the mean square's fp32 summation order)."""
   from flint_jax.pallas import add_rms_norm_reference
-  g = rng("rms", ns, k, n_parts, kw)
-  s, w, sumsq = _rms_case(g, k, n_parts)
+  g = rng("rms", m, ns, k, n_parts, kw)
+  s, w, sumsq = _rms_case(g, k, n_parts, m)
   ws = nvfp4_weights(g, ns, k)
   rms = dict(rms_sumsq=sumsq, rms_weight=w, rms_eps=1e-5)
   out = multi_gemv(s, ws, decode=DECODE, interpret=INTERPRET, **rms, **kw)
-  check_all(out, multi_gemv_reference(s, ws, **rms), ns, 1, "multi_gemv rms")
+  check_all(out, multi_gemv_reference(s, ws, **rms), ns, m, "multi_gemv rms")
   # the same as multiplying the normalised x (add_rms_norm's), to the GEMV's tolerance
   _, x = add_rms_norm_reference(s, jnp.zeros_like(s), w, eps=1e-5)
-  check_all(out, multi_gemv_reference(x, ws), ns, 1, "multi_gemv rms vs add_rms_norm x")
+  check_all(out, multi_gemv_reference(x, ws), ns, m, "multi_gemv rms vs add_rms_norm x")
   # and not the GEMV of s itself: the normalisation happened
   plain = multi_gemv_reference(s, ws)
   assert not np.allclose(np.asarray(out[0], np.float32), np.asarray(plain[0], np.float32),
@@ -232,7 +236,7 @@ def test_multi_gemv_rms_rejects_bad_inputs():
   ws = nvfp4_weights(g, (128, 64), 256)
   with pytest.raises(ValueError, match="together"):
     multi_gemv(s, ws, rms_sumsq=sumsq, interpret=INTERPRET)
-  with pytest.raises(ValueError, match="M = 1"):
+  with pytest.raises(ValueError, match=r"rms_sumsq must be f32 \[M=2"):   # one row of sums
     multi_gemv(jnp.concatenate([s, s]), ws, rms_sumsq=sumsq, rms_weight=w,
                interpret=INTERPRET)
   with pytest.raises(ValueError, match="NVFP4"):

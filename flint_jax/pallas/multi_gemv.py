@@ -169,17 +169,39 @@ def _validate(x, weights, fmt, block_n, block_k):
 
 
 class _NormedRow:
-  """The x operand of ``multi_gemv(rms_sumsq=...)``: indexed like the x view [1, K/64, 2, 2, 16],
-  it loads the residual s there and the norm weight w at the same columns and returns
-  bf16(w * (f32(s) * r)), ``add_rms_norm``'s formula with r = rsqrt(mean square + eps)."""
+  """The x operand of ``multi_gemv(rms_sumsq=...)``: indexed like the x view [M, K/64, 2, 2, 16]
+  (by one row, a Python int, or by the [Mp] row index of a tensor-core tile), it loads the
+  residual s there and the norm weight w at the same columns and returns bf16(w * (f32(s) * r)),
+  ``add_rms_norm``'s formula with each row's r = rsqrt(mean square + eps): ``r_rows[i]`` for
+  row i, ``r_vec`` [Mp] for the row index's rows."""
 
-  def __init__(self, s_ref, w_ref, r):
-    self.s_ref, self.w_ref, self.r = s_ref, w_ref, r
+  def __init__(self, s_ref, w_ref, r_rows, r_vec=None):
+    self.s_ref, self.w_ref, self.r_rows, self.r_vec = s_ref, w_ref, r_rows, r_vec
 
   def __getitem__(self, idx):
     s = self.s_ref[idx]
     w = self.w_ref[idx[1:]]                 # the same columns of w [K/64, 2, 2, 16]
-    return (w.astype(jnp.float32) * (s.astype(jnp.float32) * self.r)).astype(s.dtype)
+    if isinstance(idx[0], int):
+      r = self.r_rows[idx[0]]
+    else:                                   # [Mp, ...]: one r per loaded row
+      r = self.r_vec.reshape((self.r_vec.shape[0],) + (1,) * (s.ndim - 1))
+    return (w.astype(jnp.float32) * (s.astype(jnp.float32) * r)).astype(s.dtype)
+
+
+def _row_rms(ss_ref, m, mp, k, eps, per_row_index):
+  """Each row's r = rsqrt(sum of its partial sums of squares / K + eps) from ss_ref [M, P]: a
+  list of M scalars, and with ``per_row_index`` also [Mp] along ``row_load_index(m, mp)``."""
+  n_parts = ss_ref.shape[1]
+  idx = jnp.arange(C.next_pow2(n_parts), dtype=jnp.int32)
+  r_rows = [lax.rsqrt(jnp.sum(plgpu.load(ss_ref.at[i, idx], mask=idx < n_parts, other=0)) / k
+                      + eps) for i in range(m)]
+  if not per_row_index:
+    return r_rows, None
+  rows = C.row_load_index(m, mp)
+  r_vec = jnp.zeros((mp,), jnp.float32)
+  for i, r in enumerate(r_rows):          # padded rows repeat the last real row, as x's do
+    r_vec = jnp.where(rows == i, r, r_vec)
+  return r_rows, r_vec
 
 
 def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode, layout,
@@ -189,8 +211,8 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
   refs (bf16): x [M, K], w_0..w_{n-1} [N_i, K], o_0..o_{n-1} [M, N_i].
   refs (nvfp4): x view [M, K/64, 2, 2, 16], (codes, scales) views per matrix, then one [1] f32
   tensor scale per matrix (separate inputs: stacking them would be an XLA launch per call),
-  then with ``rms_eps`` (M = 1) the sums of squares [1, P] and the norm weight view [K/64, 2, 2,
-  16], o_0..o_{n-1}.
+  then with ``rms_eps`` the sums of squares [M, P] and the norm weight view [K/64, 2, 2, 16],
+  o_0..o_{n-1}.
   """
   pid = pl.program_id(0)
   x_ref = refs[0]
@@ -203,11 +225,9 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
   o_refs = refs[len(refs) - n_mats:]
   if rms_eps is not None:   # x is the residual s: normalised as it is loaded
     ss_ref, wn_ref = refs[1 + 3 * n_mats:3 + 3 * n_mats]
-    n_parts = ss_ref.shape[1]
-    idx = jnp.arange(C.next_pow2(n_parts), dtype=jnp.int32)
-    ss = plgpu.load(ss_ref.at[0, idx], mask=idx < n_parts, other=0)
-    r = lax.rsqrt(jnp.sum(ss) / (n_iter * bk) + rms_eps)
-    x_ref = _NormedRow(x_ref, wn_ref, r)
+    tensor_core = method not in C.CUDA_CORE_M1 and method != "rows"
+    x_ref = _NormedRow(x_ref, wn_ref, *_row_rms(ss_ref, m, mp, n_iter * bk, rms_eps,
+                                                 tensor_core))
 
   def matrix(i):
     n0 = pl.multiple_of((pid - starts[i]) * bn, bn)
@@ -272,10 +292,10 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   ``"fp8"`` in interpret mode). Block defaults:
   ``default_multi_gemv_blocks`` (not yet measured for the fused kernel).
 
-  ``rms_sumsq`` f32 [1, P] and ``rms_weight`` [K] (NVFP4, M = 1, tile layout, a CUDA-core
-  method): x is a residual s, and the kernel multiplies its RMSNorm instead, x' = bf16(w *
-  (f32(s) * rsqrt(sum(rms_sumsq) / K + rms_eps))), computed as each K step loads x;
-  ``rms_sumsq`` holds the sums of squares of s over any P column blocks
+  ``rms_sumsq`` f32 [M, P] and ``rms_weight`` [K] (NVFP4, tile layout): x is a residual s, and
+  the kernel multiplies its RMSNorm instead, row by row x' = bf16(w * (f32(s) *
+  rsqrt(sum(rms_sumsq[row]) / K + rms_eps))), computed as each K step loads x; ``rms_sumsq``
+  holds the sums of squares of s over any P column blocks
   (``moe_decode_routed_combine(norm=False)``). Equal to ``add_rms_norm``'s x' up to the fp32
   summation order of the mean square.
   """
@@ -295,12 +315,11 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   rms = rms_sumsq is not None
   if rms or rms_weight is not None:
     C.check(rms and rms_weight is not None, "give rms_sumsq and rms_weight together")
-    C.check(fmt == "nvfp4" and m == 1 and layout == "tile" and method in C.CUDA_CORE_M1,
-            f"rms_sumsq needs NVFP4 weights, M = 1, the tile layout and a CUDA-core method "
-            f"{C.CUDA_CORE_M1}, got {fmt=} {m=} {layout=} {method=}")
-    C.check(rms_sumsq.ndim == 2 and rms_sumsq.shape[0] == 1
+    C.check(fmt == "nvfp4" and layout == "tile",
+            f"rms_sumsq needs NVFP4 weights and the tile layout, got {fmt=} {layout=}")
+    C.check(rms_sumsq.ndim == 2 and rms_sumsq.shape[0] == m
             and rms_sumsq.dtype == jnp.float32 and rms_weight.shape == (k,),
-            f"rms_sumsq must be f32 [1, P] and rms_weight [K={k}], got {rms_sumsq.shape} "
+            f"rms_sumsq must be f32 [M={m}, P] and rms_weight [K={k}], got {rms_sumsq.shape} "
             f"{rms_sumsq.dtype} / {rms_weight.shape}")
   mp = C.pad_rows(m, method)
   n_mats = len(weights)

@@ -42,12 +42,13 @@ from flint_jax.pallas.moe import moe_decode_routed_combine
 from flint_jax.pallas.nvfp4_gemv import asm_decode as nvfp4_asm_decode
 
 # KVCache.counters entries of the MoE down kernel's combine (`moe_decode_routed_combine`): one
-# for the column blocks and one per block (<= 129 at D = 2048), above the gate_up kernel's
-# split-K entries (< 3136, cache.COUNTER_ENTRIES).
+# for the column blocks and one per block (<= 129 at D = 2048), or in the residual mode at
+# batch > 1 one per (block, token) (<= 1 + 128 * MAX_BATCH), above the gate_up kernel's split-K
+# entries (< 3136, cache.COUNTER_ENTRIES).
 COMBINE_COUNTER_BASE = 3584
 # KVCache.counters entry of the router kernel's top-k (`router_logits_topk`: one arrival
-# counter), above the combine's (<= 3584 + 129).
-ROUTER_TOPK_COUNTER = 3968
+# counter), above the combine's (<= 3584 + 1 + 128 * 16).
+ROUTER_TOPK_COUNTER = 6144
 
 MAX_BATCH = 16
 

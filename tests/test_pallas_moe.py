@@ -655,15 +655,20 @@ def test_moe_decode_routed_combine(fmt, m, block_n_down):
                                                 ("nvfp4", 8, None)])   # per-token slots
 def test_moe_decode_routed_combine_without_norm(fmt, m, block_n_down):
   """norm=False: each column block's last program writes that block's s and its fp32 sum of
-  squares; s equals the norm=True call's bit for bit, the sums equal s's (up to fp32 order),
-  and the counter entries come back zero (twice)."""
+  squares (with per-token slots at M > 1, the last of each token's programs of the block, on
+  per-token counters); s equals the norm=True call's bit for bit, the sums equal s's (up to
+  fp32 order), and the counter entries come back zero (twice)."""
   _, experts, shared, x, _, logits = _routed_case(fmt, m, 16, 3, 256, 64, 128, False, "res")
   gen = rng("res-h")
   h = randn(gen, (m, 256))
   w_next = randn(gen, (256,)) + 1.0
   kw = dict(top_k=3, decode=DECODE, interpret=INTERPRET, block_n_down=block_n_down,
             counter_base=20)
-  counter = jnp.zeros((64,), jnp.int32)
+  counter = jnp.zeros((256,), jnp.int32)
+  if fmt == "nvfp4" and m > 1:   # per-token counters: 16 blocks x M entries, not 16
+    with pytest.raises(ValueError, match="counter"):
+      moe_decode_routed_combine(x, logits, experts, shared, h, w_next,
+                                jnp.zeros((20 + 1 + 16 + 1,), jnp.int32), norm=False, **kw)
   s_want, _, route, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next,
                                                         counter, **kw)
   bn = block_n_down or 16

@@ -520,9 +520,15 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
 
     lax.cond(s_id < n_slots_max, routed, shared)
     if combine is not None:
+      # per-token arrival counters (residual mode, every program one token's): the last of a
+      # token's top_k + 1 programs of a block combines that token's columns, in parallel with
+      # the other tokens' instead of all M rows in one program
+      token = None
+      if combine.get("per_token"):
+        token = jnp.where(s_id < n_slots_max, s_id // route_top_k, s_id - n_slots_max)
       _down_combine_finish(r, m=m, d=r["out"].shape[-1], n_slots=n_slots_max,
                            progs_per_block=n_slots_max + n_sh, interpret=interpret,
-                           **combine)
+                           token=token, **{k: v for k, v in combine.items() if k != "per_token"})
     return
 
   y_s = shared_y().astype(jnp.float32)
@@ -542,13 +548,25 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
 
 
 def _down_combine_finish(r, *, m, d, n_slots, progs_per_block, top_k, base, eps, dp,
-                         interpret, bn=None, norm=True):
-  """The tail of the down kernel with ``combine``: see ``_down_kernel``."""
+                         interpret, bn=None, norm=True, token=None):
+  """The tail of the down kernel with ``combine``: see ``_down_kernel``. ``token`` (residual
+  mode with per-token slots): this program's token; its block's arrivals are counted per token
+  on entry ``base + 1 + block * M + token`` and the last of its top_k + 1 writes that token's
+  block of s and its sum of squares."""
   cnt = r["cmb_counter_out"]
   n_blocks = pl.num_programs(0)
   jb = pl.program_id(0)
   if not interpret:   # every thread's stores precede the atomic (no CPU lowering)
     plgpu.debug_barrier()
+  if token is not None:
+    entry = base + 1 + jb * m + token
+    old = plgpu.atomic_add(cnt, (entry,), jnp.int32(1))
+
+    @pl.when(old == top_k)
+    def _():
+      plgpu.store(cnt.at[entry], jnp.int32(0))
+      _combine_block(r, token, jb, m=m, top_k=top_k, n_slots=n_slots, bn=bn)
+    return
   old = plgpu.atomic_add(cnt, (base + 1 + jb,), jnp.int32(1))
 
   @pl.when(old == progs_per_block - 1)
@@ -920,14 +938,16 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     C.check(c_h.shape == (m, d) and c_h.dtype == x.dtype and c_w.shape == (d,),
             f"combine: h must be [{m}, {d}] {x.dtype} and w_next [{d}], got {c_h.shape} "
             f"{c_h.dtype} / {c_w.shape}")
+    per_token = not c_norm and m > 1 and token_method is not None and shared_token
+    n_entries = n_blocks * (m if per_token else 1)
     C.check(c_counter.dtype == jnp.int32 and c_counter.ndim == 1
-            and 0 <= c_base and c_base + 1 + n_blocks <= c_counter.shape[0],
+            and 0 <= c_base and c_base + 1 + n_entries <= c_counter.shape[0],
             f"combine: the counter must be int32 zeros with entries {c_base} .. "
-            f"{c_base + n_blocks} (got shape {c_counter.shape} {c_counter.dtype})")
+            f"{c_base + n_entries} (got shape {c_counter.shape} {c_counter.dtype})")
     names += ["cmb_logits", "cmb_h", "cmb_w", "cmb_counter"]
     args += [route_out.logits, c_h, c_w, c_counter]
     combine_kw = dict(top_k=route[0], base=c_base, eps=c_eps, dp=C.next_pow2(d), bn=bn_dn,
-                      norm=c_norm)
+                      norm=c_norm, per_token=per_token)
   names += ["out"]
   if combine is not None:
     names += ["cmb_s", "cmb_x" if c_norm else "cmb_ss", "cmb_counter_out"]

@@ -173,7 +173,9 @@ class DecodeOptions:
       the combine moving into the down kernel at batch > 1 too (one launch less per MoE layer:
       no `moe_combine_add_rms_norm`); False = off. H200, NVFP4 1x1K, runs 125-126 (both
       orders in one process): busy 1797 / 1794 against 1840 / 1835 us (down kernel 8.46 ->
-      6.64 us, q|k|v 5.42 -> 6.20), 350 kernels, the same logits.
+      6.64 us, q|k|v 5.42 -> 6.20), 350 kernels, the same logits. At 8x1K (runs 133-134)
+      slower: 5.170 against 4.988 ms per token (down 21.1 -> 26.3 us, q|k|v 13.6 -> 16.0,
+      against the 3.7 us combine kernel), 445 kernels.
     moe_combine_in_down: (routed MoE, where the layer end is not folded into the next
       q|k|v) the MoE combine + residual add + next RMSNorm done by the down kernel's last
       program (`moe_decode_routed_combine`, two-level arrival counters in

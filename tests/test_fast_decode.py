@@ -386,23 +386,29 @@ def test_rms_in_qkv_batch_above_one():
             np.testing.assert_allclose(l1, l2, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("on", [None, True])
-def test_rms_in_qkv_kernels_batch_eight(on):
-    """The NVFP4 batch-8 step lowered for an H200: by default every MoE layer ends in
-    `moe_combine_add_rms_norm`; with `rms_in_qkv=True` a MoE layer that is not the last ends in
-    the down kernel's residual mode and the next q|k|v normalises, the last layer keeping its
-    combine kernel (its norm feeds the LM head)."""
+def nvfp4_step_kernels(options, rows):
+    """Names of the Pallas kernels of a `small_cfg` NVFP4 step at `rows` rows, lowered for an
+    H200 (identical kernels are captured once)."""
     import jax
     import jax.numpy as jnp
     from flint_jax.cache import cache_shapes
     from flint_jax.pallas.testing import triton_modules
     cfg = small_cfg()
     graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
-    step = fast_decode.make_decode_step(graphdef, cfg, options=DecodeOptions(rms_in_qkv=on))
-    names = [m["name"] for m in triton_modules(
-        lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 8, 256),
-        jax.ShapeDtypeStruct((8,), jnp.int32))]
-    # (identical kernels are captured once: the last layer's combine kernel is there either way)
+    step = fast_decode.make_decode_step(graphdef, cfg, options=options)
+    return [m["name"] for m in triton_modules(
+        lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, rows, 256),
+        jax.ShapeDtypeStruct((rows,), jnp.int32))]
+
+
+@pytest.mark.parametrize("on", [None, True])
+def test_rms_in_qkv_kernels_batch_eight(on):
+    """The NVFP4 batch-8 step lowered for an H200: by default every MoE layer ends in
+    `moe_combine_add_rms_norm`; with `rms_in_qkv=True` a MoE layer that is not the last ends in
+    the down kernel's residual mode and the next q|k|v normalises, the last layer keeping its
+    combine kernel (its norm feeds the LM head)."""
+    names = nvfp4_step_kernels(DecodeOptions(rms_in_qkv=on), 8)
+    # the last layer's combine kernel is there either way
     assert any(n.startswith("flint_moe_combine_add_rms_norm") for n in names), names
     assert any("_residual" in n for n in names) == bool(on), names
     assert any(n.startswith("flint_multi_gemv") and "_rms" in n for n in names) == bool(on)
@@ -413,16 +419,7 @@ def test_rms_in_qkv_kernels(on):
     """The NVFP4 batch-1 step lowered for an H200: with `rms_in_qkv` (default) a MoE layer that is not
     the last ends in the down kernel's residual mode and the next q|k|v kernel normalises
     (the last MoE layer keeps the full combine for the LM head); 350-kernel structure kept."""
-    import jax
-    import jax.numpy as jnp
-    from flint_jax.cache import cache_shapes
-    from flint_jax.pallas.testing import triton_modules
-    cfg = small_cfg()
-    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
-    step = fast_decode.make_decode_step(graphdef, cfg, options=DecodeOptions(rms_in_qkv=on))
-    names = [m["name"] for m in triton_modules(
-        lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
-        jax.ShapeDtypeStruct((1,), jnp.int32))]
+    names = nvfp4_step_kernels(DecodeOptions(rms_in_qkv=on), 1)
     assert any(n.startswith("flint_moe_down") and n.endswith("_combine") for n in names), names
     assert any("_residual" in n for n in names) == (on is None), names
     assert any(n.startswith("flint_multi_gemv") and "_rms" in n for n in names) == (on is None)

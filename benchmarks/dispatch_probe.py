@@ -1,8 +1,8 @@
 """Where the in-loop decode time goes beyond the kernels: host dispatch against GPU time.
 
-The suite's in-loop figure (`decode_bench.time_loop`) times windows of 2 calls of `generate`'s
-8-step device loop, each window starting from an idle device, so the first call's host dispatch
-is on the clock. This probe separates the two, for one path at one (batch, context), full-size
+Up to run 126 the suite's in-loop figure timed windows of 2 calls of `generate`'s 8-step device
+loop, each window starting from an idle device, so the first call's host dispatch was on the
+clock (perf log 79). This probe separates the two, for one path at one (batch, context), full-size
 random weights built on the device:
 
 - `dispatch_ms`: host time of one call, the device idle before it (the call returns once its
@@ -15,23 +15,21 @@ random weights built on the device:
   (the suite's in-loop figure from run 128, `decode_bench.time_loop`);
 - `generate_ms_per_token`: `flint_jax.generate` itself (greedy, no stop tokens) timed for two
   lengths from the same prompt, per token of the difference (prefill and the first dispatch
-  cancel out), the second of two runs each (the first compiles);
-- the compiled program's command buffers: how many Triton custom calls lie inside a
-  `command_buffer` computation (a CUDA graph) and how many are launched one by one.
+  cancel out), the second of two runs each (the first compiles).
 
     python3 benchmarks/dispatch_probe.py --format nvfp4 --out $OUT/dispatch.json
 
 Run it once per XLA_FLAGS setting (e.g. `--xla_gpu_enable_command_buffer=` for no graphs): the
-flags are read when jax starts.
+flags are read when jax starts. (Runs 127-128 also summarised the loop's optimised HLO,
+`--hlo-out`: command buffers are formed on XLA's thunks after the HLO, so it showed none, and the
+option is gone.)
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
-import re
 import statistics
 import time
 
@@ -46,26 +44,6 @@ from flint_jax.sampling import SamplingParams
 
 def _median_ms(xs):
     return statistics.median(xs) * 1e3
-
-
-def command_buffer_summary(hlo_text: str) -> dict:
-    """Custom calls inside / outside `command_buffer` computations of an optimised HLO text."""
-    inside = outside = 0
-    n_buffers = 0
-    in_buffer = False
-    for line in hlo_text.splitlines():
-        head = re.match(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if head and not line.startswith(" "):
-            in_buffer = "command_buffer" in head.group(2)
-            n_buffers += in_buffer
-            continue
-        if "custom-call(" in line or "custom_call_target" in line:
-            if in_buffer:
-                inside += 1
-            else:
-                outside += 1
-    return {"command_buffer_computations": n_buffers, "custom_calls_in_buffers": inside,
-            "custom_calls_outside": outside, "while_ops": hlo_text.count(" while(")}
 
 
 def probe(fn, leaves, make_cache, tokens, n_steps: int, calls_list, windows: int) -> dict:
@@ -131,7 +109,6 @@ def main():
     ap.add_argument("--generate", default="33,289",
                     help="two max_new_tokens for the generate() timing ('' to skip)")
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--hlo-out", default=None, help="write the 8-step loop's optimised HLO (gz)")
     ap.add_argument("--config", default="flint", help="model preset (tiny: a CPU smoke run)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -153,13 +130,6 @@ def main():
         fn = model.decode_fn(SamplingParams(temperature=0.0), False, n)
         def make_cache():
             return decode_bench.random_cache(cfg, a.batch, length, a.context)
-        if n == 8:
-            hlo = fn.lower(model.leaves, make_cache(), tokens, jax.random.key(0),
-                           None).compile().as_text()
-            res["hlo"] = command_buffer_summary(hlo)
-            if a.hlo_out:
-                with gzip.open(a.hlo_out, "wt") as f:
-                    f.write(hlo)
         r = probe(fn, model.leaves, make_cache, tokens, n, calls_list, a.windows)
         # The suite's two in-loop figures (decode_bench.time_loop), 4 calls per window.
         r["loop_steady_ms"], r["loop_idle_ms"], _ = decode_bench.time_loop(
@@ -173,8 +143,6 @@ def main():
         res["generate"] = time_generate(model, a.batch, a.prompt_len,
                                         [int(n) for n in a.generate.split(",")])
         print(f"[{a.format} {a.path} B={a.batch}] generate(): {res['generate']}", flush=True)
-    if "hlo" in res:
-        print(f"[{a.format}] 8-step loop HLO: {res['hlo']}", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -523,12 +523,11 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
       # per-token arrival counters (residual mode, every program one token's): the last of a
       # token's top_k + 1 programs of a block combines that token's columns, in parallel with
       # the other tokens' instead of all M rows in one program
-      token = None
-      if combine.get("per_token"):
-        token = jnp.where(s_id < n_slots_max, s_id // route_top_k, s_id - n_slots_max)
+      token = (jnp.where(s_id < n_slots_max, s_id // route_top_k, s_id - n_slots_max)
+               if combine["per_token"] else None)
       _down_combine_finish(r, m=m, d=r["out"].shape[-1], n_slots=n_slots_max,
                            progs_per_block=n_slots_max + n_sh, interpret=interpret,
-                           token=token, **{k: v for k, v in combine.items() if k != "per_token"})
+                           token=token, **combine)
     return
 
   y_s = shared_y().astype(jnp.float32)
@@ -548,17 +547,17 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
 
 
 def _down_combine_finish(r, *, m, d, n_slots, progs_per_block, top_k, base, eps, dp,
-                         interpret, bn=None, norm=True, token=None):
-  """The tail of the down kernel with ``combine``: see ``_down_kernel``. ``token`` (residual
-  mode with per-token slots): this program's token; its block's arrivals are counted per token
-  on entry ``base + 1 + block * M + token`` and the last of its top_k + 1 writes that token's
-  block of s and its sum of squares."""
+                         interpret, bn=None, norm=True, per_token=False, token=None):
+  """The tail of the down kernel with ``combine``: see ``_down_kernel``. ``per_token`` (residual
+  mode with per-token slots): ``token`` is this program's token; its block's arrivals are
+  counted per token on entry ``base + 1 + block * M + token`` and the last of its top_k + 1
+  writes that token's block of s and its sum of squares."""
   cnt = r["cmb_counter_out"]
   n_blocks = pl.num_programs(0)
   jb = pl.program_id(0)
   if not interpret:   # every thread's stores precede the atomic (no CPU lowering)
     plgpu.debug_barrier()
-  if token is not None:
+  if per_token:
     entry = base + 1 + jb * m + token
     old = plgpu.atomic_add(cnt, (entry,), jnp.int32(1))
 

@@ -264,6 +264,17 @@ def _prescaled(state):
     return _PRESCALED[0][1]
 
 
+def _fixed_routing(state):
+    """The state with every MoE router weight zeroed: all logits 0, so every token selects
+    experts 0 .. top_k - 1 (ties go to the lowest index) in every layer and step."""
+    pairs = []
+    for path, var in nnx.to_flat_state(state):
+        if ".".join(str(p) for p in path).endswith("mlp.gate.weight"):
+            var = var.replace(value=jnp.zeros_like(var.get_value()))
+        pairs.append((path, var))
+    return nnx.from_flat_state(pairs)
+
+
 def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     """A model handle for a benchmark path: "xla", "pallas" (default `DecodeOptions`),
     "pallas_v1" (the session-1 Pallas step: three projection GEMVs, MoE routing in XLA) or
@@ -318,11 +329,19 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     each decoded weight, in every kernel), "pallas_mul" (`nvfp4_asm="mul"` in every kernel: the
     default until run 91, which gives q|k|v and the MoE down kernel "post"),
     "pallas_e4m3" (NVFP4: the default step on the state's e4m3 block scales; every other Pallas
-    path gets them pre-scaled to bf16, `nvfp4.prescale_state`, as `flint_jax.load` does)."""
+    path gets them pre-scaled to bf16, `nvfp4.prescale_state`, as `flint_jax.load` does),
+    "pallas_tlba" / "pallas_tlbr" / "pallas_tlbg" / "pallas_tlbrg" / "pallas_tlbarg"
+    (`tlb_touch` "attn" / "router" / "gate_up" / both / all three: kernels touch every 2 MiB
+    page of the MoE experts before the kernels that read them), "xla_fixroute" /
+    "pallas_fixroute" (the router weights zeroed: every token of every step selects experts 0-5,
+    so the step reads the same expert pages each time; what a first-touch cost per expert is
+    worth)."""
     from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
     kernels, _, variant = path.partition("_")
     if kernels == "pallas" and quant and variant != "e4m3":
         state = _prescaled(state)   # as `flint_jax.load` holds it for the Pallas path on a GPU
+    if variant == "fixroute":    # shares every other array with the state
+        state, variant = _fixed_routing(state), ""
     if variant.startswith("rs"):
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(ring_splits=int(variant[2:])))
@@ -398,6 +417,11 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "cdnopre": DecodeOptions(moe_combine_in_down=True, moe_prerouted=False),
                "nocd": DecodeOptions(moe_combine_in_down=False),
                "ffi": DecodeOptions(launch="ffi"),
+               "tlba": DecodeOptions(tlb_touch="attn"),
+               "tlbr": DecodeOptions(tlb_touch="router"),
+               "tlbg": DecodeOptions(tlb_touch="gate_up"),
+               "tlbrg": DecodeOptions(tlb_touch="router,gate_up"),
+               "tlbarg": DecodeOptions(tlb_touch="attn,router,gate_up"),
                "e4m3": None}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)

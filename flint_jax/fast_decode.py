@@ -237,6 +237,15 @@ class DecodeOptions:
       ``qk_norm_rope_attention(kv_prefetch=True)``); True = all four, False / "" = none
       (default: the first three measured slower, H200 run 56: the requests go out lane by lane
       and queue, and a hot o_proj saves only 0.3-0.5 us; perf log 44).
+    tlb_touch: kernels that touch every 2 MiB page of an MoE layer's stacked experts (16
+      bytes per page, ``l2_prefetch.touch_pages``) so that the page walks of the experts a
+      step selects happen before the kernels that read them: a comma-separated subset of
+      "attn" (the layer's attention kernel touches its gate_up and down weights), "router"
+      (the add + norm + router kernel touches the gate_up weights; where that kernel runs,
+      batch 1) and "gate_up" (the gate_up kernel touches the down weights); "" (default) =
+      none. For measurements: a step whose every token routes to the same experts ran ~1.6 us
+      per MoE layer faster (runs 130-132, perf log 79), which a per-page first-touch cost
+      would explain.
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -270,8 +279,10 @@ class DecodeOptions:
     launch: str = "xla"
     nvfp4_asm: str = "auto"
     nvfp4_swap: bool = True
+    tlb_touch: str = ""
 
     PREFETCH_SITES = ("attn", "router", "down", "kv")
+    TOUCH_SITES = ("attn", "router", "gate_up")
 
     #: The kernels ``nvfp4_asm="auto"`` gives the "post" decode (H200 run 91).
     POST_SITES = ("qkv", "moe_down")
@@ -317,6 +328,10 @@ class DecodeOptions:
         if not self.l2_prefetch:
             return frozenset()
         return frozenset(t.strip() for t in self.l2_prefetch.split(",") if t.strip())
+
+    def touch_sites(self) -> frozenset:
+        """The ``tlb_touch`` sites as a set of names."""
+        return frozenset(t.strip() for t in (self.tlb_touch or "").split(",") if t.strip())
 
     def early_trigger_for(self, quant: bool) -> tuple[bool, str]:
         """(whether the step's kernels trigger early, which: "all" / "latency" / "streams"), for
@@ -395,6 +410,10 @@ class DecodeOptions:
                 self.PREFETCH_SITES):
             raise ValueError("DecodeOptions.l2_prefetch must be a bool or a comma-separated "
                              f"subset of {self.PREFETCH_SITES}, got {self.l2_prefetch!r}")
+        if not isinstance(self.tlb_touch, str) or not self.touch_sites() <= set(
+                self.TOUCH_SITES):
+            raise ValueError("DecodeOptions.tlb_touch must be a comma-separated subset of "
+                             f"{self.TOUCH_SITES}, got {self.tlb_touch!r}")
         if self.nvfp4_asm not in ("auto", "mul", "mul_bf16", "shift", "post"):
             raise ValueError("DecodeOptions.nvfp4_asm must be 'auto', 'mul', 'mul_bf16', "
                              f"'shift' or 'post', got {self.nvfp4_asm!r}")
@@ -547,6 +566,13 @@ def _weight_arrays(*lins):
                  for a in (_lin_arg(lin)[:2] if lin.quant else (_lin_arg(lin),)))
 
 
+def _expert_pages(ex, part: str):
+    """The stacked expert arrays of one MoE layer whose pages ``tlb_touch`` warms: "gate_up"
+    or "down" (BF16: the weight; NVFP4: codes and block scales)."""
+    names = ((f"{part}_qweight", f"{part}_weight_scale") if ex.quant else (f"{part}_proj",))
+    return tuple(getattr(ex, n)[...] for n in names)
+
+
 def _lin_arg(lin):
     if lin.quant:
         return NVFP4Weight(lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...])
@@ -637,6 +663,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         qkv_split = opts.qkv_split_k_at(b) if fold and not wait else 1
         pf = opts.prefetch_sites()
+        touch = opts.touch_sites()
         attn_warps = ({} if opts.attention_num_warps is None
                       else dict(num_warps=opts.attention_num_warps))
         # RoPE's cos / sin: computed by the first sliding layer's attention kernel, loaded by
@@ -695,7 +722,11 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         prefetch=_weight_arrays(attn.o_proj) if "attn" in pf else (),
                         kv_prefetch="kv" in pf and sliding,
                         rope_cos_sin=rope_cs if sliding else None,
-                        return_cos_sin=first_rope, **atomic, **attn_warps)
+                        return_cos_sin=first_rope,
+                        touch=(_expert_pages(layer.mlp.experts, "gate_up")
+                               + _expert_pages(layer.mlp.experts, "down")
+                               if "attn" in touch and cfg.is_moe(i) else ()),
+                        **atomic, **attn_warps)
                     o, kc, vc = res[:3]
                     if counter is not None:
                         counter = res[3]
@@ -717,13 +748,17 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     h, x, router_logits = add_rms_norm_router(
                         h, a, post_ln, mlp.gate.weight[...], eps=eps, interpret=interpret,
                         prefetch=(_weight_arrays(shared.gate_proj, shared.up_proj)
-                                  if "router" in pf else ()))
+                                  if "router" in pf else ()),
+                        touch=(_expert_pages(mlp.experts, "gate_up") if "router" in touch
+                               else ()))
                 else:
                     h, x = add_rms_norm(h, a, post_ln, eps=eps, interpret=interpret)
                 nxt = layers[i + 1].input_layernorm.weight[...] if not last else m.model.norm.weight[...]
                 # the MoE down kernel fetches the next layer's q|k|v weights into the L2
                 down_pf = (dict(down_prefetch=_weight_arrays(*_qkv_lins(layers[i + 1])))
                            if "down" in pf and not last else {})
+                if "gate_up" in touch and cfg.is_moe(i):
+                    down_pf["gate_up_touch"] = _expert_pages(mlp.experts, "down")
                 route = None
                 if cfg.is_moe(i) and router_logits is None and opts.moe == "routed":
                     router_logits, route, counters = _route(

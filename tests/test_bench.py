@@ -78,3 +78,23 @@ def test_parity_tiny_on_cpu():
         assert p["first_divergence"] is None and p["first_divergence_near_tie"] is None
     else:
         assert p["first_divergence_near_tie"]["ref_margin"] >= 0
+
+
+def test_fixed_routing_zeroes_only_the_routers():
+    """`pallas_fixroute`'s state: every router weight zero (so every token selects experts
+    0 .. top_k - 1), every other leaf the very same array."""
+    from flax import nnx
+    cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
+    _, state = decode_bench.build_state(cfg, quant=False)
+    fixed = decode_bench._fixed_routing(state)
+    before = dict(nnx.to_flat_state(state))
+    routers = 0
+    for path, var in nnx.to_flat_state(fixed):
+        name = ".".join(str(p) for p in path)
+        if name.endswith("mlp.gate.weight"):
+            routers += 1
+            assert not np.asarray(var.get_value()).any()
+            assert np.asarray(before[path].get_value()).any()
+        else:
+            assert var.get_value() is before[path].get_value(), name
+    assert routers == 1

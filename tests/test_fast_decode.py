@@ -463,6 +463,39 @@ def test_l2_prefetch_sites_in_triton_ir(quant):
         assert kinds == {"qk_norm", "add_rms", "moe_down"}, with_pf
 
 
+@pytest.mark.parametrize("fmt,rows", [("nvfp4", 1), ("bf16", 1), ("nvfp4", 2)])
+def test_tlb_touch_step_equals_xla(fmt, rows):
+    """Every page-touch site on (attention and router kernels, MoE gate_up): the touches change
+    no result (a no-op in interpret mode; the GPU tests compare the compiled kernels)."""
+    opts = DecodeOptions(tlb_touch="attn,router,gate_up")
+    assert opts.touch_sites() == {"attn", "router", "gate_up"}
+    assert DecodeOptions().touch_sites() == frozenset()
+    with pytest.raises(ValueError, match="tlb_touch"):
+        DecodeOptions(tlb_touch="attn,down")
+    data = [list(range(21, 91)), list(range(4, 12))][:rows]
+    assert_generate_equal(fmt, 13, opts, data, 4)
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_tlb_touch_sites_in_triton_ir(quant):
+    """Lowered for an H200 at batch 1: each site's kernel (and no other) carries the touch
+    requests."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    cfg = flint_jax.preset("tiny", num_hidden_layers=3, mlp_only_layers=(0,))
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=quant, rngs=nnx.Rngs(0)))
+    for sites, want in (("attn", {"qk_norm"}), ("router", {"add_rms"}),
+                        ("gate_up", {"moe_gate"}), ("", set())):
+        step = fast_decode.make_decode_step(graphdef, cfg, options=DecodeOptions(tlb_touch=sites))
+        mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
+                              jax.ShapeDtypeStruct((1,), jnp.int32))
+        touched = [m["name"] for m in mods if "cp.async.bulk.prefetch.L2" in m["asm"]]
+        assert all("_touch" in n for n in touched), touched
+        assert {n.split("_")[1] + "_" + n.split("_")[2] for n in touched} == want, touched
+
+
 def test_router_and_o_proj_defaults():
     """router_pallas: the Pallas router GEMV wherever the router is its own op (batch > 1) by
     default (run 59); bf16_o_proj_pallas: off by default, batch > 1 only when on;

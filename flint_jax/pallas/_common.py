@@ -201,7 +201,8 @@ def silu_mul_f32(g, u, act_dtype=jnp.bfloat16):
   return g / (1.0 + jnp.exp(-g)) * u
 
 
-def pallas_call(kernel, *, prefetch: int = 0, **kw):
+def pallas_call(kernel, *, prefetch: int = 0, touch: int = 0, touch_page: int | None = None,
+                **kw):
   """``pl.pallas_call`` for every flint_jax Triton kernel: under ``pdl.early_trigger`` (on by
   default) the kernel first lets the next kernel launch (``pdl`` module docstring).
 
@@ -210,22 +211,28 @@ def pallas_call(kernel, *, prefetch: int = 0, **kw):
   (``l2_prefetch.prefetch_slice``) and the kernel body never sees them. They come after the
   inputs, so ``input_output_aliases`` indices are unchanged.
 
+  ``touch`` > 0: that many more arrays after the prefetched ones (the stacked experts a later
+  kernel reads in part); each program asks for 16 bytes of every ``touch_page``-th byte of its
+  share of them (``l2_prefetch.touch_pages``), so that their pages' address translations are
+  cached before that kernel runs.
+
   Under ``ffi_launch.enabled`` (not in interpret mode, no prefetch) the kernel is compiled by the
   triton package and launched by flint_jax's FFI call instead of XLA (``ffi_launch``)."""
   from flint_jax.pallas import ffi_launch, pdl   # pylint: disable=g-import-not-at-top
   early = pdl.triggers(kw.get("name") or "")
-  if ffi_launch.enabled.value and not kw.get("interpret") and not prefetch:
+  if ffi_launch.enabled.value and not kw.get("interpret") and not (prefetch or touch):
     return ffi_launch.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
-  if not prefetch:
+  if not (prefetch or touch):
     return pl.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
   grid = kw.get("grid") or ()
   grid = grid if isinstance(grid, tuple) else (grid,)
   if kw.get("in_specs") is not None:   # the prefetched arrays are whole (never loaded)
-    kw["in_specs"] = (*kw["in_specs"], *([pl.no_block_spec] * prefetch))
+    kw["in_specs"] = (*kw["in_specs"], *([pl.no_block_spec] * (prefetch + touch)))
 
   def call(*args):
-    n_in = len(args) - prefetch
-    check(n_in >= 0, f"{prefetch=} arrays to prefetch, but only {len(args)} arguments")
+    n_in = len(args) - prefetch - touch
+    check(n_in >= 0, f"{prefetch=} arrays to prefetch and {touch=} to touch, but only "
+                     f"{len(args)} arguments")
 
     def body(*refs, **params):
       from flint_jax.pallas import l2_prefetch   # pylint: disable=g-import-not-at-top
@@ -234,7 +241,9 @@ def pallas_call(kernel, *, prefetch: int = 0, **kw):
         pid, parts = pid * size + pl.program_id(axis), parts * size
       for ref in refs[n_in:n_in + prefetch]:
         l2_prefetch.prefetch_slice(ref, pid, parts)
-      return kernel(*refs[:n_in], *refs[n_in + prefetch:], **params)
+      for ref in refs[n_in + prefetch:n_in + prefetch + touch]:
+        l2_prefetch.touch_pages(ref, pid, parts, touch_page or l2_prefetch.PAGE_BYTES)
+      return kernel(*refs[:n_in], *refs[n_in + prefetch + touch:], **params)
 
     body = functools.wraps(kernel)(body)
     return pl.pallas_call(pdl.with_early_trigger(body) if early else body, **kw)(*args)

@@ -288,14 +288,16 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
                            block_k: int | None = None, num_splits: int | None = None,
                            merge: str = "kernel", num_warps: int = 4, num_stages: int = 2,
                            prefetch=(), kv_prefetch: bool = False, rope_cos_sin=None,
-                           return_cos_sin: bool = False, interpret: bool = False):
+                           return_cos_sin: bool = False, touch=(), interpret: bool = False):
   """qk_norm_rope + decode_attention in one split kernel; see the module docstring.
 
   ``prefetch``: arrays (a later kernel's weights) whose bytes the programs ask the L2 to fetch
   while they work (``_common.pallas_call``); results do not depend on them. ``kv_prefetch``:
   each program first asks the L2 for its first K and V blocks (``l2_prefetch.prefetch_l2``),
   whose loads otherwise wait on HBM after the norm / RoPE work; needs caches under 2 GB (int32
-  byte offsets). Neither changes a result.
+  byte offsets). ``touch``: arrays (a later kernel's stacked experts) of which the programs
+  ask for 16 bytes per 2 MiB page, to warm the address translations (``l2_prefetch.touch_pages``).
+  None of these changes a result.
 
   RoPE's cos / sin (``rope=True``): by default every program computes them (libdevice sincos,
   ~30% of a ring program's instructions, SASS session 18). ``return_cos_sin=True`` appends them
@@ -383,15 +385,16 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
       cs_mode=cs_mode, kv_prefetch=kv_prefetch, interpret=interpret)
   if cs_mode == "store":
     out_shape = (*out_shape, jax.ShapeDtypeStruct((b, 2, dh // 2), f32))
-  prefetch = tuple(prefetch)
+  prefetch, touch = tuple(prefetch), tuple(touch)
   res = C.pallas_call(
       kernel, out_shape=out_shape, grid=(b, kvh, num_splits), input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      prefetch=len(prefetch),
+      prefetch=len(prefetch), touch=len(touch),
       name=(f"flint_qk_norm{'_rope' if rope else ''}_attn_{'ring' if ring else 'full'}"
             f"_bk{block_k}_ns{num_splits}{'' if mode == 'kernel' else '_' + mode}"
-            f"{'_pf' if prefetch else ''}{'_kvpf' if kv_prefetch else ''}"),
-  )(*args, *prefetch)
+            f"{'_pf' if prefetch else ''}{'_kvpf' if kv_prefetch else ''}"
+            f"{'_touch' if touch else ''}"),
+  )(*args, *prefetch, *touch)
   extra = ()
   if cs_mode == "store":
     res, extra = res[:-1], res[-1:]

@@ -35,7 +35,12 @@ from jax._src.state import types as state_types
 
 from flint_jax.pallas import pdl
 
-__all__ = ["prefetch_l2", "prefetch_slice", "chunk_plan", "slice_bytes"]
+__all__ = ["prefetch_l2", "prefetch_slice", "chunk_plan", "slice_bytes", "touch_pages",
+           "page_plan", "PAGE_BYTES"]
+
+#: The GPU page size ``touch_pages`` assumes by default: the CUDA driver maps large device
+#: allocations (XLA's memory pool) with 2 MiB pages.
+PAGE_BYTES = 2 << 20
 
 _prefetch_p = jax_core.Primitive("flint_prefetch_l2")
 
@@ -119,3 +124,31 @@ def slice_bytes(total: int, parts: int, chunks: int = 128) -> int:
   """Bytes per part in ``prefetch_slice``: total / parts rounded up to 16 * chunks."""
   per = -(-total // parts)
   return -(-per // (16 * chunks)) * (16 * chunks)
+
+
+def touch_pages(ref, part, parts: int, page_bytes: int = PAGE_BYTES):
+  """Ask the L2 for 16 bytes at every ``page_bytes`` of ``ref``'s buffer (a kernel argument):
+  pages ``part, part + parts, ...`` of it, this program's share of a ``parts``-program grid.
+  What it is for: the address translations of a buffer a later kernel reads only in part (the
+  MoE's stacked experts, of which a step reads 6 of 256) are then in the GPU's TLBs before that
+  kernel's first load, instead of a page walk on its critical path; the bytes themselves are
+  negligible (16 per page). ``part``: traced int32. Returns None (and does nothing) for a
+  buffer whose size is not a multiple of 16 bytes."""
+  total = _nbytes(ref)
+  if total % 16:
+    return None
+  if total >= 2 ** 31:
+    raise ValueError(f"touch_pages: int32 byte offsets need a buffer under 2 GiB, got "
+                     f"{total} bytes ({ref.shape} {ref.dtype})")
+  return _prefetch_p.bind(ref, *page_plan(total, part, parts, page_bytes))
+
+
+def page_plan(total: int, part, parts: int, page_bytes: int = PAGE_BYTES):
+  """(offsets, sizes) int32 [ceil(pages / parts)] of ``touch_pages``' requests for part
+  ``part`` of ``parts``: 16 bytes at the start of pages part, part + parts, ... of a
+  ``total``-byte buffer; requests past its last page have size 0 (skipped)."""
+  n_pages = -(-total // page_bytes)
+  page = jnp.asarray(part, jnp.int32) + parts * jnp.arange(-(-n_pages // parts), dtype=jnp.int32)
+  offsets = jnp.minimum(page, n_pages - 1) * page_bytes
+  sizes = jnp.where(page < n_pages, 16, 0).astype(jnp.int32)
+  return offsets, sizes

@@ -742,7 +742,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
             token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
             down_shared_cols=None, combine=None, asm_down=None, route_given=None,
-            shared_first=False, shared_rows=None):
+            shared_first=False, shared_rows=None, gate_up_touch=()):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -751,7 +751,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   counter) (counter None unless ``gate_up_counter`` was given). route_given (routed only): the
   ``MoERoute`` computed outside (route_names/route_args then ["route_ids_in"] / [its ids]): the
   gate_up kernel reads the ids, outputs no routing, and route_given is returned. shared_rows:
-  see ``moe_decode_routed``.
+  see ``moe_decode_routed``. gate_up_touch: arrays whose pages the gate_up kernel's programs
+  touch (``_common.pallas_call(touch=)``).
   y [U + 1, M, D] (down_split) or out [M, D]; MoERoute or None."""
   C.check(slot_rows in (None, "all", "token"),
           f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
@@ -878,13 +879,16 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       layout=layout, method=method, route=route, token_method=token_method, split_k=sk,
       finish=finish, shared_first=shared_first, shared_token=shared_token, interpret=interpret)
   tag += ("_token" if token else "") + ("_shtok" if shared_token else "")
+  gate_up_touch = tuple(gate_up_touch)
   res = C.pallas_call(
       kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
       input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      touch=len(gate_up_touch),
       name=f"flint_moe_gate_up{tag}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
-           + (f"_splitk{sk}" if sk > 1 else "") + ("_finish" if finish else ""),
-  )(*args)
+           + (f"_splitk{sk}" if sk > 1 else "") + ("_finish" if finish else "")
+           + ("_touch" if gate_up_touch else ""),
+  )(*args, *gate_up_touch)
   res = list(res)
   counter_out = res.pop() if finish else None
   n_h = len(out_shape) - (2 if route is not None and route_given is None else 0) - finish
@@ -1083,7 +1087,7 @@ def _launch_routed(x, logits, experts, shared, options, **extra):
   arguments (its ``locals()``); the routing knobs resolved here (``_routed_defaults``, the
   routing inputs), the tuning knobs passed through, ``extra`` added (the combine)."""
   opts = {k: v for k, v in options.items()
-          if k in _ROUTED_KNOBS + _TUNING + ("gate_up_counter", "down_prefetch")}
+          if k in _ROUTED_KNOBS + _TUNING + ("gate_up_counter", "down_prefetch", "gate_up_touch")}
   top_k = opts.pop("top_k")
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
@@ -1114,7 +1118,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       down_shared_cols: int | None = None, asm_down: str | None = None,
                       prerouted: bool | None = None, shared_first: bool | None = None,
                       shared_rows: str | None = None, route: MoERoute | None = None,
-                      interpret: bool = False):
+                      gate_up_touch=(), interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls; 3 with ``prerouted``,
   the default for NVFP4 experts at M > 1) and the routing.
 
@@ -1140,6 +1144,9 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   loads h as usual; returns (y, route, counter), the counter zeroed again for the next call.
   ``down_prefetch``: arrays (a later kernel's weights, e.g. the next layer's q|k|v) the down
   kernel's programs ask the L2 to fetch while they work (``_common.pallas_call``).
+  ``gate_up_touch``: arrays (e.g. the stacked down weights) whose 2 MiB pages the gate_up
+  kernel's programs touch, 16 bytes each, so that the down kernel's first loads find their
+  address translations cached (``l2_prefetch.touch_pages``); no result changes.
   ``down_shared_cols``: the shared expert's down columns of each block cut over this many
   programs (its K is I_s / I times a routed expert's), each >= 16 columns wide; None = 1 (2
   measured no faster in the step, H200 run 58).
@@ -1192,7 +1199,8 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               down_shared_cols: int | None = None, down_prefetch=(),
                               asm_down: str | None = None, prerouted: bool | None = None,
                               shared_first: bool | None = None, shared_rows: str | None = None,
-                              route: MoERoute | None = None, interpret: bool = False):
+                              route: MoERoute | None = None, gate_up_touch=(),
+                              interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its

@@ -15,7 +15,12 @@ random weights built on the device:
   (the suite's in-loop figure from run 128, `decode_bench.time_loop`);
 - `generate_ms_per_token`: `flint_jax.generate` itself (greedy, no stop tokens) timed for two
   lengths from the same prompt, per token of the difference (prefill and the first dispatch
-  cancel out), the second of two runs each (the first compiles).
+  cancel out), the second of two runs each (the first compiles);
+- `caches` (`--caches`): the steady per-step time and the kernel busy time of the same decode
+  loop from a cache that the model prefilled from a random prompt (as `generate` decodes)
+  against the suite's random cache (N(0, 0.5) keys and values) at the same context and
+  length, each starting from the same token, with the kernels' per-step time from a trace:
+  whether what the loop decodes from changes the kernels' speed.
 
     python3 benchmarks/dispatch_probe.py --format nvfp4 --out $OUT/dispatch.json
 
@@ -97,6 +102,40 @@ def time_generate(model, batch: int, prompt_len: int, lengths) -> dict:
             "ms_per_token": (walls[hi] - walls[lo]) * 1e3 / (hi - lo)}
 
 
+def compare_caches(model, cfg, batch: int, prompt_len: int, block: int, windows: int) -> dict:
+    """Steady loop time and kernel busy time from a prefilled cache against a random one (see
+    the module docstring). Both caches: context `prompt_len`, the length `generate` would take
+    for 289 new tokens; the first token is the prompt's greedy continuation in both."""
+    from flint_jax.decode import prefill
+    rows = jax.random.randint(jax.random.key(5), (batch, prompt_len), 0, cfg.vocab_size,
+                              jnp.int32).tolist()
+    length = bucket_length(prompt_len + 289, model.max_length)
+    first = None
+
+    def make(kind):
+        nonlocal first
+        if kind == "random":
+            return decode_bench.random_cache(cfg, batch, length, prompt_len)
+        logits, cache = prefill(model, rows, length)
+        first = jnp.argmax(logits, -1).astype(jnp.int32)
+        return cache
+
+    out = {"length": length, "prompt_len": prompt_len}
+    step = model.decode_logits_fn()
+    # the first prefilled pass pays the prefill's compile; kept apart as "prefilled_first"
+    for label, kind in (("prefilled_first", "prefilled"), ("random", "random"),
+                        ("prefilled", "prefilled")):
+        cache = make(kind)
+        steady, idle, cache = decode_bench.time_loop(model, cache, first, block, 4, windows)
+        del cache
+        stats, cache = decode_bench.count_kernels(step, model.leaves, make(kind), first)
+        del cache
+        out[label] = {"loop_steady_ms": steady, "loop_idle_ms": idle,
+                     **({k: stats[k] for k in ("kernels", "kernel_us", "busy_us", "by_kernel")}
+                        if stats else {})}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", choices=("bf16", "nvfp4"), default="nvfp4")
@@ -109,6 +148,8 @@ def main():
     ap.add_argument("--generate", default="33,289",
                     help="two max_new_tokens for the generate() timing ('' to skip)")
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--caches", action="store_true",
+                    help="also time the loop from a prefilled cache against a random one")
     ap.add_argument("--config", default="flint", help="model preset (tiny: a CPU smoke run)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -139,6 +180,13 @@ def main():
               f"{r['dispatch_ms']:.3f} ms, waited call {r['call_ms']:.3f} ms, per step at "
               + ", ".join(f"{c} calls {v:.3f}" for c, v in r["steady_ms"].items())
               + f"; one call queued ahead {r['loop_steady_ms']:.3f}", flush=True)
+    if a.caches:
+        res["caches"] = c = compare_caches(model, cfg, a.batch, a.prompt_len, blocks[0],
+                                           a.windows)
+        print(f"[{a.format} {a.path} B={a.batch}] caches (context {a.prompt_len}, length "
+              f"{c['length']}): " + "; ".join(
+                  f"{k} steady {c[k]['loop_steady_ms']:.3f} ms, busy {c[k].get('busy_us', 0):.0f} "
+                  f"us" for k in ("prefilled", "random")), flush=True)
     if a.generate:
         res["generate"] = time_generate(model, a.batch, a.prompt_len,
                                         [int(n) for n in a.generate.split(",")])

@@ -125,12 +125,14 @@ def compare_caches(model, cfg, batch: int, prompt_len: int, block: int, windows:
     # the first prefilled pass pays the prefill's compile; kept apart as "prefilled_first"
     for label, kind in (("prefilled_first", "prefilled"), ("random", "random"),
                         ("prefilled", "prefilled")):
+        t_start = time.time()     # wall clock, to line up with an nvidia-smi log
         cache = make(kind)
         steady, idle, cache = decode_bench.time_loop(model, cache, first, block, 4, windows)
         del cache
         stats, cache = decode_bench.count_kernels(step, model.leaves, make(kind), first)
         del cache
-        out[label] = {"loop_steady_ms": steady, "loop_idle_ms": idle,
+        out[label] = {"loop_steady_ms": steady, "loop_idle_ms": idle, "t_start": t_start,
+                      "t_end": time.time(),
                      **({k: stats[k] for k in ("kernels", "kernel_us", "busy_us", "by_kernel")}
                         if stats else {})}
     return out
@@ -188,8 +190,10 @@ def main():
                   f"{k} steady {c[k]['loop_steady_ms']:.3f} ms, busy {c[k].get('busy_us', 0):.0f} "
                   f"us" for k in ("prefilled", "random")), flush=True)
     if a.generate:
+        t_start = time.time()
         res["generate"] = time_generate(model, a.batch, a.prompt_len,
                                         [int(n) for n in a.generate.split(",")])
+        res["generate"].update(t_start=t_start, t_end=time.time())
         print(f"[{a.format} {a.path} B={a.batch}] generate(): {res['generate']}", flush=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -15,7 +15,7 @@ random weights built on the device:
   (the suite's in-loop figure from run 128, `decode_bench.time_loop`);
 - `generate_ms_per_token`: `flint_jax.generate` itself (greedy, no stop tokens) timed for two
   lengths from the same prompt, per token of the difference (prefill and the first dispatch
-  cancel out), the second of two runs each (the first compiles);
+  cancel out), medians of 3 runs each after one that compiles;
 - `caches` (`--caches`): the steady per-step time and the kernel busy time of the same decode
   loop from a cache that the model prefilled from a random prompt (as `generate` decodes)
   against the suite's random cache (N(0, 0.5) keys and values) at the same context and
@@ -85,21 +85,28 @@ def probe(fn, leaves, make_cache, tokens, n_steps: int, calls_list, windows: int
     return out
 
 
-def time_generate(model, batch: int, prompt_len: int, lengths) -> dict:
-    """Wall time of `generate` (greedy, no stop) at two lengths; ms per token of the difference."""
+def time_generate(model, batch: int, prompt_len: int, lengths, reps: int = 3) -> dict:
+    """Wall time of `generate` (greedy, no stop) at two lengths, ms per token of the difference
+    of the medians of `reps` runs each, the lengths interleaved (one run of each first, to
+    compile). One run per length (runs 130-131) was not enough: a ~40 ms hiccup in either moves
+    the per-token figure by 0.15 ms (run 136)."""
     from flint_jax.decode import generate
     rows = jax.random.randint(jax.random.key(5), (batch, prompt_len), 0,
                               model.config.vocab_size, jnp.int32).tolist()
-    walls = {}
-    for n in lengths:
-        for _ in range(2):   # the first run compiles
+    walls = {n: [] for n in lengths}
+    for rep in range(reps + 1):
+        for n in lengths:
             t0 = time.perf_counter()
             out = generate(model, rows, max_new_tokens=n, temperature=0.0, stop_token_ids=[])
-            walls[n] = time.perf_counter() - t0
-        assert all(len(o) == n for o in out), [len(o) for o in out]
+            if rep:                 # rep 0 compiles
+                walls[n].append(time.perf_counter() - t0)
+            assert all(len(o) == n for o in out), [len(o) for o in out]
     lo, hi = min(lengths), max(lengths)
+    med = {n: statistics.median(w) for n, w in walls.items()}
     return {"wall_s": {str(n): w for n, w in walls.items()},
-            "ms_per_token": (walls[hi] - walls[lo]) * 1e3 / (hi - lo)}
+            "ms_per_token": (med[hi] - med[lo]) * 1e3 / (hi - lo),
+            "ms_per_token_range": [(min(walls[hi]) - max(walls[lo])) * 1e3 / (hi - lo),
+                                   (max(walls[hi]) - min(walls[lo])) * 1e3 / (hi - lo)]}
 
 
 def compare_caches(model, cfg, batch: int, prompt_len: int, block: int, windows: int) -> dict:

@@ -243,9 +243,9 @@ class DecodeOptions:
       "attn" (the layer's attention kernel touches its gate_up and down weights), "router"
       (the add + norm + router kernel touches the gate_up weights; where that kernel runs,
       batch 1) and "gate_up" (the gate_up kernel touches the down weights); "" (default) =
-      none. For measurements: a step whose every token routes to the same experts ran ~1.6 us
-      per MoE layer faster (runs 130-132, perf log 79), which a per-page first-touch cost
-      would explain.
+      none. Measured no faster (H200 run 135, NVFP4 1x1K: 1.787-1.789 against 1.779 ms per
+      token): a step that reads the same experts every step is no faster either (1.783), so
+      there is no per-page first-touch cost to take (perf log 81).
     """
     fused_qkv: bool = True
     moe: str = "routed"

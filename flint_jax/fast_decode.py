@@ -325,13 +325,11 @@ class DecodeOptions:
         """The ``l2_prefetch`` sites as a set of names."""
         if self.l2_prefetch is True:
             return frozenset(self.PREFETCH_SITES)
-        if not self.l2_prefetch:
-            return frozenset()
-        return frozenset(t.strip() for t in self.l2_prefetch.split(",") if t.strip())
+        return _site_set(self.l2_prefetch or "")
 
     def touch_sites(self) -> frozenset:
         """The ``tlb_touch`` sites as a set of names."""
-        return frozenset(t.strip() for t in (self.tlb_touch or "").split(",") if t.strip())
+        return _site_set(self.tlb_touch or "")
 
     def early_trigger_for(self, quant: bool) -> tuple[bool, str]:
         """(whether the step's kernels trigger early, which: "all" / "latency" / "streams"), for
@@ -432,6 +430,11 @@ class DecodeOptions:
         if self.qkv_wait and (self.moe != "routed" or not self.fused_qkv or self.norm_in_qkv):
             raise ValueError("DecodeOptions.qkv_wait needs moe='routed', fused_qkv=True and "
                              "norm_in_qkv=False")
+
+
+def _site_set(spec: str) -> frozenset:
+    """A comma-separated list of kernel sites ("attn, down") as a set of names."""
+    return frozenset(t.strip() for t in spec.split(",") if t.strip())
 
 
 #: The session-1 Pallas step (three projection GEMVs, MoE routing in XLA), kept for comparison.
@@ -566,10 +569,11 @@ def _weight_arrays(*lins):
                  for a in (_lin_arg(lin)[:2] if lin.quant else (_lin_arg(lin),)))
 
 
-def _expert_pages(ex, part: str):
-    """The stacked expert arrays of one MoE layer whose pages ``tlb_touch`` warms: "gate_up"
-    or "down" (BF16: the weight; NVFP4: codes and block scales)."""
-    names = ((f"{part}_qweight", f"{part}_weight_scale") if ex.quant else (f"{part}_proj",))
+def _expert_pages(ex, *parts: str):
+    """The stacked expert arrays of one MoE layer whose pages ``tlb_touch`` warms, for each of
+    ``parts`` ("gate_up", "down"): BF16 the weight, NVFP4 codes and block scales."""
+    names = [n for p in parts
+             for n in ((f"{p}_qweight", f"{p}_weight_scale") if ex.quant else (f"{p}_proj",))]
     return tuple(getattr(ex, n)[...] for n in names)
 
 
@@ -723,8 +727,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         kv_prefetch="kv" in pf and sliding,
                         rope_cos_sin=rope_cs if sliding else None,
                         return_cos_sin=first_rope,
-                        touch=(_expert_pages(layer.mlp.experts, "gate_up")
-                               + _expert_pages(layer.mlp.experts, "down")
+                        touch=(_expert_pages(layer.mlp.experts, "gate_up", "down")
                                if "attn" in touch and cfg.is_moe(i) else ()),
                         **atomic, **attn_warps)
                     o, kc, vc = res[:3]

@@ -223,7 +223,9 @@ class DecodeOptions:
       for the kernels it made faster on the H200 -- q|k|v (5.43 against 5.61 us in the step)
       and the MoE down kernel (8.39 against 8.65) -- and "mul" elsewhere (the MoE gate_up
       9.10 against 8.77, the LM head 75.2 against 73.8; run 91, batch 1; ``nvfp4_asm_at``).
-      At batch > 1 "post" equals "mul" (it changes only the ``blocks`` tiles).
+      At batch > 1 "post" changes only the ``blocks`` tiles, i.e. the NVFP4 MoE's per-token
+      slots; "auto" keeps "mul" for their gate_up there too (run 140: 8x1K 4.961 against
+      5.056 ms with "post", 4x1K 3.779 against 3.847).
     nvfp4_swap: at batch > 1, the NVFP4 MoE gate_up and LM head on swap-AB tiles (the decoded
       weights as wgmma's register A operand; their defaults since session 12: H200 run 80, M = 8
       MoE 144.7 against 160.2 us, LM head 142.6 against 185.6). False: session 11's ``dot``

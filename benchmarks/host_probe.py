@@ -116,20 +116,31 @@ def model_probe(fmt: str, batch: int, context: int, reps: int, config: str = "fl
     # `stable`: the same step with the logits written into a donated buffer of theirs, so with
     # the same tokens every input and output keeps its address from call to call.
     raw, unflatten = model.decode_logits_fn_raw(), model._unflatten()
+    # (keep_unused: jit would otherwise drop the unread buffer, and with it the aliasing)
     stable_step = jax.jit(lambda leaves, cache, tokens, buf: raw(unflatten(leaves), cache, tokens),
-                          donate_argnums=(1, 3))
+                          donate_argnums=(1, 3), keep_unused=True)
     st["buf"] = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
 
     def call_stable():
         st["buf"], st["cache"] = stable_step(model.leaves, st["cache"], same, st["buf"])
         return st["buf"]
 
+    def addresses():
+        return (st["buf"].unsafe_buffer_pointer(),
+                jax.tree.leaves(st["cache"])[0].unsafe_buffer_pointer())
+
     out = {"leaves": len(model.leaves), "step": {}}
     for mode in ("same", "fresh", "stable"):
         fn = call_stable if mode == "stable" else (lambda: call(mode == "fresh"))
+        if mode == "stable":
+            call_stable()
+            before = addresses()
         out["step"][mode] = r = _dispatch_ms(fn, reps)
+        if mode == "stable":   # what the mode is for: no buffer moved
+            out["stable_kept_addresses"] = addresses() == before
+        kept = (f"; addresses kept: {out['stable_kept_addresses']}" if mode == "stable" else "")
         print(f"[{fmt} B={batch}] one-step decode, {mode} tokens: dispatch {r['median_ms']:.3f} "
-              f"ms (min {r['min_ms']:.3f}); {out['leaves']} array arguments", flush=True)
+              f"ms (min {r['min_ms']:.3f}); {out['leaves']} array arguments{kept}", flush=True)
     return out
 
 

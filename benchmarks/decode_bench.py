@@ -305,7 +305,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     only), "pallas_norin" (forced off), "pallas_xgu" (`bf16_dense_pallas=False`: the BF16 dense
     gate|up on XLA at batch 1 too), "pallas_gusk2" / "pallas_gusk4" (`moe_gate_up_split_k`: the
     BF16 MoE gate_up kernel's K in 2 / 4 slices), "pallas_qsk1/2/4" (`qkv_split_k`: the
-    `norm_qkv` kernel's K in 1 / 2 / 4 slices, its partials summed by the attention kernel),
+    fused q|k|v kernel's K in 1 / 2 / 4 slices, `norm_qkv` or `multi_gemv`, its partials summed
+    by the attention kernel),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
     the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'

@@ -1606,6 +1606,22 @@ def m8dense2_cases(variants):
   return m8dense_cases(variants, M8DENSE2, "m8dense2")
 
 
+M8QSK = {   # session 22: the q|k|v in K slices (multi_gemv split_k; fp32 partials, which the
+    # step's attention kernel sums: here a separate XLA sum, the flint kernel's own time is its
+    # "kernels" entry)
+    "qkv": [{}] + [dict(split_k=sk, **kw) for sk in (2, 4) for kw in (
+        {}, dict(block_n=128, num_warps=8), dict(block_n=32))] + [dict(split_k=8, block_k=64)],
+    "o_proj": [], "lm_head": [],
+}
+
+
+def m8qsk_cases(variants):
+  """Session 22: the NVFP4 q|k|v at M = 8 in K slices (``multi_gemv(split_k=S)``): the default
+  tile runs 80 programs of 16 K steps (13.5 us per layer in the 8x1K step); S slices give S x
+  the programs, each S x shorter."""
+  return m8dense_cases(variants, M8QSK, "m8qsk")
+
+
 def m8dense_cases(variants, table=None, group="m8dense"):
   """Session 16: the NVFP4 dense GEMVs of the batch-8 step on other tiles (block scales
   pre-scaled, as ``flint_jax.load`` gives them): the q|k|v ``multi_gemv`` (17.1 us per layer in
@@ -1650,7 +1666,7 @@ GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "m8diag": m8diag_cases, "m8diag2": m8diag2_cases,
           "m8pre": m8pre_cases, "shtok": shtok_cases, "m8dense": m8dense_cases,
           "m8dense2": m8dense2_cases, "m4qkv": m4qkv_cases, "bf16tok": bf16tok_cases,
-          "m8silu": m8silu_cases}
+          "m8silu": m8silu_cases, "m8qsk": m8qsk_cases}
 
 
 # ------------------------------------------------------------------------------------------

@@ -141,13 +141,14 @@ class DecodeOptions:
       (gate_up 12.9 against 13.4 us per layer); 351 against 350 kernels while the step zeroed
       the counters itself (until session 9). 1 turns it off. NVFP4 experts ignore it.
       (Leaving the sum to the down kernel measured slower: run 44.)
-    qkv_split_k: (where the layer end goes into the next q|k|v kernel, `norm_in_qkv`, and the
-      attention is "fused" / "fused_atomic") the `norm_qkv` kernel's K in this many slices,
-      its fp32 partials summed by the attention kernel as it loads q / k / v (`norm_qkv(...,
-      split_k=S, sum_splits=False)`): S x the programs (a BF16 q|k|v at batch 1 has 80 tiles
-      for 132 SMs), no kernel more. None (default) = 1: measured slower (H200 run 48, BF16
-      1x1K: `norm_qkv` 13.4 us at S = 2 against 10.4, every program repeating the statistic
-      pass; in-loop 2.78 against 2.62 ms).
+    qkv_split_k: (where the attention is "fused" / "fused_atomic") the fused q|k|v kernel's K
+      in this many slices, its fp32 partials summed by the attention kernel as it loads q / k
+      / v (`norm_qkv(..., split_k=S, sum_splits=False)` where the layer end goes into the
+      q|k|v kernel, `norm_in_qkv`; `multi_gemv(..., split_k=S, sum_splits=False)` otherwise):
+      S x the programs, no kernel more. Why: a BF16 q|k|v at batch 1 has 80 tiles for 132
+      SMs, and so does the NVFP4 one at batch > 1 (`dot` tiles bn64, 16 K steps each). None
+      (default) = 1: `norm_qkv` measured slower (H200 run 48, BF16 1x1K: 13.4 us at S = 2
+      against 10.4, every program repeating the statistic pass; in-loop 2.78 against 2.62 ms).
     early_trigger: every Pallas kernel of the step executes griddepcontrol.launch_dependents at
       its start, so the next kernel's CTAs are placed and wait at their entry while it runs
       (`pallas.pdl`). None (default) = the measured choice: on for BF16 weights, off for NVFP4
@@ -343,7 +344,7 @@ class DecodeOptions:
         return self.early_trigger, "all"
 
     def qkv_split_k_at(self, batch: int) -> int:
-        """K slices of the `norm_qkv` kernel at this batch size (where it applies)."""
+        """K slices of the fused q|k|v kernel at this batch size (where it applies)."""
         return 1 if self.qkv_split_k is None else self.qkv_split_k
 
     def moe_gate_up_split_k_at(self, batch: int) -> int:
@@ -515,13 +516,14 @@ def _qkv_weights(attn):
                  for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
 
 
-def _qkv(attn, x, fused, interpret, method=None):
-    """x [M, D] -> q [M, H*Dh], k, v [M, KVH*Dh] (bf16)."""
+def _qkv(attn, x, fused, interpret, method=None, split_k=1):
+    """x [M, D] -> q [M, H*Dh], k, v [M, KVH*Dh] (bf16); with the fused kernel and ``split_k``
+    > 1 their fp32 K-slice partials [S, M, N] instead (for the fused attention kernel)."""
     lins = (attn.q_proj, attn.k_proj, attn.v_proj)
     if not fused:
         return tuple(_linear(lin, x, interpret, method=method) for lin in lins)
     return multi_gemv(x, _qkv_weights(attn), method=method if lins[0].quant else None,
-                      interpret=interpret)
+                      split_k=split_k, sum_splits=False, interpret=interpret)
 
 
 def _qkv_lins(layer):
@@ -667,7 +669,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         qkv_method = (opts.nvfp4_qkv_method if b > 1 else None) or nv_method
         pending_rms = None   # (sums of squares, norm weight): the next q|k|v normalises h
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
-        qkv_split = opts.qkv_split_k_at(b) if fold and not wait else 1
+        qkv_split = opts.qkv_split_k_at(b) if not wait else 1
         pf = opts.prefetch_sites()
         touch = opts.touch_sites()
         attn_warps = ({} if opts.attention_num_warps is None
@@ -700,11 +702,13 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         q, k, v = multi_gemv(h, _qkv_weights(attn), method=qkv_method,
                                              rms_sumsq=pending_rms[0],
                                              rms_weight=pending_rms[1], rms_eps=eps,
+                                             split_k=qkv_split, sum_splits=False,
                                              interpret=interpret)
                     pending_rms = None
                 else:
                     with nvfp4_asm_decode(opts.nvfp4_asm_at("qkv")):
-                        q, k, v = _qkv(attn, x, opts.fused_qkv, interpret, qkv_method)
+                        q, k, v = _qkv(attn, x, opts.fused_qkv, interpret, qkv_method,
+                                       qkv_split)
                 q = q.reshape(*q.shape[:-1], h_, hd)
                 k, v = k.reshape(*k.shape[:-1], kvh, hd), v.reshape(*v.shape[:-1], kvh, hd)
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)

@@ -175,6 +175,36 @@ def test_qkv_split_k_equals_xla(fmt, options):
     assert_generate_equal(fmt, 12, options, rows, 5)
 
 
+@pytest.mark.parametrize("fmt,split_k,n_rows", [("nvfp4", 2, 1), ("nvfp4", 2, 5),
+                                                ("nvfp4", 2, 2), ("bf16", 2, 3)])
+def test_multi_gemv_qkv_split_k_equals_xla(fmt, split_k, n_rows):
+    """The q|k|v multi_gemv in K slices (no layer end folded into it), its fp32 partials summed
+    by the attention kernel: NVFP4 batch 1 (the RMSNorm on load, `blocks` tiles), batch 5
+    (`dot` tiles) and 2 (`rows`), BF16 batch 3."""
+    rows = [list(range(12 + r, 60 + 5 * r)) for r in range(n_rows)]
+    assert_generate_equal(fmt, 10, DecodeOptions(qkv_split_k=split_k), rows, 4)
+
+
+@pytest.mark.parametrize("quant,batch", [(True, 1), (True, 5), (False, 3)])
+def test_qkv_split_k_reaches_the_multi_gemv(quant, batch):
+    """Lowered for an H200: with `qkv_split_k=2` the step's q|k|v kernels are multi_gemv in two
+    K slices (`_splitk2`, none unsplit; identical kernels lower once), without it none is."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=quant, rngs=nnx.Rngs(0)))
+    for split in (None, 2):
+        step = fast_decode.make_decode_step(graphdef, cfg,
+                                            options=DecodeOptions(qkv_split_k=split))
+        names = [m["name"] for m in triton_modules(
+            lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, batch, 256),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))]
+        qkv = [n for n in names if n.startswith("flint_multi_gemv3")]
+        assert qkv and all(n.endswith("_splitk2") == bool(split) for n in qkv), names
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_qkv_wait_batch_one_equals_xla(fmt):
     """The default qkv_wait limit (batch 1): one row runs layer_end_qkv, and equals XLA."""

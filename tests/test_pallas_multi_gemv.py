@@ -246,3 +246,54 @@ def test_multi_gemv_rms_rejects_bad_inputs():
     multi_gemv(s, ws, rms_sumsq=sumsq.astype(jnp.bfloat16), rms_weight=w, interpret=INTERPRET)
   with pytest.raises(ValueError, match="rms_weight"):
     multi_gemv(s, ws, rms_sumsq=sumsq, rms_weight=w[:128], interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("fmt,m,ns,k,split_k,kw", [
+    ("nvfp4", 8, (256, 64, 64), 512, 2, {}),                      # batch 8's dot tile, 2 slices
+    ("nvfp4", 5, (128, 64, 64), 768, 3, dict(block_k=128)),         # 3 slices, padded rows
+    ("nvfp4", 4, (128, 64), 512, 4, dict(block_k=64)),              # 4 slices of 2 K steps
+    ("nvfp4", 2, (128, 64), 256, 2, dict(method="rows", block_n=16)),
+    ("nvfp4", 1, (256, 64, 64), 1024, 2, dict(method="blocks")),    # default K step shrinks
+    ("bf16", 8, (256, 64, 64), 256, 2, {}),
+    ("bf16", 3, (128, 64), 384, 3, dict(block_k=64)),
+])
+def test_multi_gemv_split_k(fmt, m, ns, k, split_k, kw):
+  """split_k programs per tile: fp32 partials [S, M, N_i], partial j equal to the kernel on K
+  slice j alone; summed (the default) they equal the reference."""
+  g = rng("split", fmt, m, ns, k, split_k, kw)
+  x = randn(g, (m, k))
+  ws = nvfp4_weights(g, ns, k) if fmt == "nvfp4" else bf16_weights(g, ns, k)
+  dec = dict(decode=DECODE) if fmt == "nvfp4" else {}
+  parts = multi_gemv(x, ws, split_k=split_k, sum_splits=False, interpret=INTERPRET, **dec, **kw)
+  c = k // split_k
+  for j in range(split_k):
+    xj = x[:, j * c:(j + 1) * c]
+    if fmt == "nvfp4":   # codes hold 2 values per byte, block scales one per 16 values
+      wj = tuple((q[:, j * c // 2:(j + 1) * c // 2], s[:, j * c // 16:(j + 1) * c // 16], s2)
+                 for q, s, s2 in ws)
+    else:
+      wj = tuple(w[:, j * c:(j + 1) * c] for w in ws)
+    ref = multi_gemv_reference(xj, wj, out_dtype=jnp.float32)
+    for i, p in enumerate(parts):
+      assert p.shape == (split_k, m, ns[i]) and p.dtype == jnp.float32, (p.shape, p.dtype)
+      assert_close(p[j], ref[i], what=f"partial {j} of matrix {i}")
+  summed = multi_gemv(x, ws, split_k=split_k, interpret=INTERPRET, **dec, **kw)
+  check_all(summed, multi_gemv_reference(x, ws), ns, m, f"multi_gemv split_k={split_k}")
+
+
+def test_multi_gemv_split_k_rms():
+  """split_k with the RMSNorm on load: every slice normalises with the whole row's statistic."""
+  g = rng("split-rms")
+  s, w, sumsq = _rms_case(g, 512, 8, m=8)
+  ws = nvfp4_weights(g, (256, 64, 64), 512)
+  rms = dict(rms_sumsq=sumsq, rms_weight=w, rms_eps=1e-5)
+  out = multi_gemv(s, ws, split_k=4, block_k=64, decode=DECODE, interpret=INTERPRET, **rms)
+  check_all(out, multi_gemv_reference(s, ws, **rms), (256, 64, 64), 8, "split_k rms")
+
+
+def test_multi_gemv_split_k_rejects_bad_slices():
+  g = rng("split-bad")
+  x = randn(g, (2, 256))
+  ws = nvfp4_weights(g, (128, 64), 256)
+  with pytest.raises(ValueError, match="block_k \\* split_k dividing K"):
+    multi_gemv(x, ws, split_k=3, block_k=64, interpret=INTERPRET)

@@ -15,8 +15,11 @@ Grid: ``(sum_i N_i / block_n,)``, the row blocks of all matrices one after the o
 Each program picks its matrix with one ``pl.when`` per matrix (static program ranges; Triton
 ``scf.if``), runs the K loop of the single-matrix kernel (``_common.mm_tile`` for bf16,
 ``nvfp4_gemv.nvfp4_tile_dot`` for NVFP4) and stores into its own output. ``block_n`` is shared by
-all matrices and must divide every ``N_i``; no split-K (the grid of a fused q|k|v already has
-``(4096 + 2 * 512) / BN`` programs).
+all matrices and must divide every ``N_i``. ``split_k=S`` adds a second grid axis: program
+(t, s) runs the K steps of the contiguous slice s and stores fp32 partials ``[S, M, N_i]``
+(NVFP4: times the tensor scale), summed by XLA or, with ``sum_splits=False``, by the consumer
+(``qk_norm_rope_attention`` sums q / k / v partials as it loads them). Why: at M = 8 the NVFP4
+q|k|v on ``dot`` tiles is 80 programs of 16 K steps each for 132 SMs.
 
 Tile method (knob ``method``): ``dot`` / ``swap`` / ``reduce`` as in ``_common.mm_tile``; defaults
 follow the single-matrix kernels: bf16 ``swap`` at M = 1, NVFP4 ``reduce`` at M = 1, ``dot`` for
@@ -205,8 +208,9 @@ def _row_rms(ss_ref, m, mp, k, eps, per_row_index):
 
 
 def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode, layout,
-                       method, rms_eps=None):
-  """Programs [starts[i], starts[i+1]) compute BN-row tiles of matrix i into output i.
+                       method, rms_eps=None, split_k=1):
+  """Programs [starts[i], starts[i+1]) compute BN-row tiles of matrix i into output i; with
+  ``split_k`` > 1, program (t, s) the ``n_iter`` K steps of slice s into partial s of output i.
 
   refs (bf16): x [M, K], w_0..w_{n-1} [N_i, K], o_0..o_{n-1} [M, N_i].
   refs (nvfp4): x view [M, K/64, 2, 2, 16], (codes, scales) views per matrix, then one [1] f32
@@ -215,6 +219,8 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
   o_0..o_{n-1}.
   """
   pid = pl.program_id(0)
+  ks = pl.program_id(1) if split_k > 1 else 0           # this program's K slice
+  j0 = ks * n_iter                                      # its first K step
   x_ref = refs[0]
   if fmt == "bf16":
     w_refs = [(r,) for r in refs[1:1 + n_mats]]
@@ -226,8 +232,8 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
   if rms_eps is not None:   # x is the residual s: normalised as it is loaded
     ss_ref, wn_ref = refs[1 + 3 * n_mats:3 + 3 * n_mats]
     tensor_core = method not in C.CUDA_CORE_M1 and method != "rows"
-    x_ref = _NormedRow(x_ref, wn_ref, *_row_rms(ss_ref, m, mp, n_iter * bk, rms_eps,
-                                                 tensor_core))
+    x_ref = _NormedRow(x_ref, wn_ref, *_row_rms(ss_ref, m, mp, split_k * n_iter * bk,
+                                                 rms_eps, tensor_core))
 
   def matrix(i):
     n0 = pl.multiple_of((pid - starts[i]) * bn, bn)
@@ -235,7 +241,7 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
       (w_ref,) = w_refs[i]
 
       def body(j, acc):
-        k0 = pl.multiple_of(j * bk, bk)
+        k0 = pl.multiple_of((j0 + j) * bk, bk)
         xt = C.load_x(x_ref, (), m, mp, pl.ds(k0, bk), method)  # [Mp, BK] ([BK] for reduce)
         w = w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]                # [BN, BK]
         return acc + C.mm_tile(xt, w, method)
@@ -246,7 +252,7 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
       lanes = NV.lanes_shape(bk)
 
       def body(j, acc):
-        b0 = pl.multiple_of(j * nb, nb)
+        b0 = pl.multiple_of((j0 + j) * nb, nb)
         return NV.nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb,
                                  decode=decode, layout=layout, method=method, acc=acc)
 
@@ -254,7 +260,7 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
     acc = C.finish_acc(acc, method)
     if fmt == "nvfp4":
       acc = acc * (s2_refs[i][0] * NV.decode_factor(decode))
-    C.store_tile(o_refs[i], (), acc, n0, bn, m, mp, method)
+    C.store_tile(o_refs[i], (ks,) if split_k > 1 else (), acc, n0, bn, m, mp, method)
 
   run_matrix_branches(pid, starts, matrix)
 
@@ -276,12 +282,13 @@ def run_matrix_branches(pid, starts, matrix):
 
 @functools.partial(jax.jit, static_argnames=(
     "out_dtype", "block_n", "block_k", "method", "decode", "layout", "num_warps", "num_stages",
-    "rms_eps", "interpret"))
+    "rms_eps", "split_k", "sum_splits", "interpret"))
 def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
                block_k: int | None = None, method: str | None = None, decode: str = "asm",
                layout: str = "tile", num_warps: int | None = None,
                num_stages: int | None = None, rms_sumsq=None, rms_weight=None,
-               rms_eps: float = 1e-6, interpret: bool = False):
+               rms_eps: float = 1e-6, split_k: int = 1, sum_splits: bool = True,
+               interpret: bool = False):
   """(y_0, ..., y_{n-1}), y_i[M, N_i] = out_dtype(x @ W_i^T [* weight_scale_2_i]), one kernel.
 
   weights: tuple of 1..4 bf16 [N_i, K] arrays, or tuple of 1..4 ``NVFP4Weight``. ``method``:
@@ -298,6 +305,12 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   holds the sums of squares of s over any P column blocks
   (``moe_decode_routed_combine(norm=False)``). Equal to ``add_rms_norm``'s x' up to the fp32
   summation order of the mean square.
+
+  ``split_k`` > 1: ``split_k`` programs per output tile, program s running the K steps of
+  [s K/split_k, (s+1) K/split_k) and storing fp32 partials [split_k, M, N_i]; ``sum_splits``
+  (default) sums them in XLA and casts to ``out_dtype``, ``sum_splits=False`` returns the
+  partials (for ``qk_norm_rope_attention``, which sums them as it loads q / k / v). The default
+  K step shrinks until the slices divide K.
   """
   fmt = _format(weights)
   C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
@@ -305,6 +318,9 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   ns = tuple(_n_rows(w, fmt) for w in weights)
   method, decode = resolve_method(fmt, m, method, layout, decode, interpret)
   dbn, dbk, dwarps = default_multi_gemv_blocks(ns, k, m=m, fmt=fmt, method=method)
+  if block_k is None and split_k > 1:        # the default K step, shrunk to fit a slice
+    while dbk > (16 if fmt == "bf16" else 64) and k % (dbk * split_k):
+      dbk //= 2
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps
   # BF16 at M = 1: 4 stages (Flint q|k|v 8.8 us against 9.8 with 3, session-3 sweep round 2);
@@ -312,6 +328,8 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   nv_dot = fmt == "nvfp4" and method == "dot" and m > 1
   num_stages = num_stages or (4 if (fmt == "bf16" and m == 1) or nv_dot else 3)
   m, k, ns = _validate(x, weights, fmt, block_n, block_k)
+  C.check(split_k >= 1 and k % (block_k * split_k) == 0,
+          f"split_k must be >= 1 with block_k * split_k dividing K: {split_k=} {block_k=} {k=}")
   rms = rms_sumsq is not None
   if rms or rms_weight is not None:
     C.check(rms and rms_weight is not None, "give rms_sumsq and rms_weight together")
@@ -338,14 +356,20 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
       args += [rms_sumsq, NV.x_view(rms_weight.astype(x.dtype)[None])[0]]
       tag += "_rms"
   kernel = functools.partial(_multi_gemv_kernel, fmt=fmt, n_mats=n_mats, starts=starts, m=m,
-                             mp=mp, bn=block_n, bk=block_k, n_iter=k // block_k, decode=decode,
-                             layout=layout, method=method, rms_eps=rms_eps if rms else None)
-  out_shape = tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns)
-  return tuple(C.pallas_call(
-      kernel, out_shape=out_shape, grid=(starts[-1],),
+                             mp=mp, bn=block_n, bk=block_k, n_iter=k // block_k // split_k,
+                             decode=decode, layout=layout, method=method,
+                             rms_eps=rms_eps if rms else None, split_k=split_k)
+  out_shape = tuple(jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split_k > 1
+                    else jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns)
+  outs = tuple(C.pallas_call(
+      kernel, out_shape=out_shape, grid=(starts[-1], split_k) if split_k > 1 else (starts[-1],),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_multi_gemv{n_mats}_{tag}_bn{block_n}_bk{block_k}",
+      name=f"flint_multi_gemv{n_mats}_{tag}_bn{block_n}_bk{block_k}"
+           + (f"_splitk{split_k}" if split_k > 1 else ""),
   )(*args))
+  if split_k > 1 and sum_splits:
+    outs = tuple(jnp.sum(o, axis=0).astype(out_dtype) for o in outs)
+  return outs
 
 
 def multi_gemv_reference(x, weights, *, out_dtype=jnp.bfloat16, rms_sumsq=None,

@@ -304,8 +304,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     (`router_in_norm` forced on: add + norm + router GEMV in one kernel; the default at batch 1
     only), "pallas_norin" (forced off), "pallas_xgu" (`bf16_dense_pallas=False`: the BF16 dense
     gate|up on XLA at batch 1 too), "pallas_gusk2" / "pallas_gusk4" (`moe_gate_up_split_k`: the
-    BF16 MoE gate_up kernel's K in 2 / 4 slices), "pallas_qsk1/2/4" (`qkv_split_k`: the
-    fused q|k|v kernel's K in 1 / 2 / 4 slices, `norm_qkv` or `multi_gemv`, its partials summed
+    BF16 MoE gate_up kernel's K in 2 / 4 slices), "pallas_qsk1/2/4/8/16" (`qkv_split_k`: the
+    fused q|k|v kernel's K in 1 to 16 slices, `norm_qkv` or `multi_gemv`, its partials summed
     by the attention kernel),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
@@ -395,6 +395,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "qsk1": DecodeOptions(qkv_split_k=1),
                "qsk2": DecodeOptions(qkv_split_k=2),
                "qsk4": DecodeOptions(qkv_split_k=4),
+               "qsk8": DecodeOptions(qkv_split_k=8),
+               "qsk16": DecodeOptions(qkv_split_k=16),
                "trig": DecodeOptions(early_trigger=True),
                "notrig": DecodeOptions(early_trigger=False),
                "triglat": DecodeOptions(early_trigger="latency"),

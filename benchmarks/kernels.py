@@ -1610,7 +1610,12 @@ M8QSK = {   # session 22: the q|k|v in K slices (multi_gemv split_k; fp32 partia
     # step's attention kernel sums: here a separate XLA sum, the flint kernel's own time is its
     # "kernels" entry)
     "qkv": [{}] + [dict(split_k=sk, **kw) for sk in (2, 4) for kw in (
-        {}, dict(block_n=128, num_warps=8), dict(block_n=32))] + [dict(split_k=8, block_k=64)],
+        {}, dict(block_n=128, num_warps=8), dict(block_n=32))] + [dict(split_k=8, block_k=64)]
+           # round 2 (run 143) around run 142's best (S = 8 on 4 K steps of 64: 8.88 us)
+           + [dict(split_k=sk, block_k=bk, **kw) for sk, bk, kw in [
+               (8, 128, {}), (16, 64, {}), (16, 128, {}), (4, 64, {}), (8, 64, dict(num_stages=3)),
+               (8, 64, dict(block_n=128, num_warps=8)), (8, 64, dict(num_warps=8)),
+               (32, 64, {})]],
     "o_proj": [], "lm_head": [],
 }
 

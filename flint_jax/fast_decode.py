@@ -147,8 +147,10 @@ class DecodeOptions:
       q|k|v kernel, `norm_in_qkv`; `multi_gemv(..., split_k=S, sum_splits=False)` otherwise):
       S x the programs, no kernel more. Why: a BF16 q|k|v at batch 1 has 80 tiles for 132
       SMs, and so does the NVFP4 one at batch > 1 (`dot` tiles bn64, 16 K steps each). None
-      (default) = 1: `norm_qkv` measured slower (H200 run 48, BF16 1x1K: 13.4 us at S = 2
-      against 10.4, every program repeating the statistic pass; in-loop 2.78 against 2.62 ms).
+      (default): 8 for the NVFP4 `multi_gemv` at batch >= 4 (H200 run 143, 8x1K in-loop 4.832
+      against 4.947 ms; see `qkv_split_k_at`), 1 elsewhere: `norm_qkv` measured slower (run
+      48, BF16 1x1K: 13.4 us at S = 2 against 10.4, every program repeating the statistic
+      pass; in-loop 2.78 against 2.62 ms).
     early_trigger: every Pallas kernel of the step executes griddepcontrol.launch_dependents at
       its start, so the next kernel's CTAs are placed and wait at their entry while it runs
       (`pallas.pdl`). None (default) = the measured choice: on for BF16 weights, off for NVFP4
@@ -343,9 +345,21 @@ class DecodeOptions:
             return True, self.early_trigger
         return self.early_trigger, "all"
 
-    def qkv_split_k_at(self, batch: int) -> int:
-        """K slices of the fused q|k|v kernel at this batch size (where it applies)."""
-        return 1 if self.qkv_split_k is None else self.qkv_split_k
+    def qkv_split_k_at(self, batch: int, quant: bool = False, norm_qkv: bool = False,
+                       k: int | None = None) -> int:
+        """K slices of the fused q|k|v kernel at this batch size (where it applies). The default
+        (None): 8 for the NVFP4 `multi_gemv` at batch >= 4 (its `dot` tiles; H200 run 143,
+        8x1K: the q|k|v 659 -> 442 us per step, the attention kernels summing the partials +86,
+        in-loop 4.947 -> 4.832 ms; S = 4 4.910, S = 16 5.081), halved until 64-wide K steps fit
+        ``k`` (the input features) 8 ways; 1 elsewhere (`norm_qkv` measured slower, run 48)."""
+        if self.qkv_split_k is not None:
+            return self.qkv_split_k
+        if not (quant and batch >= 4 and not norm_qkv and self.attention != "split"):
+            return 1
+        split = 8
+        while k is not None and split > 1 and k % (64 * split):
+            split //= 2
+        return split
 
     def moe_gate_up_split_k_at(self, batch: int) -> int:
         """K slices of the BF16 MoE gate_up kernel at this batch size (where it applies)."""
@@ -669,7 +683,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         qkv_method = (opts.nvfp4_qkv_method if b > 1 else None) or nv_method
         pending_rms = None   # (sums of squares, norm weight): the next q|k|v normalises h
         qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
-        qkv_split = opts.qkv_split_k_at(b) if not wait else 1
+        qkv_split = (opts.qkv_split_k_at(b, quant, fold, cfg.hidden_size)
+                     if not wait and opts.fused_qkv else 1)
         pf = opts.prefetch_sites()
         touch = opts.touch_sites()
         attn_warps = ({} if opts.attention_num_warps is None

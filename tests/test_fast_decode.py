@@ -185,24 +185,37 @@ def test_multi_gemv_qkv_split_k_equals_xla(fmt, split_k, n_rows):
     assert_generate_equal(fmt, 10, DecodeOptions(qkv_split_k=split_k), rows, 4)
 
 
+def test_qkv_split_k_default():
+    """None: 8 K slices for the NVFP4 multi_gemv q|k|v at batch >= 4 (fewer where K is short),
+    1 at batch 1-3, for BF16, for norm_qkv and with the split attention; a value given wins."""
+    opts = DecodeOptions()
+    assert opts.qkv_split_k_at(8, True, k=2048) == opts.qkv_split_k_at(4, True) == 8
+    assert opts.qkv_split_k_at(8, True, k=128) == 2 and opts.qkv_split_k_at(8, True, k=96) == 1
+    assert opts.qkv_split_k_at(3, True) == opts.qkv_split_k_at(1, True) == 1
+    assert opts.qkv_split_k_at(8, False) == opts.qkv_split_k_at(8, True, norm_qkv=True) == 1
+    assert DecodeOptions(attention="split").qkv_split_k_at(8, True) == 1
+    assert DecodeOptions(qkv_split_k=1).qkv_split_k_at(8, True) == 1
+    assert DecodeOptions(qkv_split_k=4).qkv_split_k_at(1, False) == 4
+
+
 @pytest.mark.parametrize("quant,batch", [(True, 1), (True, 5), (False, 3)])
 def test_qkv_split_k_reaches_the_multi_gemv(quant, batch):
     """Lowered for an H200: with `qkv_split_k=2` the step's q|k|v kernels are multi_gemv in two
-    K slices (`_splitk2`, none unsplit; identical kernels lower once), without it none is."""
+    K slices (`_splitk2`, none unsplit; identical kernels lower once), with 1 none is."""
     import jax
     import jax.numpy as jnp
     from flint_jax.cache import cache_shapes
     from flint_jax.pallas.testing import triton_modules
     cfg = small_cfg()
     graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=quant, rngs=nnx.Rngs(0)))
-    for split in (None, 2):
+    for split in (1, 2):
         step = fast_decode.make_decode_step(graphdef, cfg,
                                             options=DecodeOptions(qkv_split_k=split))
         names = [m["name"] for m in triton_modules(
             lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, batch, 256),
             jax.ShapeDtypeStruct((batch,), jnp.int32))]
         qkv = [n for n in names if n.startswith("flint_multi_gemv3")]
-        assert qkv and all(n.endswith("_splitk2") == bool(split) for n in qkv), names
+        assert qkv and all(n.endswith("_splitk2") == (split == 2) for n in qkv), names
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

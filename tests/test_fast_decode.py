@@ -176,23 +176,26 @@ def test_qkv_split_k_equals_xla(fmt, options):
 
 
 @pytest.mark.parametrize("fmt,split_k,n_rows", [("nvfp4", 2, 1), ("nvfp4", 2, 5),
-                                                ("nvfp4", 2, 2), ("bf16", 2, 3)])
+                                                ("nvfp4", 2, 2), ("bf16", 2, 3),
+                                                ("bf16", None, 8)])
 def test_multi_gemv_qkv_split_k_equals_xla(fmt, split_k, n_rows):
     """The q|k|v multi_gemv in K slices (no layer end folded into it), its fp32 partials summed
     by the attention kernel: NVFP4 batch 1 (the RMSNorm on load, `blocks` tiles), batch 5
-    (`dot` tiles) and 2 (`rows`), BF16 batch 3."""
+    (`dot` tiles) and 2 (`rows`), BF16 batch 3, and BF16 batch 8 by default (4 slices)."""
     rows = [list(range(12 + r, 60 + 5 * r)) for r in range(n_rows)]
     assert_generate_equal(fmt, 10, DecodeOptions(qkv_split_k=split_k), rows, 4)
 
 
 def test_qkv_split_k_default():
-    """None: 8 K slices for the NVFP4 multi_gemv q|k|v at batch >= 4 (fewer where K is short),
-    1 at batch 1-3, for BF16, for norm_qkv and with the split attention; a value given wins."""
+    """None: 8 K slices for the NVFP4 multi_gemv q|k|v at batch >= 4, 4 for the BF16 one at
+    batch 8 (fewer where K is short), 1 at smaller batches, for norm_qkv and with the split
+    attention; a value given wins."""
     opts = DecodeOptions()
     assert opts.qkv_split_k_at(8, True, k=2048) == opts.qkv_split_k_at(4, True) == 8
     assert opts.qkv_split_k_at(8, True, k=128) == 2 and opts.qkv_split_k_at(8, True, k=96) == 1
     assert opts.qkv_split_k_at(3, True) == opts.qkv_split_k_at(1, True) == 1
-    assert opts.qkv_split_k_at(8, False) == opts.qkv_split_k_at(8, True, norm_qkv=True) == 1
+    assert opts.qkv_split_k_at(8, False, k=2048) == 4 and opts.qkv_split_k_at(8, False, k=48) == 1
+    assert opts.qkv_split_k_at(4, False) == opts.qkv_split_k_at(8, True, norm_qkv=True) == 1
     assert DecodeOptions(attention="split").qkv_split_k_at(8, True) == 1
     assert DecodeOptions(qkv_split_k=1).qkv_split_k_at(8, True) == 1
     assert DecodeOptions(qkv_split_k=4).qkv_split_k_at(1, False) == 4

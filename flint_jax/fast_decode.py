@@ -147,9 +147,9 @@ class DecodeOptions:
       q|k|v kernel, `norm_in_qkv`; `multi_gemv(..., split_k=S, sum_splits=False)` otherwise):
       S x the programs, no kernel more. Why: a BF16 q|k|v at batch 1 has 80 tiles for 132
       SMs, and so does the NVFP4 one at batch > 1 (`dot` tiles bn64, 16 K steps each). None
-      (default): 8 for the NVFP4 `multi_gemv` at batch >= 4, 4 for the BF16 one at batch 8
-      (H200 runs 143-145, 8x1K in-loop NVFP4 4.824 against 4.945 ms, BF16 5.808 against 5.876;
-      see `qkv_split_k_at`), 1 elsewhere: `norm_qkv` measured slower (run 48, BF16 1x1K: 13.4
+      (default): 8 for the NVFP4 `multi_gemv` at batch >= 4 and 2 at batch 2-3, 4 for the BF16
+      one at batch 8 (H200 runs 143-147, 8x1K in-loop NVFP4 4.824 against 4.945 ms, BF16 5.808
+      against 5.876; see `qkv_split_k_at`), 1 elsewhere: `norm_qkv` measured slower (run 48, BF16 1x1K: 13.4
       us at S = 2 against 10.4, every program repeating the statistic pass; in-loop 2.78
       against 2.62 ms).
     early_trigger: every Pallas kernel of the step executes griddepcontrol.launch_dependents at
@@ -349,17 +349,21 @@ class DecodeOptions:
     def qkv_split_k_at(self, batch: int, quant: bool = False, norm_qkv: bool = False,
                        k: int | None = None) -> int:
         """K slices of the fused q|k|v kernel at this batch size (where it applies). The default
-        (None), for the `multi_gemv` q|k|v (`dot` tiles) with the fused attention: NVFP4 8 at
-        batch >= 4 (H200 runs 143-144: the q|k|v 660 -> 441 us per 8x1K step, the attention
+        (None), for the `multi_gemv` q|k|v with the fused attention: NVFP4 8 at batch >= 4
+        (`dot` tiles; H200 runs 143-144: the q|k|v 660 -> 441 us per 8x1K step, the attention
         kernels summing the partials +81, in-loop 4.945 -> 4.824 ms, 4x1K 3.767 -> 3.605; S = 4
-        4.910, S = 16 5.081 at 8x1K), BF16 4 at batch 8 (run 145: 5.876 -> 5.808 ms; S = 2
-        5.826, S = 8 5.867), halved until the slices' smallest K steps (64 / 16) fit ``k`` (the
-        input features); 1 elsewhere (`norm_qkv` measured slower, run 48)."""
+        4.910, S = 16 5.081 at 8x1K) and 2 at batch 2-3 (`rows` tiles; run 147: 2x1K 2.667 ->
+        2.638, 3x1K 3.277 -> 3.233; S = 8 2.999 / 3.733), BF16 4 at batch 8 (run 145: 5.876 ->
+        5.808 ms; S = 2 5.826, S = 8 5.867), halved until the slices' smallest K steps (64 / 16)
+        fit ``k`` (the input features); 1 elsewhere (`norm_qkv` measured slower, run 48)."""
         if self.qkv_split_k is not None:
             return self.qkv_split_k
         if norm_qkv or self.attention == "split":
             return 1
-        split, step = (8, 64) if quant and batch >= 4 else (4, 16) if batch >= 8 else (1, 1)
+        if quant:
+            split, step = (8 if batch >= 4 else 2 if batch >= 2 else 1), 64
+        else:
+            split, step = (4 if batch >= 8 else 1), 16
         while k is not None and split > 1 and k % (step * split):
             split //= 2
         return split

@@ -187,13 +187,14 @@ def test_multi_gemv_qkv_split_k_equals_xla(fmt, split_k, n_rows):
 
 
 def test_qkv_split_k_default():
-    """None: 8 K slices for the NVFP4 multi_gemv q|k|v at batch >= 4, 4 for the BF16 one at
-    batch 8 (fewer where K is short), 1 at smaller batches, for norm_qkv and with the split
-    attention; a value given wins."""
+    """None: 8 K slices for the NVFP4 multi_gemv q|k|v at batch >= 4 and 2 at batch 2-3, 4 for
+    the BF16 one at batch 8 (fewer where K is short), 1 at batch 1, at smaller BF16 batches,
+    for norm_qkv and with the split attention; a value given wins."""
     opts = DecodeOptions()
     assert opts.qkv_split_k_at(8, True, k=2048) == opts.qkv_split_k_at(4, True) == 8
     assert opts.qkv_split_k_at(8, True, k=128) == 2 and opts.qkv_split_k_at(8, True, k=96) == 1
-    assert opts.qkv_split_k_at(3, True) == opts.qkv_split_k_at(1, True) == 1
+    assert opts.qkv_split_k_at(3, True) == opts.qkv_split_k_at(2, True, k=2048) == 2
+    assert opts.qkv_split_k_at(1, True) == opts.qkv_split_k_at(2, True, k=64) == 1
     assert opts.qkv_split_k_at(8, False, k=2048) == 4 and opts.qkv_split_k_at(8, False, k=48) == 1
     assert opts.qkv_split_k_at(4, False) == opts.qkv_split_k_at(8, True, norm_qkv=True) == 1
     assert DecodeOptions(attention="split").qkv_split_k_at(8, True) == 1

@@ -306,7 +306,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     gate|up on XLA at batch 1 too), "pallas_gusk2" / "pallas_gusk4" (`moe_gate_up_split_k`: the
     BF16 MoE gate_up kernel's K in 2 / 4 slices), "pallas_qsk1/2/4/8/16" (`qkv_split_k`: the
     fused q|k|v kernel's K in 1 to 16 slices, `norm_qkv` or `multi_gemv`, its partials summed
-    by the attention kernel),
+    by the attention kernel), "pallas_qfin" (`qkv_finish`: the q|k|v kernel's last K slice of
+    each tile sums the partials itself),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
     the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'
@@ -397,6 +398,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "qsk4": DecodeOptions(qkv_split_k=4),
                "qsk8": DecodeOptions(qkv_split_k=8),
                "qsk16": DecodeOptions(qkv_split_k=16),
+               "qfin": DecodeOptions(qkv_finish=True),
                "trig": DecodeOptions(early_trigger=True),
                "notrig": DecodeOptions(early_trigger=False),
                "triglat": DecodeOptions(early_trigger="latency"),

@@ -49,6 +49,9 @@ COMBINE_COUNTER_BASE = 3584
 # KVCache.counters entry of the router kernel's top-k (`router_logits_topk`: one arrival
 # counter), above the combine's (<= 3584 + 1 + 128 * 16).
 ROUTER_TOPK_COUNTER = 6144
+# KVCache.counters entries of the q|k|v multi_gemv's finishing slices (`DecodeOptions.qkv_finish`:
+# one per row tile, <= 5120 / 16 = 320), above the router's.
+QKV_COUNTER_BASE = 6400
 
 MAX_BATCH = 16
 
@@ -252,6 +255,12 @@ class DecodeOptions:
       none. Measured no faster (H200 run 135, NVFP4 1x1K: 1.787-1.789 against 1.779 ms per
       token): a step that reads the same experts every step is no faster either (1.783), so
       there is no per-page first-touch cost to take (perf log 81).
+    qkv_finish: where the `multi_gemv` q|k|v runs in K slices (`qkv_split_k_at` > 1), the
+      kernel's last slice of each tile sums the partials into bf16 q / k / v itself
+      (`multi_gemv(counter=)`, arrival counters in ``KVCache.counters`` from
+      ``QKV_COUNTER_BASE``), so that the attention kernels load bf16 instead of every split
+      program summing the S partials again (+81 us per 8x1K step at S = 8, run 144). Same
+      values (the same sums in the same order). False (default): not yet timed on the H200.
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -286,6 +295,7 @@ class DecodeOptions:
     nvfp4_asm: str = "auto"
     nvfp4_swap: bool = True
     tlb_touch: str = ""
+    qkv_finish: bool = False
 
     PREFETCH_SITES = ("attn", "router", "down", "kv")
     TOUCH_SITES = ("attn", "router", "gate_up")
@@ -537,14 +547,24 @@ def _qkv_weights(attn):
                  for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
 
 
-def _qkv(attn, x, fused, interpret, method=None, split_k=1):
-    """x [M, D] -> q [M, H*Dh], k, v [M, KVH*Dh] (bf16); with the fused kernel and ``split_k``
-    > 1 their fp32 K-slice partials [S, M, N] instead (for the fused attention kernel)."""
+def _qkv(attn, x, fused, interpret, method=None, split_k=1, counters=None, finish=False,
+         **rms):
+    """x [M, D] -> (q [M, H*Dh], k, v [M, KVH*Dh] bf16, counters); with the fused kernel and
+    ``split_k`` > 1 their fp32 K-slice partials [S, M, N] instead (for the fused attention
+    kernel), unless ``finish``: the kernel then finishes bf16 q / k / v itself on the cache's
+    ``counters`` (`multi_gemv(counter=)`, entries from ``QKV_COUNTER_BASE``; returned as the
+    kernel leaves them, else unchanged). ``rms``: multi_gemv's ``rms_sumsq`` / ``rms_weight``
+    / ``rms_eps`` (x is then the residual)."""
     lins = (attn.q_proj, attn.k_proj, attn.v_proj)
     if not fused:
-        return tuple(_linear(lin, x, interpret, method=method) for lin in lins)
-    return multi_gemv(x, _qkv_weights(attn), method=method if lins[0].quant else None,
-                      split_k=split_k, sum_splits=False, interpret=interpret)
+        return (*(_linear(lin, x, interpret, method=method) for lin in lins), counters)
+    kw = dict(method=method if lins[0].quant else None, split_k=split_k, interpret=interpret,
+              **rms)
+    if split_k > 1 and finish:
+        (q, k, v), counters = multi_gemv(x, _qkv_weights(attn), counter=counters,
+                                         counter_base=QKV_COUNTER_BASE, **kw)
+        return q, k, v, counters
+    return (*multi_gemv(x, _qkv_weights(attn), sum_splits=False, **kw), counters)
 
 
 def _qkv_lins(layer):
@@ -721,16 +741,16 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                             interpret=interpret)
                 elif pending_rms is not None:   # x = RMSNorm(h), formed as it is loaded
                     with nvfp4_asm_decode(opts.nvfp4_asm_at("qkv")):
-                        q, k, v = multi_gemv(h, _qkv_weights(attn), method=qkv_method,
-                                             rms_sumsq=pending_rms[0],
-                                             rms_weight=pending_rms[1], rms_eps=eps,
-                                             split_k=qkv_split, sum_splits=False,
-                                             interpret=interpret)
+                        q, k, v, counters = _qkv(
+                            attn, h, True, interpret, qkv_method, qkv_split, counters,
+                            opts.qkv_finish, rms_sumsq=pending_rms[0],
+                            rms_weight=pending_rms[1], rms_eps=eps)
                     pending_rms = None
                 else:
                     with nvfp4_asm_decode(opts.nvfp4_asm_at("qkv")):
-                        q, k, v = _qkv(attn, x, opts.fused_qkv, interpret, qkv_method,
-                                       qkv_split)
+                        q, k, v, counters = _qkv(attn, x, opts.fused_qkv, interpret,
+                                                 qkv_method, qkv_split, counters,
+                                                 opts.qkv_finish)
                 q = q.reshape(*q.shape[:-1], h_, hd)
                 k, v = k.reshape(*k.shape[:-1], kvh, hd), v.reshape(*v.shape[:-1], kvh, hd)
                 kc, vc = (ring_k, ring_v) if sliding else (full_k, full_v)

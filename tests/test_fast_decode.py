@@ -202,24 +202,27 @@ def test_qkv_split_k_default():
     assert DecodeOptions(qkv_split_k=4).qkv_split_k_at(1, False) == 4
 
 
-@pytest.mark.parametrize("quant,batch", [(True, 1), (True, 5), (False, 3)])
+@pytest.mark.parametrize("quant,batch", [(True, 1), (True, 2), (True, 5), (False, 3)])
 def test_qkv_split_k_reaches_the_multi_gemv(quant, batch):
     """Lowered for an H200: with `qkv_split_k=2` the step's q|k|v kernels are multi_gemv in two
-    K slices (`_splitk2`, none unsplit; identical kernels lower once), with 1 none is."""
+    K slices (`_splitk2`, none unsplit; identical kernels lower once), with `qkv_finish` too
+    they finish their outputs (`_splitk2_finish`), with 1 none is split."""
     import jax
     import jax.numpy as jnp
     from flint_jax.cache import cache_shapes
     from flint_jax.pallas.testing import triton_modules
     cfg = small_cfg()
     graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=quant, rngs=nnx.Rngs(0)))
-    for split in (1, 2):
-        step = fast_decode.make_decode_step(graphdef, cfg,
-                                            options=DecodeOptions(qkv_split_k=split))
+    for split, finish, tail in ((1, False, "_bk"), (2, False, "_splitk2"),
+                                (2, True, "_splitk2_finish")):
+        step = fast_decode.make_decode_step(
+            graphdef, cfg, options=DecodeOptions(qkv_split_k=split, qkv_finish=finish))
         names = [m["name"] for m in triton_modules(
             lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, batch, 256),
             jax.ShapeDtypeStruct((batch,), jnp.int32))]
         qkv = [n for n in names if n.startswith("flint_multi_gemv3")]
-        assert qkv and all(n.endswith("_splitk2") == (split == 2) for n in qkv), names
+        assert qkv and all(n.rsplit("_", 2 if finish else 1)[0] + tail == n if split > 1
+                           else "_splitk" not in n for n in qkv), (tail, names)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
@@ -356,6 +359,18 @@ def test_cache_counters_stay_zero_between_steps(split_k):
         assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
         np.testing.assert_allclose(l1, l2, rtol=2e-2, atol=2e-2)
         assert l1.argmax() == l2.argmax()
+
+
+@pytest.mark.parametrize("quant,rows,split", [(True, 5, None), (True, 1, 2), (False, 8, None)])
+def test_qkv_finish_equals_partials_in_the_attention(quant, rows, split):
+    """`qkv_finish`: the q|k|v kernel's last K slice of each tile sums the partials in slice
+    order, as the attention kernel does: the same logits bit for bit, and the counters come back
+    zeroed (NVFP4 batch 5 and BF16 batch 8 at their default slices, NVFP4 batch 1 with the
+    RMSNorm on load and 2 slices)."""
+    for l1, c1, l2 in paired_steps(quant, 21, DecodeOptions(qkv_split_k=split, qkv_finish=True),
+                                   DecodeOptions(qkv_split_k=split), rows, (5, 17)):
+        assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
+        np.testing.assert_array_equal(l1, l2)
 
 
 def test_router_topk_default():

@@ -297,3 +297,42 @@ def test_multi_gemv_split_k_rejects_bad_slices():
   ws = nvfp4_weights(g, (128, 64), 256)
   with pytest.raises(ValueError, match="block_k \\* split_k dividing K"):
     multi_gemv(x, ws, split_k=3, block_k=64, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("fmt,m,ns,k,split_k,kw", [
+    ("nvfp4", 8, (256, 64, 64), 512, 4, {}),
+    ("nvfp4", 3, (128, 64), 512, 2, dict(method="rows", block_n=16)),
+    ("nvfp4", 1, (256, 64, 64), 1024, 2, dict(method="blocks")),
+    ("bf16", 5, (128, 64, 64), 256, 2, {}),
+])
+def test_multi_gemv_split_k_finish(fmt, m, ns, k, split_k, kw):
+  """counter=: the last slice of each tile sums the partials (in slice order) into the bf16
+  output and zeroes its counter entry; the outputs equal the partials summed the same way."""
+  g = rng("finish", fmt, m, ns, k, split_k, kw)
+  x = randn(g, (m, k))
+  ws = nvfp4_weights(g, ns, k) if fmt == "nvfp4" else bf16_weights(g, ns, k)
+  dec = dict(decode=DECODE) if fmt == "nvfp4" else {}
+  counter = jnp.zeros((600,), jnp.int32)
+  outs, counter = multi_gemv(x, ws, split_k=split_k, counter=counter, counter_base=100,
+                             interpret=INTERPRET, **dec, **kw)
+  assert not np.asarray(counter).any(), "the counter must come back zeroed"
+  parts = multi_gemv(x, ws, split_k=split_k, sum_splits=False, interpret=INTERPRET, **dec, **kw)
+  for i, (o, p) in enumerate(zip(outs, parts)):
+    tot = p[0]
+    for s in range(1, split_k):
+      tot = tot + p[s]
+    assert o.shape == (m, ns[i]) and o.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(o, np.float32),
+                                  np.asarray(tot.astype(jnp.bfloat16), np.float32))
+  check_all(outs, multi_gemv_reference(x, ws), ns, m, "multi_gemv finish")
+
+
+def test_multi_gemv_finish_rejects_bad_counters():
+  g = rng("finish-bad")
+  x = randn(g, (2, 256))
+  ws = nvfp4_weights(g, (128, 64), 256)
+  with pytest.raises(ValueError, match="needs split_k > 1"):
+    multi_gemv(x, ws, counter=jnp.zeros((64,), jnp.int32), interpret=INTERPRET)
+  with pytest.raises(ValueError, match="entries 60 .. "):
+    multi_gemv(x, ws, split_k=2, counter=jnp.zeros((64,), jnp.int32), counter_base=60,
+               interpret=INTERPRET)

@@ -183,6 +183,8 @@ def load_tile(ref, lead, n0, bn, m, mp, method):
   """The tile ``store_tile`` stored (padded rows 0), volatile: for tiles other programs wrote."""
   r, rmask, cols = _tile_rows_cols(n0, bn, m, mp)
   idx, mask = _tile_index(lead, r, cols, method, 0), _tile_mask(rmask, method)
+  if mask is None:   # the one-row methods: no padded rows
+    return plgpu.load(ref.at[idx], volatile=True)
   return plgpu.load(ref.at[idx], mask=mask, other=0.0, volatile=True)
 
 

@@ -208,9 +208,11 @@ def _row_rms(ss_ref, m, mp, k, eps, per_row_index):
 
 
 def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode, layout,
-                       method, rms_eps=None, split_k=1):
+                       method, rms_eps=None, split_k=1, finish_base=None, interpret=False):
   """Programs [starts[i], starts[i+1]) compute BN-row tiles of matrix i into output i; with
-  ``split_k`` > 1, program (t, s) the ``n_iter`` K steps of slice s into partial s of output i.
+  ``split_k`` > 1, program (t, s) the ``n_iter`` K steps of slice s into partial s of output i
+  (``finish_base``: and the last slice of each tile to arrive, counted on the counter's entry
+  ``finish_base + t``, sums the partials into the final output and resets the entry).
 
   refs (bf16): x [M, K], w_0..w_{n-1} [N_i, K], o_0..o_{n-1} [M, N_i].
   refs (nvfp4): x view [M, K/64, 2, 2, 16], (codes, scales) views per matrix, then one [1] f32
@@ -228,7 +230,12 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
   else:
     w_refs = [tuple(refs[1 + 2 * i:3 + 2 * i]) for i in range(n_mats)]
     s2_refs = refs[1 + 2 * n_mats:1 + 3 * n_mats]
-  o_refs = refs[len(refs) - n_mats:]
+  if finish_base is not None:   # partials, finals, counter (an input aliased to the last output)
+    cnt_ref = refs[-1]
+    o_refs = refs[len(refs) - 1 - 2 * n_mats:len(refs) - 1 - n_mats]
+    f_refs = refs[len(refs) - 1 - n_mats:len(refs) - 1]
+  else:
+    o_refs = refs[len(refs) - n_mats:]
   if rms_eps is not None:   # x is the residual s: normalised as it is loaded
     ss_ref, wn_ref = refs[1 + 3 * n_mats:3 + 3 * n_mats]
     tensor_core = method not in C.CUDA_CORE_M1 and method != "rows"
@@ -261,6 +268,21 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
     if fmt == "nvfp4":
       acc = acc * (s2_refs[i][0] * NV.decode_factor(decode))
     C.store_tile(o_refs[i], (ks,) if split_k > 1 else (), acc, n0, bn, m, mp, method)
+    if finish_base is None:
+      return
+    if not interpret:   # every thread's stores precede the atomic (no CPU lowering)
+      plgpu.debug_barrier()
+    old = plgpu.atomic_add(cnt_ref, (finish_base + pid,), jnp.int32(1))
+
+    @pl.when(old == split_k - 1)
+    def _():   # the slices' partials summed in slice order, as the attention kernel would
+      fm = C.finish_method(method)
+      tot = None
+      for sk in range(split_k):
+        part = C.load_tile(o_refs[i], (sk,), n0, bn, m, mp, fm)
+        tot = part if tot is None else tot + part
+      C.store_tile(f_refs[i], (), tot, n0, bn, m, mp, fm)
+      plgpu.store(cnt_ref.at[finish_base + pid], jnp.int32(0))
 
   run_matrix_branches(pid, starts, matrix)
 
@@ -282,13 +304,13 @@ def run_matrix_branches(pid, starts, matrix):
 
 @functools.partial(jax.jit, static_argnames=(
     "out_dtype", "block_n", "block_k", "method", "decode", "layout", "num_warps", "num_stages",
-    "rms_eps", "split_k", "sum_splits", "interpret"))
+    "rms_eps", "split_k", "sum_splits", "counter_base", "interpret"))
 def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
                block_k: int | None = None, method: str | None = None, decode: str = "asm",
                layout: str = "tile", num_warps: int | None = None,
                num_stages: int | None = None, rms_sumsq=None, rms_weight=None,
                rms_eps: float = 1e-6, split_k: int = 1, sum_splits: bool = True,
-               interpret: bool = False):
+               counter=None, counter_base: int = 0, interpret: bool = False):
   """(y_0, ..., y_{n-1}), y_i[M, N_i] = out_dtype(x @ W_i^T [* weight_scale_2_i]), one kernel.
 
   weights: tuple of 1..4 bf16 [N_i, K] arrays, or tuple of 1..4 ``NVFP4Weight``. ``method``:
@@ -311,6 +333,11 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   (default) sums them in XLA and casts to ``out_dtype``, ``sum_splits=False`` returns the
   partials (for ``qk_norm_rope_attention``, which sums them as it loads q / k / v). The default
   K step shrinks until the slices divide K into at least 4 steps each (or to its minimum).
+  ``counter`` (int32 zeros, entries ``counter_base`` .. ``counter_base + tiles - 1`` used): the
+  kernel finishes the outputs itself instead: the last slice of each tile to arrive (an
+  acq_rel atomic count after a CTA barrier) sums the S partials in slice order into the
+  ``out_dtype`` output and resets its entry, so the counter comes back zeroed. Returns
+  ``(outputs, counter)`` then; the outputs equal ``sum_splits=True``'s (the same sums).
   """
   fmt = _format(weights)
   C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
@@ -333,6 +360,14 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   m, k, ns = _validate(x, weights, fmt, block_n, block_k)
   C.check(split_k >= 1 and k % (block_k * split_k) == 0,
           f"split_k must be >= 1 with block_k * split_k dividing K: {split_k=} {block_k=} {k=}")
+  finish = counter is not None
+  if finish:
+    n_tiles = sum(ns) // block_n
+    C.check(split_k > 1, "counter= finishes split-K partials: it needs split_k > 1")
+    C.check(counter.dtype == jnp.int32 and counter.ndim == 1 and counter_base >= 0
+            and counter_base + n_tiles <= counter.shape[0],
+            f"counter must be int32 zeros with entries {counter_base} .. "
+            f"{counter_base + n_tiles - 1}, got {counter.shape} {counter.dtype}")
   rms = rms_sumsq is not None
   if rms or rms_weight is not None:
     C.check(rms and rms_weight is not None, "give rms_sumsq and rms_weight together")
@@ -361,15 +396,25 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   kernel = functools.partial(_multi_gemv_kernel, fmt=fmt, n_mats=n_mats, starts=starts, m=m,
                              mp=mp, bn=block_n, bk=block_k, n_iter=k // block_k // split_k,
                              decode=decode, layout=layout, method=method,
-                             rms_eps=rms_eps if rms else None, split_k=split_k)
+                             rms_eps=rms_eps if rms else None, split_k=split_k,
+                             finish_base=counter_base if finish else None, interpret=interpret)
   out_shape = tuple(jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split_k > 1
                     else jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns)
+  aliases = {}
+  if finish:
+    out_shape += tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns)
+    out_shape += (jax.ShapeDtypeStruct(counter.shape, jnp.int32),)
+    aliases = {len(args): len(out_shape) - 1}      # the counter, in place
+    args = [*args, counter]
   outs = tuple(C.pallas_call(
       kernel, out_shape=out_shape, grid=(starts[-1], split_k) if split_k > 1 else (starts[-1],),
+      input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       name=f"flint_multi_gemv{n_mats}_{tag}_bn{block_n}_bk{block_k}"
-           + (f"_splitk{split_k}" if split_k > 1 else ""),
+           + (f"_splitk{split_k}" if split_k > 1 else "") + ("_finish" if finish else ""),
   )(*args))
+  if finish:
+    return outs[n_mats:2 * n_mats], outs[-1]
   if split_k > 1 and sum_splits:
     outs = tuple(jnp.sum(o, axis=0).astype(out_dtype) for o in outs)
   return outs

@@ -28,3 +28,18 @@ def fp32_models():
 def bf16_tiny_a():
     import flint_jax
     return flint_jax.load(GOLDEN / "tiny_a", kernels="xla")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drops every compiled executable after each test module. XLA's CPU JIT maps memory per
+    executable, and a test worker that keeps thousands of them runs into the kernel's limit on
+    memory mappings (vm.max_map_count, 65530 here): a later compile then segfaults inside XLA
+    (seen in CI at ~1130 tests, in whichever test compiled next). The persistent compilation
+    cache makes the recompiles of the next module cheap."""
+    yield
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()

@@ -1,25 +1,29 @@
-"""benchmarks/host_probe.py on CPU: every part runs, and its `stable` step mode keeps the buffers
-where they were (what the mode's figure is meant to isolate)."""
+"""benchmarks/host_probe.py on CPU, run as a script in its own process (as on the GPU machine):
+every part runs, and its `stable` step mode keeps the buffers where they were (what the mode's
+figure is meant to isolate)."""
 
+import json
 import os
+import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-import host_probe  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_args_and_chain_probes_time_every_setting():
-    args = host_probe.args_probe([1, 8], reps=2)
-    chain = host_probe.chain_probe([3], reps=2, size=64)
-    assert set(args) == {"1", "8"}
-    assert set(chain["3"]) == {"fixed", "chain", "donated", "kept"}
-    for r in [*args.values(), *chain["3"].values()]:
+def test_host_probe_tiny_runs_every_part(tmp_path):
+    out = tmp_path / "host.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "benchmarks")])}
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_probe.py"),
+                    "--config", "tiny", "--args", "1,8", "--kernels", "3", "--reps", "2",
+                    "--batch", "2", "--context", "40", "--out", str(out)],
+                   env=env, check=True, capture_output=True, timeout=600)
+    res = json.loads(out.read_text())
+    assert set(res["args"]) == {"1", "8"}
+    assert set(res["chain"]["3"]) == {"fixed", "chain", "donated", "kept"}
+    for r in [*res["args"].values(), *res["chain"]["3"].values()]:
         assert 0 < r["min_ms"] <= r["median_ms"]
-
-
-def test_model_probe_tiny_stable_mode_keeps_addresses():
-    out = host_probe.model_probe("nvfp4", batch=2, context=40, reps=2, config="tiny")
-    assert set(out["step"]) == {"same", "fresh", "stable"}
-    assert out["stable_kept_addresses"] is True
-    # every weight array of the tiny model is one argument (its scalar tensor scales included)
-    assert out["leaves"] > 100
+    model = res["model"]
+    assert set(model["step"]) == {"same", "fresh", "stable"}
+    assert model["stable_kept_addresses"] is True
+    assert model["leaves"] > 100      # every weight array of the tiny model is one argument

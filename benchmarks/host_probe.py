@@ -22,9 +22,9 @@ Part 2, the model (`--format`, full size, random weights on the device):
   the same tokens and the logits written into a donated buffer, so that no input or output
   changes its address between calls.
 
-Run it with `TF_CPP_VMODULE=command_buffer_thunk=3` to have XLA log each command-buffer update
-and its duration, and once more with `XLA_FLAGS=--xla_gpu_enable_command_buffer=` (no command
-buffers) for the comparison:
+Run it once with XLA's default flags and once with `XLA_FLAGS=--xla_gpu_enable_command_buffer=`
+(no command buffers) for the comparison (`TF_CPP_VMODULE=command_buffer_thunk=3`, which would
+log XLA's command-buffer updates, is not read by jaxlib 0.11.2: run 138 logged nothing):
 
     python3 benchmarks/host_probe.py --format nvfp4 --out $OUT/host.json
 """

@@ -152,9 +152,9 @@ class DecodeOptions:
       SMs, and so does the NVFP4 one at batch > 1 (`dot` tiles bn64, 16 K steps each). None
       (default): 8 for the NVFP4 `multi_gemv` at batch >= 4 and 2 at batch 2-3, 4 for the BF16
       one at batch 8 (H200 runs 143-147, 8x1K in-loop NVFP4 4.824 against 4.945 ms, BF16 5.808
-      against 5.876; see `qkv_split_k_at`), 1 elsewhere: `norm_qkv` measured slower (run 48, BF16 1x1K: 13.4
-      us at S = 2 against 10.4, every program repeating the statistic pass; in-loop 2.78
-      against 2.62 ms).
+      against 5.876; see `qkv_split_k_at`), 1 elsewhere: `norm_qkv` measured slower (run 48,
+      BF16 1x1K: 13.4 us at S = 2 against 10.4, every program repeating the statistic pass;
+      in-loop 2.78 against 2.62 ms).
     early_trigger: every Pallas kernel of the step executes griddepcontrol.launch_dependents at
       its start, so the next kernel's CTAs are placed and wait at their entry while it runs
       (`pallas.pdl`). None (default) = the measured choice: on for BF16 weights, off for NVFP4

@@ -51,6 +51,15 @@ def pow2_divisor(n: int, cap: int) -> int:
   return b
 
 
+def split_block_k(block_k: int, k: int, split_k: int, fmt: str, min_steps: int = 1) -> int:
+  """A default K step for ``split_k`` slices of K: halved (down to the format's smallest step,
+  64 for NVFP4, 16 for bf16) until the slices divide K into at least ``min_steps`` steps each."""
+  floor = 16 if fmt == "bf16" else 64
+  while block_k > floor and (k % (block_k * split_k) or k // (block_k * split_k) < min_steps):
+    block_k //= 2
+  return block_k
+
+
 def row_load_index(m: int, mp: int, offset=0):
   """[mp] int32 row indices offset + min(i, m - 1): padded rows repeat the last real row."""
   return offset + jnp.minimum(jnp.arange(mp, dtype=jnp.int32), m - 1)

@@ -337,7 +337,8 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   kernel finishes the outputs itself instead: the last slice of each tile to arrive (an
   acq_rel atomic count after a CTA barrier) sums the S partials in slice order into the
   ``out_dtype`` output and resets its entry, so the counter comes back zeroed. Returns
-  ``(outputs, counter)`` then; the outputs equal ``sum_splits=True``'s (the same sums).
+  ``(outputs, counter)`` then: the partials summed in slice order and rounded once, as
+  ``qk_norm_rope_attention`` sums ``sum_splits=False``'s (XLA's sum may add in another order).
   """
   fmt = _format(weights)
   C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
@@ -348,9 +349,7 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   if block_k is None and split_k > 1:   # the default K step, shrunk to fit a slice 4 times
     # (H200 run 142, NVFP4 q|k|v at M = 8: S = 8 on 4 steps of 64 8.88 us, S = 4 on 4 of 128
     # 11.62, S = 2 on 8 of 128 13.34, unsplit 16 of 128 13.17)
-    while dbk > (16 if fmt == "bf16" else 64) and (k % (dbk * split_k)
-                                                   or k // (dbk * split_k) < 4):
-      dbk //= 2
+    dbk = C.split_block_k(dbk, k, split_k, fmt, min_steps=4)
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps
   # BF16 at M = 1: 4 stages (Flint q|k|v 8.8 us against 9.8 with 3, session-3 sweep round 2);
@@ -362,7 +361,7 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
           f"split_k must be >= 1 with block_k * split_k dividing K: {split_k=} {block_k=} {k=}")
   finish = counter is not None
   if finish:
-    n_tiles = sum(ns) // block_n
+    n_tiles = sum(ns) // block_n                # the grid's row tiles, one counter entry each
     C.check(split_k > 1, "counter= finishes split-K partials: it needs split_k > 1")
     C.check(counter.dtype == jnp.int32 and counter.ndim == 1 and counter_base >= 0
             and counter_base + n_tiles <= counter.shape[0],

@@ -362,8 +362,7 @@ def norm_qkv(h, weights, w_norm, *, y=None, top_logits=None, eps: float = 1e-6,
                                      allowed=tuple(x for x in C.METHODS if x != "blocks"))
   dbn, dbk, dwarps = MG.default_multi_gemv_blocks(ns, d, m=m, fmt=fmt, method=method)
   if block_k is None and split_k > 1:        # the default K step, shrunk to fit a slice
-    while dbk > (16 if fmt == "bf16" else 64) and d % (dbk * split_k):
-      dbk //= 2
+    dbk = C.split_block_k(dbk, d, split_k, fmt)
   block_n, block_k = block_n or dbn, block_k or dbk
   block_d = block_d or default_block_d(d, m, block_k)
   num_warps = num_warps or dwarps

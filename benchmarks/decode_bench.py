@@ -275,6 +275,35 @@ def _fixed_routing(state):
     return nnx.from_flat_state(pairs)
 
 
+#: Short names of the tile keys in "pallas_mt-..." / "pallas_lm-..." paths.
+_TILE_ABBREV = {"bn": "block_n", "bk": "block_k", "w": "num_warps", "s": "num_stages",
+                "bnd": "block_n_down", "bkd": "block_k_down", "wd": "num_warps_down",
+                "sd": "num_stages_down", "sk": "split_k"}
+
+
+def tiling_options(variant: str):
+    """`DecodeOptions` of a tile-override path variant: "osk8" (`o_proj_split_k=8`),
+    "mt-bnd32-wd8" (`moe_tiling`: block_n_down 32, num_warps_down 8) or "lm-bn64-w4-dot"
+    (`lm_head_tiling`; a bare word is the tile method). Keys: ``_TILE_ABBREV``."""
+    import re
+    from flint_jax.fast_decode import DecodeOptions
+    if variant.startswith("osk"):
+        return DecodeOptions(o_proj_split_k=int(variant[3:]))
+    kind, *tokens = variant.split("-")
+    pairs = []
+    for tok in tokens:
+        match = re.fullmatch(r"([a-z]+?)(\d+)", tok)
+        if match and match[1] in _TILE_ABBREV:
+            pairs.append((_TILE_ABBREV[match[1]], int(match[2])))
+        elif kind == "lm" and tok.isalpha():
+            pairs.append(("method", tok))
+        else:
+            raise ValueError(f"bad tile token {tok!r} in path variant {variant!r}; keys: "
+                             f"{sorted(_TILE_ABBREV)}")
+    field = "moe_tiling" if kind == "mt" else "lm_head_tiling"
+    return DecodeOptions(**{field: tuple(pairs)})
+
+
 def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     """A model handle for a benchmark path: "xla", "pallas" (default `DecodeOptions`),
     "pallas_v1" (the session-1 Pallas step: three projection GEMVs, MoE routing in XLA) or
@@ -307,7 +336,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     BF16 MoE gate_up kernel's K in 2 / 4 slices), "pallas_qsk1/2/4/8/16" (`qkv_split_k`: the
     fused q|k|v kernel's K in 1 to 16 slices, `norm_qkv` or `multi_gemv`, its partials summed
     by the attention kernel), "pallas_qfin" (`qkv_finish`: the q|k|v kernel's last K slice of
-    each tile sums the partials itself),
+    each tile sums the partials itself), "pallas_osk8" (`o_proj_split_k`), "pallas_mt-bnd32-wd8" /
+    "pallas_lm-bn64-w4" (`moe_tiling` / `lm_head_tiling` at batch > 1, `tiling_options`),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
     the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'
@@ -347,6 +377,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     if variant.startswith("rs"):
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(ring_splits=int(variant[2:])))
+    if variant.startswith(("osk", "mt-", "lm-")):
+        return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
+                     decode_options=tiling_options(variant))
     options = {"": None, "v1": V1_OPTIONS, "fused": FUSED_OPTIONS,
                "nq": DecodeOptions(norm_in_qkv=True),
                "nonq": DecodeOptions(norm_in_qkv=False),

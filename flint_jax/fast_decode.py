@@ -261,6 +261,18 @@ class DecodeOptions:
       ``QKV_COUNTER_BASE``), so that the attention kernels load bf16 instead of every split
       program summing the S partials again (+81 us per 8x1K step at S = 8, run 144). Same
       values (the same sums in the same order). False (default): not yet timed on the H200.
+    o_proj_split_k: at batch > 1, the o_proj GEMV's K in this many slices (NVFP4, or BF16 on the
+      Pallas gemv), its fp32 partials summed by the norm kernel after it. None (default) = the
+      kernel's default (4 where K allows). For measurements (H200 run 104, M = 8 alone: 7.22
+      us at 8 slices against 8.05 at 4).
+    moe_tiling: at batch > 1, tile overrides for the routed MoE's two kernels: pairs (name,
+      value) with names from ``MOE_TILING_KEYS`` (``block_n`` / ``block_k`` / ``num_warps`` /
+      ``num_stages`` of the gate_up kernel, the same with ``_down`` of the down kernel), e.g.
+      ``(("block_n_down", 32),)``. () (default) = ``moe.default_moe_tiling``. For measuring
+      tiles inside the step, where the L2 and the neighbouring kernels are the real ones.
+    lm_head_tiling: at batch > 1, overrides for the NVFP4 LM head GEMV: pairs (name, value)
+      with names from ``LM_HEAD_TILING_KEYS`` (``nvfp4_gemv``'s ``block_n``, ``block_k``,
+      ``num_warps``, ``num_stages``, ``split_k``, ``method``). () (default) = its defaults.
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -296,6 +308,13 @@ class DecodeOptions:
     nvfp4_swap: bool = True
     tlb_touch: str = ""
     qkv_finish: bool = False
+    o_proj_split_k: int | None = None
+    moe_tiling: tuple = ()
+    lm_head_tiling: tuple = ()
+
+    MOE_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
+                       "block_k_down", "num_warps_down", "num_stages_down")
+    LM_HEAD_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "method")
 
     PREFETCH_SITES = ("attn", "router", "down", "kv")
     TOUCH_SITES = ("attn", "router", "gate_up")
@@ -414,7 +433,15 @@ class DecodeOptions:
         if self.attention not in ("split", "fused", "fused_atomic"):
             raise ValueError("DecodeOptions.attention must be split|fused|fused_atomic, got "
                              f"{self.attention!r}")
-        for name in ("ring_splits", "qkv_split_k", "attention_num_warps"):
+        for name, keys in (("moe_tiling", self.MOE_TILING_KEYS),
+                           ("lm_head_tiling", self.LM_HEAD_TILING_KEYS)):
+            pairs = getattr(self, name)
+            ok = isinstance(pairs, tuple) and all(
+                isinstance(p, tuple) and len(p) == 2 and p[0] in keys for p in pairs)
+            if not ok:
+                raise ValueError(f"DecodeOptions.{name} must be a tuple of (name, value) pairs "
+                                 f"with names from {keys}, got {pairs!r}")
+        for name in ("ring_splits", "qkv_split_k", "attention_num_warps", "o_proj_split_k"):
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"DecodeOptions.{name} must be a power of two >= 1, got "
@@ -487,8 +514,10 @@ FUSED_OPTIONS = DecodeOptions(router_in_norm=True, norm_in_qkv=True, attention="
 
 
 def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None, sum_splits=True,
-            bf16_pallas=False):
+            bf16_pallas=False, split_k=None, tiling=()):
     """x [M, K] -> [M, N]; ``method``: the NVFP4 kernel's tile method (None: its default).
+    ``split_k`` / ``tiling`` (pairs of `nvfp4_gemv` keyword arguments): overrides of the Pallas
+    GEMV's defaults (``DecodeOptions.o_proj_split_k`` / ``lm_head_tiling``).
 
     ``sum_splits=False``: a split-K Pallas GEMV returns its fp32 partials [S, M, N] unsummed, for
     `add_rms_norm` to sum (one launch less); only pass it where the result goes there.
@@ -496,13 +525,14 @@ def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None, sum_splits=T
     of XLA's dot.
     """
     if lin.quant:
+        kw = dict(method=method, split_k=split_k)
+        kw.update(tiling)
         return nvfp4_gemv(x, lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...],
-                          out_dtype=out_dtype, method=method, interpret=interpret,
-                          sum_splits=sum_splits)
+                          out_dtype=out_dtype, interpret=interpret, sum_splits=sum_splits, **kw)
     w = lin.weight[...]
     if bf16_pallas:
         k = w.shape[1]
-        split = 4 if k % (4 * 256) == 0 else None
+        split = split_k or (4 if k % (4 * 256) == 0 else None)
         return gemv(x, w, out_dtype=out_dtype, split_k=split, interpret=interpret,
                     sum_splits=sum_splits)
     return layers.matmul_t(x, w).astype(out_dtype)
@@ -696,6 +726,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         if swap_off and moe_quant and not nv_method and all_rows:
             moe_kw["method"] = "dot"
             moe_kw.update(block_n=64, block_k=256, num_warps=4, num_stages=3)
+        if b > 1:   # explicit tile overrides last
+            moe_kw.update(opts.moe_tiling)
         # The cache's counters (zeros between steps; each kernel returns its entries to zero),
         # threaded through the kernels that count on them: the BF16 MoE gate_up in K slices
         # (with the layer end folded into the next q|k|v) or the MoE combine in the down kernel
@@ -790,7 +822,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 router_in_norm = opts.router_in_norm_at(b) and cfg.is_moe(i)
                 # add_rms_norm (or add_rms_norm_router) sums the o_proj's split-K partials
                 a = _linear(attn.o_proj, o.reshape(b, h_ * hd), interpret, method=nv_method,
-                            sum_splits=False, bf16_pallas=opts.bf16_o_proj_pallas_at(b))
+                            sum_splits=False, bf16_pallas=opts.bf16_o_proj_pallas_at(b),
+                            split_k=opts.o_proj_split_k if b > 1 else None)
                 mlp = layer.mlp
                 post_ln = layer.post_attention_layernorm.weight[...]
                 router_logits = None
@@ -847,7 +880,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     else:
                         h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)
         logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32,
-                         method=nv_method or ("dot" if swap_off else None))
+                         method=nv_method or ("dot" if swap_off else None),
+                         tiling=opts.lm_head_tiling if b > 1 else ())
         new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
                             lengths=pos + 1,
                             counters=counters)

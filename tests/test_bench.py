@@ -98,3 +98,17 @@ def test_fixed_routing_zeroes_only_the_routers():
         else:
             assert var.get_value() is before[path].get_value(), name
     assert routers == 1
+
+
+def test_tiling_options_parse_the_path_variants():
+    """Tile-override bench paths: "osk8", "mt-..." and "lm-..." become `DecodeOptions` fields;
+    an unknown key is refused with the list of keys."""
+    opts = decode_bench.tiling_options("osk8")
+    assert opts.o_proj_split_k == 8 and opts.moe_tiling == () == opts.lm_head_tiling
+    opts = decode_bench.tiling_options("mt-bn32-bkd128-wd8-s3")
+    assert opts.moe_tiling == (("block_n", 32), ("block_k_down", 128), ("num_warps_down", 8),
+                               ("num_stages", 3))
+    assert decode_bench.tiling_options("lm-bn64-sk2-dot").lm_head_tiling == (
+        ("block_n", 64), ("split_k", 2), ("method", "dot"))
+    with pytest.raises(ValueError, match="bad tile token 'q4'"):
+        decode_bench.tiling_options("mt-q4")

@@ -1,4 +1,5 @@
 """generate() on the Pallas decode path (interpret mode on CPU) equals the XLA path."""
+import dataclasses
 
 import numpy as np
 import pytest
@@ -297,6 +298,10 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(router_topk=True, moe="xla"), "router_topk needs"),
     (dict(router_topk=True, router_pallas=False), "router_topk needs"),
     (dict(router_topk=True, moe_prerouted=False), "router_topk needs"),
+    (dict(o_proj_split_k=3), "o_proj_split_k"),
+    (dict(moe_tiling=(("block_n_down", 32), ("block_m", 8))), "moe_tiling"),
+    (dict(moe_tiling={"block_n": 32}), "moe_tiling"),
+    (dict(lm_head_tiling=(("split_k",),)), "lm_head_tiling"),
 ])
 def test_decode_options_reject_inconsistent_choices(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -371,6 +376,51 @@ def test_qkv_finish_equals_partials_in_the_attention(quant, rows, split):
                                    DecodeOptions(qkv_split_k=split), rows, (5, 17)):
         assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
         np.testing.assert_array_equal(l1, l2)
+
+
+TILE_OVERRIDES = DecodeOptions(
+    o_proj_split_k=2, moe_tiling=(("block_n", 32), ("block_k", 64), ("block_n_down", 32),
+                                  ("num_warps_down", 2)),
+    lm_head_tiling=(("block_n", 32), ("block_k", 64), ("num_warps", 2)))
+
+
+@pytest.mark.parametrize("quant,rows", [(True, 3), (False, 2), (True, 1)])
+def test_tile_overrides_equal_the_default_step(quant, rows):
+    """`o_proj_split_k`, `moe_tiling` and `lm_head_tiling` (at batch > 1; batch 1 ignores them)
+    change only how the kernels tile the same sums: the logits agree with the default step's
+    to fp32 summation order (bit for bit at batch 1)."""
+    for l1, _, l2 in paired_steps(quant, 22, TILE_OVERRIDES, DecodeOptions(), rows, (5, 17)):
+        if rows == 1:
+            np.testing.assert_array_equal(l1, l2)
+        else:
+            np.testing.assert_allclose(l1, l2, rtol=2e-2, atol=2e-2)
+            assert (l1.argmax(-1) == l2.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("quant", [True, False])
+def test_tile_overrides_reach_the_kernels(quant):
+    """Lowered for an H200 at batch 4: the overrides show in the kernels' names (the o_proj in
+    2 slices: its add_rms_norm sums 2 partials; the MoE down kernel on 32-row blocks; the NVFP4
+    gate_up on bn32 bk64 tiles and the LM head on bn32 bk64)."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=quant, rngs=nnx.Rngs(0)))
+    opts = dataclasses.replace(TILE_OVERRIDES, bf16_o_proj_pallas=True)
+    step = fast_decode.make_decode_step(graphdef, cfg, options=opts)
+    names = [m["name"] for m in triton_modules(
+        lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 4, 256),
+        jax.ShapeDtypeStruct((4,), jnp.int32))]
+    assert any(n.startswith("flint_add_rms_norm_splits2") for n in names), names
+    assert not any(n.startswith("flint_add_rms_norm_splits4") for n in names), names
+    down = [n for n in names if n.startswith("flint_moe_down")]
+    assert down and all("_bn32" in n for n in down), names
+    if quant:
+        gate_up = [n for n in names if n.startswith("flint_moe_gate_up")]
+        assert gate_up and all("_bn32_bk64" in n for n in gate_up), names
+        assert any(n.startswith("flint_nvfp4_gemv") and "_bn32_bk64_" in n for n in names), names
 
 
 def test_router_topk_default():

@@ -25,6 +25,7 @@ INTERPRET = jax.default_backend() == "cpu"
     (8, 512, 2048, jnp.bfloat16, {}),                               # default split-K (k_proj)
     (5, 256, 512, jnp.float32, dict(block_n=32, block_k=128, split_k=1)),  # fp32 out
     (1, 2048, 2048, jnp.bfloat16, {}),                              # Flint o_proj-ish size
+    (4, 64, 256, jnp.bfloat16, dict(split_k=4)),    # a given split: K steps shrink to fit it
 ])
 def test_gemv(m, n, k, out_dtype, kw):
   g = rng(m, n, k, str(out_dtype), kw)

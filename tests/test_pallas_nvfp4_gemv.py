@@ -128,6 +128,8 @@ def test_nvfp4_rejects_bad_shapes():
     (1, 64, 192, dict(block_k=64)),                       # split-K 3 (a tiny dense down)
     (2, 96, 4096, {}),                                    # M = 2 default: rows, split-K
     (8, 64, 512, dict(block_k=128, split_k=2)),           # dot
+    (8, 64, 512, dict(split_k=8)),         # a given split: K steps shrink to 64 to fit it
+    (1, 2048, 4096, dict(split_k=8)),      # blocks tiles, bk512 in 8 slices of 512
 ])
 def test_nvfp4_gemv_partials(m, n, k, kw):
   """sum_splits=False: fp32 partials [S, M, N], one per contiguous K range, whose sum (rounded

@@ -129,6 +129,8 @@ def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
   dbn, dbk, dsplit, dwarps = default_gemv_blocks(n, k, m=x.shape[0])
   if split_k is None:
     split_k = dsplit if (block_n or dbn, block_k or dbk) == (dbn, dbk) else 1
+  elif block_k is None and k % split_k == 0:   # a given split: K steps that fit its slices
+    dbk = C.pow2_divisor(k // split_k, dbk)
   block_n = block_n or dbn
   block_k = block_k or dbk
   num_warps = num_warps or dwarps

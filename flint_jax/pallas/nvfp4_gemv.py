@@ -624,6 +624,8 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   if split_k is None:
     same_tiles = (block_n or dbn, block_k or dbk) == (dbn, dbk)
     split_k = dsplit if same_tiles and programs is None else 1
+  elif block_k is None and (kh * 2) % split_k == 0:   # a given split: K steps that fit it
+    dbk = C.pow2_divisor(kh * 2 // split_k, dbk)
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps
   w = (qweight, weight_scale, weight_scale_2)

@@ -386,7 +386,8 @@ def test_moe_decode_routed_combine_prerouted_shared_first(m, shared_cols):
 
 
 @pytest.mark.parametrize("fmt,m,shared_first,prerouted", [
-    ("nvfp4", 8, True, True), ("nvfp4", 3, False, False), ("bf16", 5, True, False)])
+    ("nvfp4", 8, True, True), ("nvfp4", 4, True, True), ("nvfp4", 3, False, False),
+    ("bf16", 5, True, False)])
 def test_moe_decode_routed_shared_rows_token(fmt, m, shared_first, prerouted):
   """The shared expert as one program per (token, row block) on the M = 1 tiles
   (``shared_rows="token"``, with per-token slots; the NVFP4 default) against the reference, and
@@ -405,6 +406,18 @@ def test_moe_decode_routed_shared_rows_token(fmt, m, shared_first, prerouted):
   n = m * 6
   np.testing.assert_array_equal(np.asarray(used_rows(y, 6)[:n], np.float32),
                                 np.asarray(used_rows(y0, 6)[:n], np.float32))
+
+
+def test_default_moe_tiling_token_down_rows():
+  """The NVFP4 per-token down kernel runs 32-row blocks from M = 4 (H200 runs 148-149) and the
+  M = 1 tile's 16 below; the gate_up keeps bn16 (bk512 from M = 5, bk1024 below)."""
+  from flint_jax.pallas.moe import default_moe_tiling
+  for m, bn_down, bk in ((8, 32, 512), (5, 32, 512), (4, 32, 1024), (3, 16, 1024),
+                         (2, 16, 1024)):
+    t = default_moe_tiling("nvfp4", m, token=True, shared_token=True)
+    assert (t["block_n_down"], t["block_n"], t["block_k"]) == (bn_down, 16, bk), (m, t)
+  assert default_moe_tiling("nvfp4", 1)["block_n_down"] == 16
+  assert default_moe_tiling("bf16", 4, token=True)["block_n_down"] == 64
 
 
 def test_moe_decode_routed_combine_shared_rows_token():

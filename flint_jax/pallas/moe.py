@@ -691,7 +691,11 @@ def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool 
   ``token``: the per-token slots of ``slot_rows="token"`` (M = 1 tiles, except the NVFP4
   gate_up at M >= 5: bn16 bk512 with 4 warps; H200 runs 96 and 99, both kernels at M = 8: 288 us
   on the M = 1 tile (bn16 bk1024, 16 warps), 180 with 8 warps; with the routing given and the
-  shared expert first 231 / 123, and **114.5** on bn16 bk512 w4). ``shared_token``: the shared
+  shared expert first 231 / 123, and **114.5** on bn16 bk512 w4; and the NVFP4 down kernel at
+  M >= 4 on 32-row blocks, measured in the step, runs 148-149: 20.9 -> 18.9 us per layer at
+  8x1K, 11.9 -> 11.1 at 4x1K, equal at 2x1K; bn64 w8 19.2-19.5, bn16 w2 19.2, bn32 w8 20.8,
+  bn32 bk256 19.4; the gate_up's w8 / w2 / bn32 / bk256 / bk1024 / 3 stages no faster).
+  ``shared_token``: the shared
   expert per token too (``shared_rows="token"``): BF16's gate_up then on bk128 with 4 stages
   (its M = 1 tile, bn64 bk256 3 stages, asks for 288 KB of shared memory, the H200 has 227 KB;
   run 109).
@@ -713,9 +717,11 @@ def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool 
   """
   methods = {}
   if token and fe == "nvfp4" and m >= 5:
-    gu, dn = (16, 512, 4, 2), (16, 512, 4, 2)
+    gu, dn = (16, 512, 4, 2), (32, 512, 4, 2)
   elif token and shared_token and fe == "bf16":
     gu, dn = (64, 128, 4, 4), (64, 128, 4, 3)
+  elif token and fe == "nvfp4" and m >= 4:
+    return {**default_moe_tiling(fe, 1), "block_n_down": 32}
   elif token:
     return default_moe_tiling(fe, 1)
   elif fe == "nvfp4" and m == 1:

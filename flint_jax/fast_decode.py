@@ -260,11 +260,14 @@ class DecodeOptions:
       (`multi_gemv(counter=)`, arrival counters in ``KVCache.counters`` from
       ``QKV_COUNTER_BASE``), so that the attention kernels load bf16 instead of every split
       program summing the S partials again (+81 us per 8x1K step at S = 8, run 144). Same
-      values (the same sums in the same order). False (default): not yet timed on the H200.
+      values (the same sums in the same order). False (default): no faster (H200 run 148,
+      8x1K: 4.823 against 4.827 ms; the q|k|v kernel's finishing slices cost it 441 -> 527 us
+      per step, what the attention kernels save, perf log 86).
     o_proj_split_k: at batch > 1, the o_proj GEMV's K in this many slices (NVFP4, or BF16 on the
       Pallas gemv), its fp32 partials summed by the norm kernel after it. None (default) = the
-      kernel's default (4 where K allows). For measurements (H200 run 104, M = 8 alone: 7.22
-      us at 8 slices against 8.05 at 4).
+      kernel's default (4 where K allows): 8 slices make the o_proj faster (run 148, 8x1K:
+      8.49 -> 7.78 us per layer) and the norm kernel summing 8 partials slower (2.28 -> 3.30):
+      4.826 against 4.827 ms (perf log 87). For measurements.
     moe_tiling: at batch > 1, tile overrides for the routed MoE's two kernels: pairs (name,
       value) with names from ``MOE_TILING_KEYS`` (``block_n`` / ``block_k`` / ``num_warps`` /
       ``num_stages`` of the gate_up kernel, the same with ``_down`` of the down kernel), e.g.

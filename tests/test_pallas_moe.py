@@ -678,13 +678,13 @@ def test_moe_decode_routed_combine_without_norm(fmt, m, block_n_down):
   kw = dict(top_k=3, decode=DECODE, interpret=INTERPRET, block_n_down=block_n_down,
             counter_base=20)
   counter = jnp.zeros((256,), jnp.int32)
-  if fmt == "nvfp4" and m > 1:   # per-token counters: 16 blocks x M entries, not 16
+  if fmt == "nvfp4" and m > 1:   # per-token counters: 8 blocks x M entries, not 16
     with pytest.raises(ValueError, match="counter"):
       moe_decode_routed_combine(x, logits, experts, shared, h, w_next,
                                 jnp.zeros((20 + 1 + 16 + 1,), jnp.int32), norm=False, **kw)
   s_want, _, route, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next,
                                                         counter, **kw)
-  bn = block_n_down or 16
+  bn = block_n_down or (32 if fmt == "nvfp4" and m >= 4 else 16)   # default_moe_tiling
   for _ in range(2):
     s_got, sumsq, route2, counter = moe_decode_routed_combine(
         x, logits, experts, shared, h, w_next, counter, norm=False, **kw)

@@ -338,6 +338,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     by the attention kernel), "pallas_qfin" (`qkv_finish`: the q|k|v kernel's last K slice of
     each tile sums the partials itself), "pallas_osk8" (`o_proj_split_k`), "pallas_mt-bnd32-wd8" /
     "pallas_lm-bn64-w4" (`moe_tiling` / `lm_head_tiling` at batch > 1, `tiling_options`),
+    "pallas_sht2" / "pallas_sht4" / "pallas_sht8" (`moe_shared_tokens`: the shared expert's
+    gate_up programs each decode their tile once for 2 / 4 / 8 tokens),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
     the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'
@@ -377,6 +379,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     if variant.startswith("rs"):
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(ring_splits=int(variant[2:])))
+    if variant.startswith("sht"):
+        return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
+                     decode_options=DecodeOptions(moe_shared_tokens=int(variant[3:])))
     if variant.startswith(("osk", "mt-", "lm-")):
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=tiling_options(variant))

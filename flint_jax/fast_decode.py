@@ -276,6 +276,10 @@ class DecodeOptions:
     lm_head_tiling: at batch > 1, overrides for the NVFP4 LM head GEMV: pairs (name, value)
       with names from ``LM_HEAD_TILING_KEYS`` (``nvfp4_gemv``'s ``block_n``, ``block_k``,
       ``num_warps``, ``num_stages``, ``split_k``, ``method``). () (default) = its defaults.
+    moe_shared_tokens: at batch > 1 with the shared expert per token (``moe_shared_rows``
+      "token", the NVFP4 default), each shared-expert gate_up program takes this many tokens
+      and decodes its weight tile once for them (`moe_decode_routed(shared_tokens=)`); None
+      (default) = one token per program.
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -314,6 +318,7 @@ class DecodeOptions:
     o_proj_split_k: int | None = None
     moe_tiling: tuple = ()
     lm_head_tiling: tuple = ()
+    moe_shared_tokens: int | None = None
 
     MOE_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
                        "block_k_down", "num_warps_down", "num_stages_down")
@@ -444,6 +449,9 @@ class DecodeOptions:
             if not ok:
                 raise ValueError(f"DecodeOptions.{name} must be a tuple of (name, value) pairs "
                                  f"with names from {keys}, got {pairs!r}")
+        if self.moe_shared_tokens is not None and self.moe_shared_tokens < 1:
+            raise ValueError("DecodeOptions.moe_shared_tokens must be >= 1, got "
+                             f"{self.moe_shared_tokens!r}")
         for name in ("ring_splits", "qkv_split_k", "attention_num_warps", "o_proj_split_k"):
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
@@ -731,6 +739,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             moe_kw.update(block_n=64, block_k=256, num_warps=4, num_stages=3)
         if b > 1:   # explicit tile overrides last
             moe_kw.update(opts.moe_tiling)
+            if opts.moe_shared_tokens not in (None, 1):
+                moe_kw["shared_tokens"] = opts.moe_shared_tokens
         # The cache's counters (zeros between steps; each kernel returns its entries to zero),
         # threaded through the kernels that count on them: the BF16 MoE gate_up in K slices
         # (with the layer end folded into the next q|k|v) or the MoE combine in the down kernel

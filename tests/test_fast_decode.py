@@ -299,6 +299,7 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(router_topk=True, router_pallas=False), "router_topk needs"),
     (dict(router_topk=True, moe_prerouted=False), "router_topk needs"),
     (dict(o_proj_split_k=3), "o_proj_split_k"),
+    (dict(moe_shared_tokens=0), "moe_shared_tokens"),
     (dict(moe_tiling=(("block_n_down", 32), ("block_m", 8))), "moe_tiling"),
     (dict(moe_tiling={"block_n": 32}), "moe_tiling"),
     (dict(lm_head_tiling=(("split_k",),)), "lm_head_tiling"),
@@ -395,6 +396,15 @@ def test_tile_overrides_equal_the_default_step(quant, rows):
         else:
             np.testing.assert_allclose(l1, l2, rtol=2e-2, atol=2e-2)
             assert (l1.argmax(-1) == l2.argmax(-1)).all()
+
+
+def test_moe_shared_tokens_equals_the_default_step():
+    """`moe_shared_tokens=4` at batch 4 (NVFP4: the shared expert per token): its gate_up
+    programs decode each tile once for 4 tokens, the same products and sums: logits bit for
+    bit."""
+    for l1, _, l2 in paired_steps(True, 23, DecodeOptions(moe_shared_tokens=4), DecodeOptions(),
+                                  4, (5, 17)):
+        np.testing.assert_array_equal(l1, l2)
 
 
 @pytest.mark.parametrize("quant", [True, False])

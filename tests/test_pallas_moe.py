@@ -408,6 +408,40 @@ def test_moe_decode_routed_shared_rows_token(fmt, m, shared_first, prerouted):
                                 np.asarray(used_rows(y0, 6)[:n], np.float32))
 
 
+@pytest.mark.parametrize("m,shared_tokens,want", [(8, 4, 4), (6, 4, 3), (5, 8, 5), (3, 2, 1)])
+def test_moe_decode_routed_shared_tokens(m, shared_tokens, want):
+  """``shared_tokens``: the shared expert's gate_up programs each take ``want`` tokens (the
+  largest divisor of M not above the request), the tile decoded once for them: y equals the
+  one-token-per-program call's bit for bit (NVFP4 per-token slots and shared expert)."""
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", m, 32, 6, 256, 128, 256, False,
+                                                  f"shtk{m}")
+  kw = dict(top_k=6, decode=DECODE, slot_rows="token", shared_rows="token", interpret=INTERPRET)
+  y, route = moe_decode_routed(x, logits, experts, shared, shared_tokens=shared_tokens, **kw)
+  y1, route1 = moe_decode_routed(x, logits, experts, shared, **kw)
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(route1.ids))
+  n = m * 6
+  np.testing.assert_array_equal(np.asarray(used_rows(y, 6), np.float32),
+                                np.asarray(used_rows(y1, 6), np.float32))
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
+  assert_routed_close(y, ref, 6, "token", f"shared_tokens={shared_tokens} M={m}")
+  # lowered for an H200: the gate_up grid has the routed slots' programs plus I_s / 16 per
+  # group of `want` tokens
+  from flint_jax.pallas.testing import triton_modules
+  gpu_kw = dict(kw, decode="asm", interpret=False)
+  mods = triton_modules(lambda x_, l_: moe_decode_routed(
+      x_, l_, experts, shared, shared_tokens=shared_tokens, **gpu_kw), x, logits)
+  (gate_up,) = [mod for mod in mods if mod["name"].startswith("flint_moe_gate_up")]
+  assert "_shtok" + (str(want) if want > 1 else "") + "_nvfp4" in gate_up["name"], gate_up
+  assert gate_up["grid"][0] == n * (128 // 16) + (256 // 16) * (m // want), gate_up["grid"]
+
+
+def test_moe_decode_routed_shared_tokens_needs_the_token_blocks_tiles():
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", 4, 32, 6, 256, 128, 256, False, "shtx")
+  with pytest.raises(ValueError, match="shared_tokens=2 needs shared_rows='token'"):
+    moe_decode_routed(x, logits, experts, shared, top_k=6, slot_rows="token",
+                      shared_rows="all", shared_tokens=2, decode=DECODE, interpret=INTERPRET)
+
+
 def test_default_moe_tiling_token_down_rows():
   """The NVFP4 per-token down kernel runs 32-row blocks from M = 4 (H200 runs 148-149) and the
   M = 1 tile's 16 below; the gate_up keeps bn16 (bk512 from M = 5, bk1024 below)."""

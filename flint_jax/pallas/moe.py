@@ -273,7 +273,8 @@ def _slot_route(l_ref, u, route):
 
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
                     decode, layout, method, route=None, token_method=None, split_k=1,
-                    finish=False, shared_first=False, shared_token=False, interpret=False):
+                    finish=False, shared_first=False, shared_token=False, shared_tokens=1,
+                    interpret=False):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
@@ -282,8 +283,9 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   nothing stored). shared_first: the shared expert's programs take the first program ids (they
   are launched first, so their longer work does not trail the routed slots'). shared_token (with
   token_method): the shared expert as M one-token parts too, one program per (token, row
-  block) on the ``token_method`` tile writing hs [M, 1, I_s] row t; otherwise one program per
-  row block for all M rows (``method``).
+  block) on the ``token_method`` tile writing hs [M, 1, I_s] row t (``shared_tokens`` > 1: one
+  program per (group of that many tokens, row block), the tile decoded once for the group);
+  otherwise one program per row block for all M rows (``method``).
   token_method (routed only): slot u multiplies only its own token t = u // top_k (x row t, the
   tile method ``token_method`` at M = 1) and writes h [U, 1, I]; otherwise all M rows.
   split_k > 1 (bf16): grid axis 1 is the K slice s; the program writes fp32 partial g and u
@@ -299,7 +301,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   n_i = inter // bn
   n_routed = n_slots_max * n_i
   n_sj = inter_s // bn                     # the shared expert's row blocks
-  n_shared = n_sj * (m if shared_token else 1)
+  n_shared = n_sj * (m // shared_tokens if shared_token else 1)
   xs = (r["x"], r["x5"])
   all_rows = dict(xs=xs, x_idx=(), m=m, mp=mp, method=method)   # every token's row of x
   # one token's row of x as a one-row operand (x viewed as [M, 1, D]), on the M = 1 tiles
@@ -376,8 +378,36 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     else:            # routing from logits: no de-duplication, every slot is live
       slot()
 
+  def shared_tokens_group(j):
+    """Tokens g T .. g T + T - 1 (T = shared_tokens, g = j // n_sj) for row block j % n_sj: each
+    K step's weight tile decoded once, its block sums formed for every token."""
+    g, j = j // n_sj, j % n_sj
+    tokens = [g * shared_tokens + i for i in range(shared_tokens)]
+    x_idxs = [(t,) for t in tokens]
+    nb = bk_s // 64
+
+    def body(i, carry):
+      ags, aus = carry
+      b0 = pl.multiple_of(i * nb, nb)
+      ags = NV.blocks_tile_dot_tokens(r["xt5"], x_idxs, r["sg_q"], r["sg_s"], (), j * bn, bn,
+                                      b0, nb, decode=decode, accs=ags)
+      aus = NV.blocks_tile_dot_tokens(r["xt5"], x_idxs, r["su_q"], r["su_s"], (), j * bn, bn,
+                                      b0, nb, decode=decode, accs=aus)
+      return ags, aus
+
+    z = _acc_zeros(fs, 1, bn, bk_s, "blocks")
+    ags, aus = lax.fori_loop(0, d // bk_s, body, ([z] * shared_tokens, [z] * shared_tokens))
+    f = NV.decode_factor(decode)
+    for t, ag, au in zip(tokens, ags, aus):
+      ag = C.finish_acc(ag, "blocks") * (r["sg_s2"][0] * f)
+      au = C.finish_acc(au, "blocks") * (r["su_s2"][0] * f)
+      store_h("hs", (t,), ag, au, j * bn, 1, C.pad_rows(1), "blocks")
+
   def shared():
     j = pid if shared_first else pid - n_routed
+    if shared_tokens > 1:
+      shared_tokens_group(j)
+      return
     if shared_token:     # part j: token j // n_sj, row block j % n_sj
       operand, lead = token_operand(j // n_sj), (j // n_sj,)
       j = j % n_sj
@@ -748,7 +778,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
             token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
             down_shared_cols=None, combine=None, asm_down=None, route_given=None,
-            shared_first=False, shared_rows=None, gate_up_touch=()):
+            shared_first=False, shared_rows=None, gate_up_touch=(), shared_tokens=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -823,7 +853,16 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     bk = min(bk, C.pow2_divisor(d // sk, bk))     # whole K steps in every slice
     C.check(bk >= 16, f"gate_up_split_k={sk} leaves K slices of {d // sk} < 16 values")
   finish = sk > 1 and gate_up_counter is not None
-  n_prog = u * (inter // bn) + (inter_s // bn) * (m if shared_token else 1)
+  # shared-expert tokens per gate_up program: the largest divisor of M not above the request
+  n_tok = 1
+  if shared_tokens not in (None, 1):
+    C.check(shared_token and fs == "nvfp4" and token_method == "blocks" and layout == "tile",
+            f"shared_tokens={shared_tokens} needs shared_rows='token' with NVFP4 experts on "
+            f"the 'blocks' tiles (tile layout), got shared_rows={shared_rows!r}, {fs=}, "
+            f"{token_method=}, {layout=}")
+    C.check(shared_tokens >= 1, f"shared_tokens must be >= 1, got {shared_tokens}")
+    n_tok = max(t for t in range(1, min(shared_tokens, m) + 1) if m % t == 0)
+  n_prog = u * (inter // bn) + (inter_s // bn) * (m // n_tok if shared_token else 1)
   if gate_up_counter is not None:
     C.check(sk > 1, "gate_up_counter is only for gate_up_split_k > 1")
     C.check(gate_up_counter.dtype == jnp.int32 and gate_up_counter.ndim == 1
@@ -883,8 +922,10 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter,
       inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
       layout=layout, method=method, route=route, token_method=token_method, split_k=sk,
-      finish=finish, shared_first=shared_first, shared_token=shared_token, interpret=interpret)
+      finish=finish, shared_first=shared_first, shared_token=shared_token, shared_tokens=n_tok,
+      interpret=interpret)
   tag += ("_token" if token else "") + ("_shtok" if shared_token else "")
+  tag += f"{n_tok}" if n_tok > 1 else ""
   gate_up_touch = tuple(gate_up_touch)
   res = C.pallas_call(
       kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
@@ -1085,7 +1126,7 @@ def _check_top_logits(top_logits, m) -> int:
 
 
 _ROUTED_KNOBS = ("top_k", "slot_rows", "token_method", "asm_down", "prerouted", "shared_first",
-                 "shared_rows")
+                 "shared_rows", "shared_tokens")
 
 
 def _launch_routed(x, logits, experts, shared, options, **extra):
@@ -1124,7 +1165,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       down_shared_cols: int | None = None, asm_down: str | None = None,
                       prerouted: bool | None = None, shared_first: bool | None = None,
                       shared_rows: str | None = None, route: MoERoute | None = None,
-                      gate_up_touch=(), interpret: bool = False):
+                      gate_up_touch=(), shared_tokens: int | None = None,
+                      interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls; 3 with ``prerouted``,
   the default for NVFP4 experts at M > 1) and the routing.
 
@@ -1181,6 +1223,12 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   ``route``: the routing already computed (``router.router_logits_topk``: the router kernel's
   last program runs the top-k of these logits); the kernels take its ids as with ``prerouted``
   (which must not be False) and return it; no top-k kernel of their own.
+  ``shared_tokens`` (with ``shared_rows="token"`` on NVFP4 ``blocks`` tiles): each shared-expert
+  gate_up program takes this many tokens (the largest divisor of M not above it) for its row
+  block: the weight tile is decoded once per K step and its per-block sums formed for each
+  token (``nvfp4_gemv.blocks_tile_dot_tokens``), so the shared weights are decoded M / T
+  times instead of M times. None / 1 = one token per program. Same values (the same products
+  and sums per token).
   """
   options = locals()    # first statement: exactly the arguments
   y, route_out, counter = _launch_routed(x, logits, experts, shared, options)
@@ -1206,7 +1254,7 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               asm_down: str | None = None, prerouted: bool | None = None,
                               shared_first: bool | None = None, shared_rows: str | None = None,
                               route: MoERoute | None = None, gate_up_touch=(),
-                              interpret: bool = False):
+                              shared_tokens: int | None = None, interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its

@@ -361,18 +361,46 @@ def blocks_fma(acc, w_lo, w_hi, x_half):
   return acc
 
 
-def blocks_fma_post(acc, codes, x_half):
+def raw_decode_codes(codes):
+  """The ``post`` decode's raw values (E2M1 x 2^-126, f32) of a ``load_codes`` tile:
+  (w_lo, w_hi) [BN, nb, 2, 16]."""
+  q = codes[0]
+  return _asm_decode_raw(q, _ASM_RAW[0]), _asm_decode_raw(q, _ASM_RAW[1])
+
+
+def blocks_fma_post(acc, codes, x_half, w=None):
   """The ``blocks`` K step with the block scales applied after the sums (``asm_decode`` "post"):
   acc [BN, nb, 2] + s_lo * sum_16(w_lo * x_half(0)) + s_hi * sum_16(w_hi * x_half(1)), w the raw
-  decode (E2M1 values x 2^-126) of the ``load_codes`` tile ``codes``; the same decode factor as
-  the scaled decode (pre-scaled scales are ``scale * 2^119``)."""
-  q, s_lo, s_hi = codes
-  w = (_asm_decode_raw(q, _ASM_RAW[0]), _asm_decode_raw(q, _ASM_RAW[1]))    # [BN, nb, 2, 16]
+  decode (E2M1 values x 2^-126) of the ``load_codes`` tile ``codes`` (``raw_decode_codes``,
+  computed here unless given); the same decode factor as the scaled decode (pre-scaled scales
+  are ``scale * 2^119``)."""
+  _, s_lo, s_hi = codes
+  w = raw_decode_codes(codes) if w is None else w                          # [BN, nb, 2, 16]
   for half, s in enumerate((s_lo, s_hi)):                                  # s [BN, nb, 2]
     s = s.astype(jnp.float32) * (1.0 if s.dtype == jnp.bfloat16 else PRESCALE)
     x = x_half(half).astype(jnp.float32)                                  # [nb, 2, 16]
     acc = acc + s * jnp.sum(w[half] * x[None], axis=3)
   return acc
+
+
+def blocks_tile_dot_tokens(x_ref, x_idxs, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
+                           accs):
+  """``nvfp4_tile_dot``'s ``blocks`` K step (M = 1, tile layout) for several one-row operands
+  that share the weight tile: rows n0 .. n0+bn, 64-value blocks b0 .. b0+nb decoded once, then
+  per operand ``x_ref[(*x_idxs[i], 0, ...)]`` the per-block sums added to ``accs[i]`` [BN, nb,
+  2]. Returns the list of accumulators; each equals the one-operand call's bit for bit (the same
+  decode, products and sums). E.g. the MoE's shared expert for several tokens at once."""
+  ds, blk = slice(None), pl.ds(b0, nb)
+  codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
+  post = decode == "asm" and asm_decode.value == "post"
+  w = raw_decode_codes(codes) if post else decode_codes(codes, decode, f32=True)
+  out = []
+  for x_idx, acc in zip(x_idxs, accs):
+    def x_half(h, x_idx=x_idx):
+      return x_to_f32(x_ref[(*x_idx, 0, blk, h, ds, ds)], decode)
+    out.append(blocks_fma_post(acc, codes, x_half, w) if post
+               else blocks_fma(acc, *w, x_half))
+  return out
 
 
 def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,

@@ -725,10 +725,9 @@ def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool 
   M >= 4 on 32-row blocks, measured in the step, runs 148-149: 20.9 -> 18.9 us per layer at
   8x1K, 11.9 -> 11.1 at 4x1K, equal at 2x1K; bn64 w8 19.2-19.5, bn16 w2 19.2, bn32 w8 20.8,
   bn32 bk256 19.4; the gate_up's w8 / w2 / bn32 / bk256 / bk1024 / 3 stages no faster).
-  ``shared_token``: the shared
-  expert per token too (``shared_rows="token"``): BF16's gate_up then on bk128 with 4 stages
-  (its M = 1 tile, bn64 bk256 3 stages, asks for 288 KB of shared memory, the H200 has 227 KB;
-  run 109).
+  ``shared_token``: the shared expert per token too (``shared_rows="token"``): BF16's gate_up
+  then on bk128 with 4 stages (its M = 1 tile, bn64 bk256 3 stages, asks for 288 KB of shared
+  memory, the H200 has 227 KB; run 109).
 
   From the session-3 sweep (docs/kernels.md; Flint sizes, device us of gate_up + down):
   - BF16 M=1: gate_up bn64 bk256 w4 (13.0); down bn64 bk128 (7.7, against 10.8 with the old
@@ -856,11 +855,11 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   # shared-expert tokens per gate_up program: the largest divisor of M not above the request
   n_tok = 1
   if shared_tokens not in (None, 1):
+    C.check(shared_tokens >= 1, f"shared_tokens must be >= 1, got {shared_tokens}")
     C.check(shared_token and fs == "nvfp4" and token_method == "blocks" and layout == "tile",
             f"shared_tokens={shared_tokens} needs shared_rows='token' with NVFP4 experts on "
             f"the 'blocks' tiles (tile layout), got shared_rows={shared_rows!r}, {fs=}, "
             f"{token_method=}, {layout=}")
-    C.check(shared_tokens >= 1, f"shared_tokens must be >= 1, got {shared_tokens}")
     n_tok = max(t for t in range(1, min(shared_tokens, m) + 1) if m % t == 0)
   n_prog = u * (inter // bn) + (inter_s // bn) * (m // n_tok if shared_token else 1)
   if gate_up_counter is not None:

@@ -283,15 +283,19 @@ _TILE_ABBREV = {"bn": "block_n", "bk": "block_k", "w": "num_warps", "s": "num_st
 
 def tiling_options(variant: str):
     """`DecodeOptions` of a tile-override path variant: "osk8" (`o_proj_split_k=8`),
-    "mt-bnd32-wd8" (`moe_tiling`: block_n_down 32, num_warps_down 8) or "lm-bn64-w4-dot"
-    (`lm_head_tiling`; a bare word is the tile method). Keys: ``_TILE_ABBREV``."""
+    "mt-bnd32-wd8" (`moe_tiling`: block_n_down 32, num_warps_down 8; the token "f16" adds
+    `moe_gate_up_f16`, e.g. "mt-f16-w8") or "lm-bn64-w4-dot" (`lm_head_tiling`; a bare word is
+    the tile method). Keys: ``_TILE_ABBREV``."""
     import re
     from flint_jax.fast_decode import DecodeOptions
     if variant.startswith("osk"):
         return DecodeOptions(o_proj_split_k=int(variant[3:]))
     kind, *tokens = variant.split("-")
-    pairs = []
+    pairs, extra = [], {}
     for tok in tokens:
+        if kind == "mt" and tok == "f16":
+            extra["moe_gate_up_f16"] = True
+            continue
         match = re.fullmatch(r"([a-z]+?)(\d+)", tok)
         if match and match[1] in _TILE_ABBREV:
             pairs.append((_TILE_ABBREV[match[1]], int(match[2])))
@@ -301,7 +305,7 @@ def tiling_options(variant: str):
             raise ValueError(f"bad tile token {tok!r} in path variant {variant!r}; keys: "
                              f"{sorted(_TILE_ABBREV)}")
     field = "moe_tiling" if kind == "mt" else "lm_head_tiling"
-    return DecodeOptions(**{field: tuple(pairs)})
+    return DecodeOptions(**{field: tuple(pairs)}, **extra)
 
 
 def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
@@ -339,7 +343,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     each tile sums the partials itself), "pallas_osk8" (`o_proj_split_k`), "pallas_mt-bnd32-wd8" /
     "pallas_lm-bn64-w4" (`moe_tiling` / `lm_head_tiling` at batch > 1, `tiling_options`),
     "pallas_sht2" / "pallas_sht4" / "pallas_sht8" (`moe_shared_tokens`: the shared expert's
-    gate_up programs each decode their tile once for 2 / 4 / 8 tokens),
+    gate_up programs each decode their tile once for 2 / 4 / 8 tokens), "pallas_mt-f16"
+    (`moe_gate_up_f16`: the MoE gate_up's f16x2 products; with tile tokens, e.g.
+    "pallas_mt-f16-bn32"),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
     the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'

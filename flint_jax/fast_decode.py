@@ -281,6 +281,12 @@ class DecodeOptions:
       and decodes its weight tile once for them (`moe_decode_routed(shared_tokens=)`); None
       (default) = one token per program: slower (H200 run 152, 8x1K 4.917 against 4.752 ms at
       2 tokens: the kernel's registers 126 -> 204 for the routed programs too; perf log 90).
+    moe_gate_up_f16: at batch > 1 with NVFP4 experts on per-token slots (the default there),
+      the MoE gate_up kernel multiplies in f16x2 against x scaled per row into f16
+      (`moe_decode_routed(gate_up_f16=True)`, `nvfp4_gemv.blocks_fma_f16`): SASS 613 -> 497
+      instructions per thread and K step, 126 -> 72 registers. Each pair of exact products is
+      rounded once to f16 (rel-L2 1.6e-4 against exact sums, a tenth of bf16's rounding of
+      h). None / False (default) = off.
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -320,6 +326,7 @@ class DecodeOptions:
     moe_tiling: tuple = ()
     lm_head_tiling: tuple = ()
     moe_shared_tokens: int | None = None
+    moe_gate_up_f16: bool | None = None
 
     MOE_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
                        "block_k_down", "num_warps_down", "num_stages_down")
@@ -742,6 +749,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             moe_kw.update(opts.moe_tiling)
             if opts.moe_shared_tokens not in (None, 1):
                 moe_kw["shared_tokens"] = opts.moe_shared_tokens
+            if opts.moe_gate_up_f16 and moe_quant:
+                moe_kw["gate_up_f16"] = True
         # The cache's counters (zeros between steps; each kernel returns its entries to zero),
         # threaded through the kernels that count on them: the BF16 MoE gate_up in K slices
         # (with the layer end folded into the next q|k|v) or the MoE combine in the down kernel

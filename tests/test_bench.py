@@ -110,5 +110,8 @@ def test_tiling_options_parse_the_path_variants():
                                ("num_stages", 3))
     assert decode_bench.tiling_options("lm-bn64-sk2-dot").lm_head_tiling == (
         ("block_n", 64), ("split_k", 2), ("method", "dot"))
+    opts = decode_bench.tiling_options("mt-f16-bn32")
+    assert opts.moe_gate_up_f16 and opts.moe_tiling == (("block_n", 32),)
+    assert decode_bench.tiling_options("mt-f16").moe_gate_up_f16
     with pytest.raises(ValueError, match="bad tile token 'q4'"):
         decode_bench.tiling_options("mt-q4")

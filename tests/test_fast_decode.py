@@ -407,6 +407,20 @@ def test_moe_shared_tokens_equals_the_default_step():
         np.testing.assert_array_equal(l1, l2)
 
 
+def test_moe_gate_up_f16_step():
+    """`moe_gate_up_f16` at batch 3 (NVFP4 per-token slots): the MoE gate_up on f16x2 products
+    (a tenth of h's bf16 rounding): logits within bf16 noise of the default step, the same
+    argmax; at batch 1 the option does nothing (bit for bit)."""
+    from flint_jax.pallas.testing import rel_l2
+    for l1, _, l2 in paired_steps(True, 29, DecodeOptions(moe_gate_up_f16=True), DecodeOptions(),
+                                  3, (5, 17)):
+        assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
+        assert (l1.argmax(-1) == l2.argmax(-1)).all()
+    for l1, _, l2 in paired_steps(True, 29, DecodeOptions(moe_gate_up_f16=True), DecodeOptions(),
+                                  1, (5,)):
+        np.testing.assert_array_equal(l1, l2)
+
+
 @pytest.mark.parametrize("quant", [True, False])
 def test_tile_overrides_reach_the_kernels(quant):
     """Lowered for an H200 at batch 4: the overrides show in the kernels' names (the o_proj in

@@ -44,6 +44,19 @@ def _prmt(a, b, sel):
   return out
 
 
+def _f16_lanes(r):
+  """A b32 register's two f16 lanes as float64 (lane 0 = bits 0-15)."""
+  lo = (r & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16)
+  hi = (r >> np.uint32(16)).astype(np.uint16).view(np.float16)
+  return lo.astype(np.float64), hi.astype(np.float64)
+
+
+def _f16x2_bits(lo, hi):
+  """Two float64 lanes rounded (to nearest even) into f16x2 bits."""
+  b = lambda v: v.astype(np.float16).view(np.uint16).astype(np.uint32)  # noqa: E731
+  return b(lo) | (b(hi) << np.uint32(16))
+
+
 def run_ptx(asm: str, operands: dict) -> dict:
   """Executes ``asm`` (the ``{ ... }`` block of an inline-asm call) on uint32 arrays.
   ``operands``: {"$4": codes, ...}; returns every register, outputs included."""
@@ -58,6 +71,12 @@ def run_ptx(asm: str, operands: dict) -> dict:
     if not line or line.startswith(".reg"):
       continue
     op, args = line.split(None, 1)
+    if op == "mov.b32" and args.startswith("{"):      # mov.b32 {lo, hi}, r: unpack b16 halves
+      halves, src = args[1:].split("}")
+      lo, hi = (x.strip() for x in halves.split(","))
+      r = val(src.strip(", "))
+      regs[lo], regs[hi] = r & np.uint32(0xFFFF), r >> np.uint32(16)
+      continue
     a = [x.strip() for x in args.split(",")]
     if op == "mov.b32":
       regs[a[0]] = val(a[1])
@@ -69,6 +88,17 @@ def run_ptx(asm: str, operands: dict) -> dict:
       regs[a[0]] = val(a[1]) | val(a[2])
     elif op == "shl.b32":
       regs[a[0]] = val(a[1]) << val(a[2])
+    elif op == "shr.b32":
+      regs[a[0]] = val(a[1]) >> val(a[2])
+    elif op == "mul.rn.f16x2":    # float64 products of f16 lanes are exact: one rounding
+      (xl, xh), (yl, yh) = _f16_lanes(val(a[1])), _f16_lanes(val(a[2]))
+      regs[a[0]] = _f16x2_bits(xl * yl, xh * yh)
+    elif op == "fma.rn.f16x2":    # a * b + c exact in float64 here, then one rounding
+      (xl, xh), (yl, yh), (cl, ch) = (_f16_lanes(val(t)) for t in a[1:4])
+      regs[a[0]] = _f16x2_bits(xl * yl + cl, xh * yh + ch)
+    elif op == "cvt.f32.f16":
+      h = val(a[1]).astype(np.uint16).view(np.float16)
+      regs[a[0]] = h.astype(np.float32).view(np.uint32)
     elif op == "mul.lo.u32":
       regs[a[0]] = (val(a[1]).astype(np.uint64) * val(a[2]).astype(np.uint64)).astype(np.uint32)
     elif op == "mul.rn.bf16x2":   # exact products here (<= 7 significant bits), rounded anyway
@@ -138,6 +168,43 @@ def test_scaled_decode_sequences(half, seq):
   np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
+def _f16_pairs(x16):
+  """f16 [N, 4] (x16_operand order x0, x2, x1, x3) -> the two f16x2 registers of the asm."""
+  b = x16.view(np.uint16).astype(np.uint32)
+  return b[:, 0] | (b[:, 1] << np.uint32(16)), b[:, 2] | (b[:, 3] << np.uint32(16))
+
+
+def test_f16_block_asm():
+  """``blocks_fma_f16``'s asm (every code byte at every position, random f16 x of both signs
+  and a wide range): per word (lo lane 0, lo lane 1, hi lane 0, hi lane 1) = the f16 rounding
+  of the pair of exact products E2M1 x 2^-14 x x -- lane 0 bytes 0 and 1, lane 1 bytes 2 and 3
+  -- the first product rounded alone first (``mul`` then ``fma``), and equal to the jnp form
+  the interpret mode runs (``_f16_lane_sums``)."""
+  import jax.numpy as jnp
+  words = _all_code_words()
+  g = np.random.default_rng(16)
+  n = words.size
+  xs = [(g.standard_normal((n, 4)) * 2.0 ** g.integers(-6, 14, (n, 4))).astype(np.float16)
+        for _ in range(2)]
+  (l02, l13), (h02, h13) = _f16_pairs(xs[0]), _f16_pairs(xs[1])
+  regs = run_ptx(NV._ASM_F16, {"$4": words, "$5": l02, "$6": l13, "$7": h02, "$8": h13})
+  got = np.stack([regs[f"${i}"].view(np.float32) for i in range(4)], axis=1)
+  want = []
+  for half, x in enumerate(xs):
+    w = _expected(words, half).astype(np.float64) * 2.0 ** -14            # bytes 0..3
+    xn = x.astype(np.float64)[:, [0, 2, 1, 3]]                            # x0 .. x3
+    for a, b in ((0, 1), (2, 3)):
+      first = (w[:, a] * xn[:, a]).astype(np.float16).astype(np.float64)
+      want.append((first + w[:, b] * xn[:, b]).astype(np.float16).astype(np.float32))
+  np.testing.assert_array_equal(got, np.stack(want, axis=1))
+  # the interpret-mode form on the same operands (rows of 16 bytes: four words)
+  q = np.stack([(words >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)], 1)
+  q = q.astype(np.uint8).reshape(-1, 16)
+  em = NV._f16_lane_sums(jnp.asarray(q), jnp.asarray(xs[0].reshape(-1, 16)),
+                         jnp.asarray(xs[1].reshape(-1, 16)))
+  np.testing.assert_array_equal(np.asarray(em).reshape(-1, 4), got)
+
+
 def test_emulator_rejects_unknown_instructions():
-  with pytest.raises(NotImplementedError, match="cvt"):
-    run_ptx("{\ncvt.rn.f32.f16 $0, $1;\n}", {"$1": np.zeros(2, np.uint32)})
+  with pytest.raises(NotImplementedError, match="sin"):
+    run_ptx("{\nsin.approx.f32 $0, $1;\n}", {"$1": np.zeros(2, np.uint32)})

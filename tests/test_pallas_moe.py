@@ -744,3 +744,38 @@ def test_moe_decode_routed_combine_lowers_for_h200(fmt, m, norm):
       s((m, 2048), jnp.bfloat16), s((m, 256), jnp.float32), abstract(experts), abstract(shared),
       s((m, 2048), jnp.bfloat16), s((2048,), jnp.bfloat16), s((4096,), jnp.int32)).as_text()
   assert ("_combine" if norm else "_residual") in text
+
+
+@pytest.mark.parametrize("m,scale", [(2, 1.0), (5, 37.0), (8, 1e-3)])
+def test_moe_decode_routed_gate_up_f16(m, scale):
+  """``gate_up_f16``: the per-token NVFP4 gate_up on f16x2 products (x scaled per row into f16,
+  pairs of exact products rounded once to f16) matches the reference like the default does,
+  at row scales far from 1, and its kernel lowers for an H200 with the x16 inputs."""
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", m, 32, 6, 256, 128, 256, False,
+                                                  f"gu16{m}")
+  x = (x.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+  kw = dict(top_k=6, decode=DECODE, slot_rows="token", shared_rows="token", interpret=INTERPRET)
+  y, route = moe_decode_routed(x, logits, experts, shared, gate_up_f16=True, **kw)
+  y0, route0 = moe_decode_routed(x, logits, experts, shared, **kw)
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(route0.ids))
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
+  assert_routed_close(y, ref, 6, "token", f"gate_up_f16 M={m}")
+  from flint_jax.pallas.testing import rel_l2, triton_modules
+  # the f16 sums move h by less than its bf16 rounding: y within a few bf16 ulps of the default
+  assert rel_l2(used_rows(y, 6), used_rows(y0, 6)) < 5e-3
+  gpu_kw = dict(kw, decode="asm", interpret=False)
+  mods = triton_modules(lambda x_, l_: moe_decode_routed(
+      x_, l_, experts, shared, gate_up_f16=True, **gpu_kw), x, logits)
+  (gate_up,) = [mod for mod in mods if mod["name"].startswith("flint_moe_gate_up")]
+  assert "_x16_" in gate_up["name"] and "fma.rn.f16x2" in gate_up["asm"], gate_up["name"]
+
+
+def test_moe_decode_routed_gate_up_f16_needs_per_token_blocks():
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", 4, 32, 6, 256, 128, 256, False, "gu16x")
+  with pytest.raises(ValueError, match="gate_up_f16 needs NVFP4 experts on per-token slots"):
+    moe_decode_routed(x, logits, experts, shared, top_k=6, slot_rows="all", gate_up_f16=True,
+                      decode=DECODE, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="gate_up_f16 needs"):
+    moe_decode_routed(x, logits, experts, shared, top_k=6, slot_rows="token",
+                      shared_rows="token", shared_tokens=2, gate_up_f16=True, decode=DECODE,
+                      interpret=INTERPRET)

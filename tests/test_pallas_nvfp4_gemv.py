@@ -271,3 +271,22 @@ def test_asm_decode_sequences_bit_identical(m, kw):
     np.testing.assert_array_equal(outs[scales, "mul_bf16"], outs[scales, "shift"])
   assert_close(outs["bf16", "mul"], nvfp4_gemv_reference(x, *w, out_dtype=jnp.float32),
                what="asm decode (mul)")
+
+
+def test_x16_operand():
+  """x16 = x * 2^c per row in f16 (exact; the row's largest magnitude in [2^14, 2^15)), groups
+  of four stored x0, x2, x1, x3; inv = 2^-c; an all-zero row gets c = 0."""
+  from flint_jax.pallas.nvfp4_gemv import x16_operand
+  gen = rng("x16")
+  x = randn(gen, (4, 128)).astype(jnp.float32)
+  x = x * jnp.array([1.0, 300.0, 2.0 ** -20, 0.0])[:, None]
+  x = x.astype(jnp.bfloat16)
+  x16, inv = x16_operand(x)
+  assert x16.dtype == jnp.float16 and x16.shape == x.shape and inv.shape == (4,)
+  xv = np.asarray(x16, np.float64).reshape(4, 32, 2, 2).swapaxes(-1, -2).reshape(4, 128)
+  back = xv * np.asarray(inv, np.float64)[:, None]
+  np.testing.assert_array_equal(back, np.asarray(x, np.float64))
+  amax = np.abs(xv).max(axis=1)
+  assert np.all((amax[:3] >= 2.0 ** 14) & (amax[:3] < 2.0 ** 15)), amax
+  assert amax[3] == 0 and float(inv[3]) == 1.0
+  np.testing.assert_array_equal(np.log2(np.asarray(inv)), np.round(np.log2(np.asarray(inv))))

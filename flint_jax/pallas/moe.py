@@ -274,7 +274,7 @@ def _slot_route(l_ref, u, route):
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
                     decode, layout, method, route=None, token_method=None, split_k=1,
                     finish=False, shared_first=False, shared_token=False, shared_tokens=1,
-                    interpret=False):
+                    x16=False, interpret=False):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
@@ -294,7 +294,9 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   program then counts itself done on ``counter_out[pid]`` (acq_rel atomic after a CTA
   barrier) and the last slice's program sums the S partials (volatile loads, slice order),
   writes h = bf16(silu(g) * u) and resets its counter entry to 0 (the counter returns zeroed, so
-  one zeroed counter serves every layer of a step)."""
+  one zeroed counter serves every layer of a step).
+  x16 (with token_method "blocks"): the one-token operands ``xt5`` are ``nvfp4_gemv.x16_operand``'s
+  f16 rows (the f16 products of ``blocks_fma_f16``), ``xinv`` [M] their row factors."""
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
   ks = pl.program_id(1) if split_k > 1 else 0
@@ -368,7 +370,8 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       wgu = [r["gu_w"]] if fe == "bf16" else [r["gu_q"], r["gu_s"]]
       ag, au = gemv2(wgu, wgu, (e,), j * bn, inter + j * bn, fe, bk, **operand)
       if fe == "nvfp4":
-        f = NV.decode_factor(decode)
+        t = u // route[0] if x16 else None
+        f = NV.F16_DECODE_FACTOR * r["xinv"][t] if x16 else NV.decode_factor(decode)
         ag = ag * (r["gu_s2"][e, 0] * f)
         au = au * (r["gu_s2"][e, 1] * f)
       store_h("h", (u,), ag, au, j * bn, operand["m"], operand["mp"], operand["method"])
@@ -419,7 +422,8 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       wg, wu = [r["sg_q"], r["sg_s"]], [r["su_q"], r["su_s"]]
     ag, au = gemv2(wg, wu, (), j * bn, j * bn, fs, bk_s, **operand)
     if fs == "nvfp4":
-      f = NV.decode_factor(decode)
+      f = (NV.F16_DECODE_FACTOR * r["xinv"][lead[0]] if x16 and shared_token
+           else NV.decode_factor(decode))
       ag = ag * (r["sg_s2"][0] * f)
       au = au * (r["su_s2"][0] * f)
     store_h("hs", lead, ag, au, j * bn, operand["m"], operand["mp"], operand["method"])
@@ -777,7 +781,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
             token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
             down_shared_cols=None, combine=None, asm_down=None, route_given=None,
-            shared_first=False, shared_rows=None, gate_up_touch=(), shared_tokens=None):
+            shared_first=False, shared_rows=None, gate_up_touch=(), shared_tokens=None,
+            gate_up_f16=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -862,6 +867,13 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             f"{token_method=}, {layout=}")
     n_tok = max(t for t in range(1, min(shared_tokens, m) + 1) if m % t == 0)
   n_prog = u * (inter // bn) + (inter_s // bn) * (m // n_tok if shared_token else 1)
+  x16 = bool(gate_up_f16)
+  if x16:
+    C.check(token and fe == "nvfp4" and token_method == "blocks" and layout == "tile"
+            and n_tok == 1 and d % 64 == 0,
+            f"gate_up_f16 needs NVFP4 experts on per-token slots (slot_rows='token', M > 1) with "
+            f"token_method 'blocks' in the tile layout and shared_tokens 1, got {fe=}, "
+            f"{token=}, {token_method=}, {layout=}, shared_tokens={n_tok}")
   if gate_up_counter is not None:
     C.check(sk > 1, "gate_up_counter is only for gate_up_split_k > 1")
     C.check(gate_up_counter.dtype == jnp.int32 and gate_up_counter.ndim == 1
@@ -875,7 +887,13 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   if token:
     xt = x.reshape(m, 1, d)
     names += ["xt", "xt5"]
-    args += [xt, NV.x_view(xt) if d % 64 == 0 else xt]
+    if x16:    # f16 one-token rows (scaled per row) for the f16 products, and their factors
+      x16_rows, x_inv = NV.x16_operand(x)
+      args += [xt, NV.x_view(x16_rows.reshape(m, 1, d))]
+      names += ["xinv"]
+      args += [x_inv]
+    else:
+      args += [xt, NV.x_view(xt) if d % 64 == 0 else xt]
   if fe == "bf16":
     names += ["gu_w"]
     args += [experts["gate_up_proj"]]
@@ -922,8 +940,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
       layout=layout, method=method, route=route, token_method=token_method, split_k=sk,
       finish=finish, shared_first=shared_first, shared_token=shared_token, shared_tokens=n_tok,
-      interpret=interpret)
-  tag += ("_token" if token else "") + ("_shtok" if shared_token else "")
+      x16=x16, interpret=interpret)
+  tag += ("_token" if token else "") + ("_shtok" if shared_token else "") + ("_x16" if x16 else "")
   tag += f"{n_tok}" if n_tok > 1 else ""
   gate_up_touch = tuple(gate_up_touch)
   res = C.pallas_call(
@@ -1125,7 +1143,7 @@ def _check_top_logits(top_logits, m) -> int:
 
 
 _ROUTED_KNOBS = ("top_k", "slot_rows", "token_method", "asm_down", "prerouted", "shared_first",
-                 "shared_rows", "shared_tokens")
+                 "shared_rows", "shared_tokens", "gate_up_f16")
 
 
 def _launch_routed(x, logits, experts, shared, options, **extra):
@@ -1165,7 +1183,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       prerouted: bool | None = None, shared_first: bool | None = None,
                       shared_rows: str | None = None, route: MoERoute | None = None,
                       gate_up_touch=(), shared_tokens: int | None = None,
-                      interpret: bool = False):
+                      gate_up_f16: bool | None = None, interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls; 3 with ``prerouted``,
   the default for NVFP4 experts at M > 1) and the routing.
 
@@ -1228,6 +1246,11 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   token (``nvfp4_gemv.blocks_tile_dot_tokens``), so the shared weights are decoded M / T
   times instead of M times. None / 1 = one token per program. Same values (the same products
   and sums per token).
+  ``gate_up_f16`` (per-token NVFP4 slots on ``blocks`` tiles): the gate_up kernel multiplies in
+  f16x2 (``nvfp4_gemv.blocks_fma_f16``: about 3.4 instructions per weight instead of 4.8)
+  against x scaled per row into f16 (``x16_operand``, one small XLA op before the kernel); each
+  pair of exact products is rounded once to f16 before the f32 block sums, so h differs from
+  the default's within bf16 rounding. None / False = off.
   """
   options = locals()    # first statement: exactly the arguments
   y, route_out, counter = _launch_routed(x, logits, experts, shared, options)
@@ -1253,7 +1276,8 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               asm_down: str | None = None, prerouted: bool | None = None,
                               shared_first: bool | None = None, shared_rows: str | None = None,
                               route: MoERoute | None = None, gate_up_touch=(),
-                              shared_tokens: int | None = None, interpret: bool = False):
+                              shared_tokens: int | None = None,
+                              gate_up_f16: bool | None = None, interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its

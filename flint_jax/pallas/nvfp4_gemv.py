@@ -403,6 +403,115 @@ def blocks_tile_dot_tokens(x_ref, x_idxs, q_ref, s_ref, w_idx, n0, bn, b0, nb, *
   return out
 
 
+# ------------------------------------------------------------------------------------------
+# f16 block sums (the per-token MoE gate_up at batch > 1, ``moe_decode_routed(gate_up_f16=)``)
+#
+# The ``blocks`` K step spends ~4.8 instructions per weight (the bf16 decode with its scale
+# multiply, the split into f32, one FFMA). This variant multiplies in f16x2 instead: Marlin's
+# E2M1 -> f16 placement (a nibble at bits 12-15 of a 16-bit lane: ``(t & 0x7000) >> 3`` puts
+# e1 e0 m at bits 9-11, ``t & 0x8000`` keeps the sign; the f16 of the E2M1 value times 2^-14,
+# the code 0.5 a subnormal), the four nibble positions of a code word reached by shifting it
+# 0 / 4 / 8 / 12 bits, so that lanes pair bytes (b1, b3) / (b0, b2); then one ``mul`` / ``fma``
+# f16x2 per two values against x in f16 (``x16_operand``: scaled per row so that its largest
+# magnitude lies in [2^14, 2^15), exact, its groups of four stored x0, x2, x1, x3 to match the
+# byte pairs). Each output is the sum of two products rounded once to f16 (the products are
+# exact: 2 x 8 significant bits); the block scales multiply those sums in f32.
+F16_DECODE_FACTOR = 128.0   # the f16 sums carry 2^-14 (decode) x 2^7 (the scales as s x 2^7)
+
+
+def _f16_block_asm() -> str:
+  """Operands: $0-$3 f32 outputs (low nibbles' lane 0 / lane 1 sums, high nibbles'), $4 four
+  code bytes, $5 / $6 the low nibbles' x pairs (x0, x2) / (x1, x3) as f16x2, $7 / $8 the high
+  nibbles'. Lane 0 sums bytes 0 and 1, lane 1 bytes 2 and 3."""
+  lines = [".reg .b32 t, m, s, w13h, w13l, w02h, w02l, plo, phi;", ".reg .b16 h0, h1, h2, h3;"]
+  for shift, w in ((0, "w13h"), (4, "w13l"), (8, "w02h"), (12, "w02l")):
+    src = "$4"
+    if shift:
+      lines.append(f"shl.b32 t, $4, {shift};")
+      src = "t"
+    lines += [f"and.b32 m, {src}, 0x70007000;", "shr.b32 m, m, 3;",
+              f"and.b32 s, {src}, 0x80008000;", f"or.b32 {w}, m, s;"]
+  lines += ["mul.rn.f16x2 plo, w02l, $5;", "fma.rn.f16x2 plo, w13l, $6, plo;",
+            "mul.rn.f16x2 phi, w02h, $7;", "fma.rn.f16x2 phi, w13h, $8, phi;",
+            "mov.b32 {h0, h1}, plo;", "mov.b32 {h2, h3}, phi;",
+            "cvt.f32.f16 $0, h0;", "cvt.f32.f16 $1, h1;",
+            "cvt.f32.f16 $2, h2;", "cvt.f32.f16 $3, h3;"]
+  return "{\n" + "\n".join(lines) + "\n}"
+
+
+_ASM_F16 = _f16_block_asm()
+
+
+def x16_operand(x):
+  """The f16 activation operand of the ``blocks`` f16 K step: x [..., K] (bf16, K % 4 == 0) ->
+  (x16 [..., K] f16, inv [...] f32). x16 = x * 2^c per row, c putting the row's largest
+  magnitude in [2^14, 2^15) (exact wherever x * 2^c is an f16 normal: bf16's 8 significant
+  bits fit f16's 11), each group of four values stored x0, x2, x1, x3; inv = 2^-c, the factor
+  that takes a sum over x16 back to x's scale (an all-zero row gets c = 0)."""
+  *lead, k = x.shape
+  xf = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(xf), axis=-1)
+  _, e = jnp.frexp(amax)                               # amax = f 2^e, f in [0.5, 1)
+  c = jnp.clip(jnp.where(amax > 0, 15 - e, 0), -100, 100).astype(jnp.int32)
+  pow2 = lambda n: lax.bitcast_convert_type((n + 127) << 23, jnp.float32)  # noqa: E731 (exact)
+  x16 = (xf * pow2(c)[..., None]).astype(jnp.float16)
+  x16 = jnp.swapaxes(x16.reshape(*lead, k // 4, 2, 2), -1, -2).reshape(*lead, k)
+  return x16, pow2(-c)
+
+
+def _f16_lane_sums(q, xl, xh):
+  """The asm's outputs in jnp (interpret mode): q uint8 [..., 16], xl / xh f16 [..., 16]
+  (``x16_operand`` order) -> f32 [..., 16], per code word (lo lane 0, lo lane 1, hi lane 0, hi
+  lane 1). The f16 rounding of each product and of each pair sum as on the GPU (up to double
+  rounding of the f32 sum, where the exact sum needs more than 24 bits)."""
+  f32, f16 = jnp.float32, jnp.float16
+  shape = q.shape
+  words = shape[:-1] + (4, 4)
+
+  def lanes(codes, x):
+    w = (_fp8_decode(codes).astype(f32) * 2.0 ** -8).reshape(words)      # E2M1 x 2^-14
+    xv = jnp.broadcast_to(x, shape).astype(f32).reshape(words)           # x0, x2, x1, x3
+    p0 = (w[..., 0] * xv[..., 0]).astype(f16).astype(f32)
+    p2 = (w[..., 2] * xv[..., 1]).astype(f16).astype(f32)
+    return ((p0 + w[..., 1] * xv[..., 2]).astype(f16),
+            (p2 + w[..., 3] * xv[..., 3]).astype(f16))
+
+  lo0, lo1 = lanes(q & 15, xl)
+  hi0, hi1 = lanes(q >> 4, xh)
+  return jnp.stack([lo0, lo1, hi0, hi1], axis=-1).astype(f32).reshape(shape)
+
+
+def f16_lane_sums(q, xl, xh, decode):
+  """Per code word of q uint8 [BN, nb, 2, 16] (``load_codes``) and the f16 x halves xl / xh
+  [nb, 2, 16]: f32 [BN, nb, 2, 16] = (lo lane 0, lo lane 1, hi lane 0, hi lane 1) sums of
+  E2M1 x 2^-14 times x16 (see ``_f16_block_asm``). GPU: inline PTX; interpret: jnp."""
+  if decode != "asm":
+    return _f16_lane_sums(q, xl, xh)
+  xl, xh = (jnp.broadcast_to(v, q.shape) for v in (xl, xh))
+  (out,) = plgpu.elementwise_inline_asm(
+      _ASM_F16, args=[q, xl, xh], constraints="=r,=r,=r,=r,r,r,r,r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.float32)])
+  return out
+
+
+def _scale_x128(s):
+  """A loaded block-scale tile -> f32 scale x 2^7 (pre-scaled bf16 holds scale x 2^119)."""
+  if s.dtype == jnp.bfloat16:
+    return s.astype(jnp.float32) * (2.0 ** -112)
+  return s.astype(jnp.float32) * 128.0
+
+
+def blocks_fma_f16(acc, codes, x_half, decode):
+  """The ``blocks`` K step on f16 products: acc [BN, nb, 2] + per 16-value block, s x 2^7 times
+  the sum of its ``f16_lane_sums`` (x_half(h): the ``x16_operand`` half h, f16 [nb, 2, 16]).
+  The result carries ``F16_DECODE_FACTOR`` times x16's row scale."""
+  q, s_lo, s_hi = codes
+  sums = f16_lane_sums(q, x_half(0), x_half(1), decode)                  # [BN, nb, 2, 16]
+  hi = (jnp.arange(16, dtype=jnp.int32) % 4) >= 2                        # hi lanes of a word
+  s = jnp.where(hi, _scale_x128(s_hi)[..., None], _scale_x128(s_lo)[..., None])
+  return acc + jnp.sum(sums * s, axis=3)
+
+
 def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
                     layout, method, acc, codes=None):
   ds = slice(None)
@@ -410,6 +519,12 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
   rows = C.row_load_index(m, mp)
   if layout == "tile":
     blk = pl.ds(b0, nb)
+    if method == "blocks" and getattr(x_ref, "dtype", None) == jnp.float16:   # x16_operand
+      C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
+      if codes is None:
+        codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
+      x_half = lambda h: x_ref[(*x_idx, 0, blk, h, ds, ds)]               # noqa: E731
+      return blocks_fma_f16(acc, codes, x_half, decode)
     if method == "blocks" and decode == "asm" and asm_decode.value == "post":
       C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
       if codes is None:

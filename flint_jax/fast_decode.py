@@ -745,11 +745,12 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         if swap_off and moe_quant and not nv_method and all_rows:
             moe_kw["method"] = "dot"
             moe_kw.update(block_n=64, block_k=256, num_warps=4, num_stages=3)
+        gate_up_f16 = b > 1 and bool(opts.moe_gate_up_f16) and moe_quant
         if b > 1:   # explicit tile overrides last
             moe_kw.update(opts.moe_tiling)
             if opts.moe_shared_tokens not in (None, 1):
                 moe_kw["shared_tokens"] = opts.moe_shared_tokens
-            if opts.moe_gate_up_f16 and moe_quant:
+            if gate_up_f16:
                 moe_kw["gate_up_f16"] = True
         # The cache's counters (zeros between steps; each kernel returns its entries to zero),
         # threaded through the kernels that count on them: the BF16 MoE gate_up in K slices
@@ -850,6 +851,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 mlp = layer.mlp
                 post_ln = layer.post_attention_layernorm.weight[...]
                 router_logits = None
+                layer_moe_kw = {}
                 if router_in_norm:
                     shared = mlp.shared_expert
                     h, x, router_logits = add_rms_norm_router(
@@ -858,6 +860,10 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                                   if "router" in pf else ()),
                         touch=(_expert_pages(mlp.experts, "gate_up") if "router" in touch
                                else ()))
+                elif gate_up_f16 and cfg.is_moe(i):   # and the MoE gate_up's f16 operand
+                    h, x, *x16_rows = add_rms_norm(h, a, post_ln, eps=eps, x16=True,
+                                                   interpret=interpret)
+                    layer_moe_kw = dict(x16_rows=tuple(x16_rows))
                 else:
                     h, x = add_rms_norm(h, a, post_ln, eps=eps, interpret=interpret)
                 nxt = layers[i + 1].input_layernorm.weight[...] if not last else m.model.norm.weight[...]
@@ -876,7 +882,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     y, route, *counter_out = moe_decode_routed(
                         x, router_logits, _experts_arg(mlp.experts), _shared_arg(mlp),
                         top_k=top_k, interpret=interpret, route=route, **moe_kw, **split_kw,
-                        **down_pf)
+                        **down_pf, **layer_moe_kw)
                     if counter_out:
                         (counters,) = counter_out
                     pending = (y, route.logits)
@@ -887,7 +893,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     in_down = combine_in_down and (not norm or opts.combine_in_down_at(b))
                     h, x, out_counters = _moe_add_rms_norm(
                         mlp, cfg, x, h, nxt, opts.moe, interpret, router_logits,
-                        {**moe_kw, **down_pf}, counters=counters if in_down else None,
+                        {**moe_kw, **down_pf, **layer_moe_kw},
+                        counters=counters if in_down else None,
                         route=route, norm=norm)
                     if in_down:
                         counters = out_counters

@@ -419,6 +419,23 @@ def test_moe_gate_up_f16_step():
     for l1, _, l2 in paired_steps(True, 29, DecodeOptions(moe_gate_up_f16=True), DecodeOptions(),
                                   1, (5,)):
         np.testing.assert_array_equal(l1, l2)
+    # lowered for an H200 at batch 4: the MoE layers' add_rms_norm writes the f16 operand and
+    # their gate_up reads it (no XLA op between them; the capture lists each kernel once)
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
+    step = fast_decode.make_decode_step(graphdef, cfg,
+                                        options=DecodeOptions(moe_gate_up_f16=True))
+    names = [m["name"] for m in triton_modules(lambda s, c, t: step(s, c, t), state,
+                                               cache_shapes(cfg, 4, 256),
+                                               jax.ShapeDtypeStruct((4,), jnp.int32))]
+    gate_ups = [n for n in names if "gate_up" in n]
+    assert gate_ups and all("_x16_" in n for n in gate_ups), names
+    assert any(n.startswith("flint_add_rms_norm") and n.endswith("_x16") for n in names), names
+    assert not any("down" in n and "x16" in n for n in names), names
 
 
 @pytest.mark.parametrize("quant", [True, False])

@@ -62,3 +62,24 @@ def test_add_rms_norm_rejects_bad_partials():
     add_rms_norm(h, jnp.zeros((2, 3, 256), jnp.float32), w, interpret=True)
   with pytest.raises(ValueError, match="must match h"):
     add_rms_norm(h, jnp.zeros((2, 256), jnp.float32), w, interpret=True)
+
+
+@pytest.mark.parametrize("m,d,scale", [(8, 2048, 1.0), (3, 300, 1e3), (2, 256, 1e-4)])
+def test_add_rms_norm_x16(m, d, scale):
+  """``x16=True``: the kernel also writes ``nvfp4_gemv.x16_operand(out)`` (the MoE gate_up's
+  f16 operand, permuted and scaled per row) bit for bit, with s and out unchanged (D = 300: a
+  padded row); lowered for an H200."""
+  from flint_jax.pallas.nvfp4_gemv import x16_operand
+  from flint_jax.pallas.testing import triton_modules
+  gen = rng("x16", m, d)
+  h, y = randn(gen, (m, d), jnp.bfloat16, 4.0), randn(gen, (m, d), jnp.bfloat16)
+  w = (randn(gen, (d,), jnp.float32, 0.3) + 1) * scale
+  s, out, x16, inv = add_rms_norm(h, y, w, x16=True, interpret=INTERPRET)
+  s0, out0 = add_rms_norm(h, y, w, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(s0, np.float32))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out0, np.float32))
+  want16, want_inv = x16_operand(out)
+  np.testing.assert_array_equal(np.asarray(x16).view(np.uint16), np.asarray(want16).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(inv), np.asarray(want_inv))
+  mods = triton_modules(lambda *a: add_rms_norm(*a, x16=True), h, y, w)
+  assert [mod["name"] for mod in mods] == [f"flint_add_rms_norm_d{d}_x16"]

@@ -763,6 +763,12 @@ def test_moe_decode_routed_gate_up_f16(m, scale):
   from flint_jax.pallas.testing import rel_l2, triton_modules
   # the f16 sums move h by less than its bf16 rounding: y within a few bf16 ulps of the default
   assert rel_l2(used_rows(y, 6), used_rows(y0, 6)) < 5e-3
+  # the operand given (as add_rms_norm(x16=True) writes it): the same y
+  from flint_jax.pallas.nvfp4_gemv import x16_operand
+  y1, _ = moe_decode_routed(x, logits, experts, shared, gate_up_f16=True,
+                            x16_rows=x16_operand(x), **kw)
+  np.testing.assert_array_equal(np.asarray(used_rows(y1, 6), np.float32),
+                                np.asarray(used_rows(y, 6), np.float32))
   gpu_kw = dict(kw, decode="asm", interpret=False)
   mods = triton_modules(lambda x_, l_: moe_decode_routed(
       x_, l_, experts, shared, gate_up_f16=True, **gpu_kw), x, logits)
@@ -779,3 +785,7 @@ def test_moe_decode_routed_gate_up_f16_needs_per_token_blocks():
     moe_decode_routed(x, logits, experts, shared, top_k=6, slot_rows="token",
                       shared_rows="token", shared_tokens=2, gate_up_f16=True, decode=DECODE,
                       interpret=INTERPRET)
+  from flint_jax.pallas.nvfp4_gemv import x16_operand
+  with pytest.raises(ValueError, match="x16_rows must be"):
+    moe_decode_routed(x, logits, experts, shared, top_k=6, slot_rows="token", gate_up_f16=True,
+                      x16_rows=x16_operand(x[:2]), decode=DECODE, interpret=INTERPRET)

@@ -26,6 +26,7 @@ outputs have h's / x's dtype.
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
+import flint_jax.pallas.nvfp4_gemv  # noqa: F401  (the module; the package re-exports its names)
+
+NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
 
@@ -43,8 +47,9 @@ def _normalize(s32, w32, d, eps):
   return w32 * (s32 * jax.lax.rsqrt(ms + eps))
 
 
-def _add_rms_norm_kernel(h_ref, y_ref, w_ref, s_ref, o_ref, *, d, dp, eps):
-  _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, pl.program_id(0), d=d, dp=dp, eps=eps)
+def _add_rms_norm_kernel(h_ref, y_ref, w_ref, s_ref, o_ref, *x16_refs, d, dp, eps):
+  _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, pl.program_id(0), d=d, dp=dp, eps=eps,
+                    x16_refs=x16_refs)
 
 
 def load_y_row(y_ref, row, cols, mask, dtype):
@@ -60,9 +65,10 @@ def load_y_row(y_ref, row, cols, mask, dtype):
   return y.astype(dtype)
 
 
-def _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, row, *, d, dp, eps):
+def _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, row, *, d, dp, eps, x16_refs=()):
   """Row ``row`` of ``add_rms_norm`` (also a producer of ``layer_end_qkv``). ``y_ref`` [M, D], or
-  fp32 split-K partials [S, M, D]: summed in fp32 and rounded to h's dtype first."""
+  fp32 split-K partials [S, M, D]: summed in fp32 and rounded to h's dtype first. x16_refs:
+  (x16 [M, D] f16, inv [M] f32) outputs, the normalised row as ``x16_operand`` gives it."""
   cols = jnp.arange(dp, dtype=jnp.int32)
   mask = cols < d
   h = plgpu.load(h_ref.at[row, cols], mask=mask, other=0)           # [Dp]
@@ -71,7 +77,19 @@ def _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, row, *, d, dp, eps):
   s = (h.astype(jnp.float32) + y.astype(jnp.float32)).astype(s_ref.dtype)
   out = _normalize(s.astype(jnp.float32), w, d, eps)
   plgpu.store(s_ref.at[row, cols], s, mask=mask)
-  plgpu.store(o_ref.at[row, cols], out.astype(o_ref.dtype), mask=mask)
+  out = out.astype(o_ref.dtype)
+  plgpu.store(o_ref.at[row, cols], out, mask=mask)
+  if x16_refs:
+    _store_x16(*x16_refs, row, out, cols, mask)
+
+
+def _store_x16(x16_ref, inv_ref, row, out, cols, mask):
+  """Row ``row`` of ``nvfp4_gemv.x16_operand(out)`` (padded entries of out are zero)."""
+  xf = out.astype(jnp.float32)
+  c = NV.x16_exponent(jnp.max(jnp.abs(xf), axis=0))
+  x16 = (xf * NV.pow2_f32(c)).astype(jnp.float16)
+  plgpu.store(x16_ref.at[row, NV.x16_position(cols)], x16, mask=mask)
+  inv_ref[row] = NV.pow2_f32(-c)
 
 
 def _rms_norm_kernel(x_ref, w_ref, o_ref, *, d, dp, eps):
@@ -127,22 +145,29 @@ def _num_warps(dp: int) -> int:
   return max(1, min(8, dp // 512))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "x16", "interpret"))
 def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None,
-                 interpret: bool = False):
+                 x16: bool = False, interpret: bool = False):
   """(s, out) = (h + y, RMSNorm(h + y) * w); h [M, D], w [D]; y [M, D] (h's dtype) or fp32
-  split-K partials [S, M, D], summed in the kernel (module docstring)."""
+  split-K partials [S, M, D], summed in the kernel (module docstring). ``x16``: also returns
+  ``nvfp4_gemv.x16_operand(out)`` (x16 [M, D] f16, inv [M] f32) from the same kernel, the
+  operand of the MoE gate_up's f16 products (``moe_decode_routed(gate_up_f16=True)``):
+  (s, out, x16, inv)."""
   _check(h, w, "h")
   check_y(h, y)
   m, d = h.shape
+  C.check(not x16 or d % 4 == 0, f"x16 needs D % 4 == 0, got {d=}")
   dp = C.next_pow2(d)
   parts = f"_splits{y.shape[0]}" if y.ndim == 3 else ""
   kernel = functools.partial(_add_rms_norm_kernel, d=d, dp=dp, eps=eps)
   out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype))
+  if x16:
+    out_shape += (jax.ShapeDtypeStruct(h.shape, jnp.float16),
+                  jax.ShapeDtypeStruct((m,), jnp.float32))
   return C.pallas_call(
       kernel, out_shape=out_shape, grid=(m,),
       compiler_params=C.compiler_params(num_warps or _num_warps(dp), 1),
-      interpret=interpret, name=f"flint_add_rms_norm{parts}_d{d}",
+      interpret=interpret, name=f"flint_add_rms_norm{parts}_d{d}" + ("_x16" if x16 else ""),
   )(h, y, w)
 
 

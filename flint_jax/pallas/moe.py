@@ -782,7 +782,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
             down_shared_cols=None, combine=None, asm_down=None, route_given=None,
             shared_first=False, shared_rows=None, gate_up_touch=(), shared_tokens=None,
-            gate_up_f16=None):
+            gate_up_f16=None, x16_rows=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -874,6 +874,12 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             f"gate_up_f16 needs NVFP4 experts on per-token slots (slot_rows='token', M > 1) with "
             f"token_method 'blocks' in the tile layout and shared_tokens 1, got {fe=}, "
             f"{token=}, {token_method=}, {layout=}, shared_tokens={n_tok}")
+  C.check(x16_rows is None or (x16 and x16_rows[0].shape == (m, d)
+                               and x16_rows[0].dtype == jnp.float16
+                               and x16_rows[1].shape == (m,)
+                               and x16_rows[1].dtype == jnp.float32),
+          "x16_rows must be (x16 [M, D] f16, inv [M] f32) from nvfp4_gemv.x16_operand(x) "
+          "(or add_rms_norm(x16=True)), with gate_up_f16")
   if gate_up_counter is not None:
     C.check(sk > 1, "gate_up_counter is only for gate_up_split_k > 1")
     C.check(gate_up_counter.dtype == jnp.int32 and gate_up_counter.ndim == 1
@@ -888,8 +894,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     xt = x.reshape(m, 1, d)
     names += ["xt", "xt5"]
     if x16:    # f16 one-token rows (scaled per row) for the f16 products, and their factors
-      x16_rows, x_inv = NV.x16_operand(x)
-      args += [xt, NV.x_view(x16_rows.reshape(m, 1, d))]
+      x16_x, x_inv = NV.x16_operand(x) if x16_rows is None else x16_rows
+      args += [xt, NV.x_view(x16_x.reshape(m, 1, d))]
       names += ["xinv"]
       args += [x_inv]
     else:
@@ -941,7 +947,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       layout=layout, method=method, route=route, token_method=token_method, split_k=sk,
       finish=finish, shared_first=shared_first, shared_token=shared_token, shared_tokens=n_tok,
       x16=x16, interpret=interpret)
-  tag += ("_token" if token else "") + ("_shtok" if shared_token else "") + ("_x16" if x16 else "")
+  tag += ("_token" if token else "") + ("_shtok" if shared_token else "")
   tag += f"{n_tok}" if n_tok > 1 else ""
   gate_up_touch = tuple(gate_up_touch)
   res = C.pallas_call(
@@ -949,7 +955,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
       touch=len(gate_up_touch),
-      name=f"flint_moe_gate_up{tag}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
+      name=f"flint_moe_gate_up{tag}{'_x16' if x16 else ''}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
            + (f"_splitk{sk}" if sk > 1 else "") + ("_finish" if finish else "")
            + ("_touch" if gate_up_touch else ""),
   )(*args, *gate_up_touch)
@@ -1151,7 +1157,8 @@ def _launch_routed(x, logits, experts, shared, options, **extra):
   arguments (its ``locals()``); the routing knobs resolved here (``_routed_defaults``, the
   routing inputs), the tuning knobs passed through, ``extra`` added (the combine)."""
   opts = {k: v for k, v in options.items()
-          if k in _ROUTED_KNOBS + _TUNING + ("gate_up_counter", "down_prefetch", "gate_up_touch")}
+          if k in _ROUTED_KNOBS + _TUNING + ("gate_up_counter", "down_prefetch", "gate_up_touch",
+                                             "x16_rows")}
   top_k = opts.pop("top_k")
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
@@ -1183,7 +1190,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       prerouted: bool | None = None, shared_first: bool | None = None,
                       shared_rows: str | None = None, route: MoERoute | None = None,
                       gate_up_touch=(), shared_tokens: int | None = None,
-                      gate_up_f16: bool | None = None, interpret: bool = False):
+                      gate_up_f16: bool | None = None, x16_rows=None,
+                      interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls; 3 with ``prerouted``,
   the default for NVFP4 experts at M > 1) and the routing.
 
@@ -1250,7 +1258,9 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   f16x2 (``nvfp4_gemv.blocks_fma_f16``: about 3.4 instructions per weight instead of 4.8)
   against x scaled per row into f16 (``x16_operand``, one small XLA op before the kernel); each
   pair of exact products is rounded once to f16 before the f32 block sums, so h differs from
-  the default's within bf16 rounding. None / False = off.
+  the default's within bf16 rounding. None / False = off. ``x16_rows``: that operand already
+  computed, ``(x16, inv) = nvfp4_gemv.x16_operand(x)`` (e.g. by ``add_rms_norm(x16=True)``, the
+  kernel that wrote x); None = an XLA op here (three small kernels on the H200).
   """
   options = locals()    # first statement: exactly the arguments
   y, route_out, counter = _launch_routed(x, logits, experts, shared, options)
@@ -1277,7 +1287,8 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               shared_first: bool | None = None, shared_rows: str | None = None,
                               route: MoERoute | None = None, gate_up_touch=(),
                               shared_tokens: int | None = None,
-                              gate_up_f16: bool | None = None, interpret: bool = False):
+                              gate_up_f16: bool | None = None, x16_rows=None,
+                              interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its

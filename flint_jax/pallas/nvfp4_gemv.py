@@ -442,21 +442,38 @@ def _f16_block_asm() -> str:
 _ASM_F16 = _f16_block_asm()
 
 
+def x16_exponent(amax):
+  """c (int32) with amax * 2^c in [2^14, 2^15) for a normal amax > 0, clipped to [-100, 100]
+  (0 for amax == 0): from amax's f32 exponent bits, the same in jnp and inside a kernel."""
+  e = (lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF
+  return jnp.where(amax > 0, jnp.clip(141 - e, -100, 100), 0)
+
+
+def pow2_f32(n):
+  """2.0^n as f32 for int32 n in [-126, 127] (exact, from the exponent bits)."""
+  return lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
+
+
+def x16_position(k):
+  """Where ``x16_operand`` stores value k of a row: groups of four as x0, x2, x1, x3 (the
+  permutation is its own inverse)."""
+  r = k % 4
+  return k + (r == 1).astype(k.dtype) - (r == 2).astype(k.dtype)
+
+
 def x16_operand(x):
   """The f16 activation operand of the ``blocks`` f16 K step: x [..., K] (bf16, K % 4 == 0) ->
   (x16 [..., K] f16, inv [...] f32). x16 = x * 2^c per row, c putting the row's largest
-  magnitude in [2^14, 2^15) (exact wherever x * 2^c is an f16 normal: bf16's 8 significant
-  bits fit f16's 11), each group of four values stored x0, x2, x1, x3; inv = 2^-c, the factor
-  that takes a sum over x16 back to x's scale (an all-zero row gets c = 0)."""
+  magnitude in [2^14, 2^15) (``x16_exponent``; exact wherever x * 2^c is an f16 normal: bf16's
+  8 significant bits fit f16's 11), each group of four values stored x0, x2, x1, x3
+  (``x16_position``); inv = 2^-c, the factor that takes a sum over x16 back to x's scale.
+  ``add_rms_norm(x16=True)`` writes the same from its kernel."""
   *lead, k = x.shape
   xf = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(xf), axis=-1)
-  _, e = jnp.frexp(amax)                               # amax = f 2^e, f in [0.5, 1)
-  c = jnp.clip(jnp.where(amax > 0, 15 - e, 0), -100, 100).astype(jnp.int32)
-  pow2 = lambda n: lax.bitcast_convert_type((n + 127) << 23, jnp.float32)  # noqa: E731 (exact)
-  x16 = (xf * pow2(c)[..., None]).astype(jnp.float16)
+  c = x16_exponent(jnp.max(jnp.abs(xf), axis=-1))
+  x16 = (xf * pow2_f32(c)[..., None]).astype(jnp.float16)
   x16 = jnp.swapaxes(x16.reshape(*lead, k // 4, 2, 2), -1, -2).reshape(*lead, k)
-  return x16, pow2(-c)
+  return x16, pow2_f32(-c)
 
 
 def _f16_lane_sums(q, xl, xh):

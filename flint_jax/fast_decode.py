@@ -282,11 +282,14 @@ class DecodeOptions:
       (default) = one token per program: slower (H200 run 152, 8x1K 4.917 against 4.752 ms at
       2 tokens: the kernel's registers 126 -> 204 for the routed programs too; perf log 90).
     moe_gate_up_f16: at batch > 1 with NVFP4 experts on per-token slots (the default there),
-      the MoE gate_up kernel multiplies in f16x2 against x scaled per row into f16
-      (`moe_decode_routed(gate_up_f16=True)`, `nvfp4_gemv.blocks_fma_f16`): SASS 613 -> 497
-      instructions per thread and K step, 126 -> 72 registers. Each pair of exact products is
-      rounded once to f16 (rel-L2 1.6e-4 against exact sums, a tenth of bf16's rounding of
-      h). None / False (default) = off.
+      the MoE gate_up kernel multiplies in f16x2 against x scaled per row into f16 (written by
+      the add_rms_norm kernel before it; `moe_decode_routed(gate_up_f16=True, x16_rows=)`,
+      `nvfp4_gemv.blocks_fma_f16`): SASS 613 -> 497 instructions per thread and K step, 126 ->
+      72 registers. Each pair of exact products is rounded once to f16 (rel-L2 1.6e-4 against
+      exact sums, a tenth of bf16's rounding of h). None (default) = on where it applies
+      (batch > 1, the routed MoE on per-token slots, `moe_shared_tokens` 1): H200 runs
+      154-155, 8x1K 4.743 -> 4.588 ms, 4x1K 3.590 -> 3.417, 2x1K 2.638 -> 2.562 (perf log 91);
+      False = off; True = on (an error where per-token slots are off).
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -337,6 +340,15 @@ class DecodeOptions:
 
     #: The kernels ``nvfp4_asm="auto"`` gives the "post" decode (H200 run 91).
     POST_SITES = ("qkv", "moe_down")
+
+    def gate_up_f16_at(self, batch: int) -> bool:
+        """Whether the NVFP4 MoE gate_up at this batch size multiplies in f16 (caller checks
+        that the experts are NVFP4)."""
+        if batch == 1 or self.moe_gate_up_f16 is False:
+            return False
+        return bool(self.moe_gate_up_f16) or (
+            self.moe == "routed" and self.moe_slot_rows != "all"
+            and self.moe_shared_tokens in (None, 1))
 
     def nvfp4_asm_at(self, site: str) -> str:
         """The ``asm`` decode sequence of one kernel site: "qkv" (the fused q|k|v GEMV),
@@ -745,7 +757,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         if swap_off and moe_quant and not nv_method and all_rows:
             moe_kw["method"] = "dot"
             moe_kw.update(block_n=64, block_k=256, num_warps=4, num_stages=3)
-        gate_up_f16 = b > 1 and bool(opts.moe_gate_up_f16) and moe_quant
+        gate_up_f16 = opts.gate_up_f16_at(b) and moe_quant
         if b > 1:   # explicit tile overrides last
             moe_kw.update(opts.moe_tiling)
             if opts.moe_shared_tokens not in (None, 1):

@@ -401,22 +401,26 @@ def test_tile_overrides_equal_the_default_step(quant, rows):
 def test_moe_shared_tokens_equals_the_default_step():
     """`moe_shared_tokens=4` at batch 4 (NVFP4: the shared expert per token): its gate_up
     programs decode each tile once for 4 tokens, the same products and sums: logits bit for
-    bit."""
-    for l1, _, l2 in paired_steps(True, 23, DecodeOptions(moe_shared_tokens=4), DecodeOptions(),
-                                  4, (5, 17)):
+    bit (against the step on the bf16 decode: `moe_shared_tokens` > 1 turns the f16 gate_up
+    off)."""
+    for l1, _, l2 in paired_steps(True, 23, DecodeOptions(moe_shared_tokens=4),
+                                  DecodeOptions(moe_gate_up_f16=False), 4, (5, 17)):
         np.testing.assert_array_equal(l1, l2)
 
 
 def test_moe_gate_up_f16_step():
-    """`moe_gate_up_f16` at batch 3 (NVFP4 per-token slots): the MoE gate_up on f16x2 products
-    (a tenth of h's bf16 rounding): logits within bf16 noise of the default step, the same
-    argmax; at batch 1 the option does nothing (bit for bit)."""
+    """`moe_gate_up_f16` (the default at batch > 1, NVFP4 per-token slots): the MoE gate_up on
+    f16x2 products (a tenth of h's bf16 rounding): at batch 3 logits within bf16 noise of the
+    step without it, the same argmax; at batch 1 it does nothing (bit for bit)."""
     from flint_jax.pallas.testing import rel_l2
-    for l1, _, l2 in paired_steps(True, 29, DecodeOptions(moe_gate_up_f16=True), DecodeOptions(),
+    assert DecodeOptions().gate_up_f16_at(2) and not DecodeOptions().gate_up_f16_at(1)
+    assert not DecodeOptions(moe_slot_rows="all").gate_up_f16_at(8)
+    assert not DecodeOptions(moe_shared_tokens=2).gate_up_f16_at(8)
+    for l1, _, l2 in paired_steps(True, 29, DecodeOptions(), DecodeOptions(moe_gate_up_f16=False),
                                   3, (5, 17)):
         assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
         assert (l1.argmax(-1) == l2.argmax(-1)).all()
-    for l1, _, l2 in paired_steps(True, 29, DecodeOptions(moe_gate_up_f16=True), DecodeOptions(),
+    for l1, _, l2 in paired_steps(True, 29, DecodeOptions(), DecodeOptions(moe_gate_up_f16=False),
                                   1, (5,)):
         np.testing.assert_array_equal(l1, l2)
     # lowered for an H200 at batch 4: the MoE layers' add_rms_norm writes the f16 operand and
@@ -427,8 +431,7 @@ def test_moe_gate_up_f16_step():
     from flint_jax.pallas.testing import triton_modules
     cfg = small_cfg()
     graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
-    step = fast_decode.make_decode_step(graphdef, cfg,
-                                        options=DecodeOptions(moe_gate_up_f16=True))
+    step = fast_decode.make_decode_step(graphdef, cfg, options=DecodeOptions())
     names = [m["name"] for m in triton_modules(lambda s, c, t: step(s, c, t), state,
                                                cache_shapes(cfg, 4, 256),
                                                jax.ShapeDtypeStruct((4,), jnp.int32))]

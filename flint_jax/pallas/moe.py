@@ -720,7 +720,8 @@ def default_shared_rows(fe: str, fs: str, token: bool, down_shared_cols: int | N
   return "token" if token and fe == fs == "nvfp4" and not cut else "all"
 
 
-def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool = False) -> dict:
+def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool = False,
+                       f16: bool = False) -> dict:
   """Tile sizes of the two MoE kernels for expert format ``fe`` and M tokens on an H200;
   ``token``: the per-token slots of ``slot_rows="token"`` (M = 1 tiles, except the NVFP4
   gate_up at M >= 5: bn16 bk512 with 4 warps; H200 runs 96 and 99, both kernels at M = 8: 288 us
@@ -729,6 +730,10 @@ def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool 
   M >= 4 on 32-row blocks, measured in the step, runs 148-149: 20.9 -> 18.9 us per layer at
   8x1K, 11.9 -> 11.1 at 4x1K, equal at 2x1K; bn64 w8 19.2-19.5, bn16 w2 19.2, bn32 w8 20.8,
   bn32 bk256 19.4; the gate_up's w8 / w2 / bn32 / bk256 / bk1024 / 3 stages no faster).
+  ``f16`` (NVFP4 per-token slots with ``gate_up_f16``): the f16 gate_up has 72 registers
+  instead of 126, and other tiles win: bn32 at M >= 5 (8x1K: 33.9 us per layer against 34.3 on
+  bn16, 37.3 for the default decode), 8 warps below (4x1K: 18.4 against 23.1 on 4 warps, and
+  21.7 for the default decode on 8 warps; 2x1K: 10.5 against 12.4); the down kernel as without.
   ``shared_token``: the shared expert per token too (``shared_rows="token"``): BF16's gate_up
   then on bk128 with 4 stages (its M = 1 tile, bn64 bk256 3 stages, asks for 288 KB of shared
   memory, the H200 has 227 KB; run 109).
@@ -749,6 +754,9 @@ def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool 
     ``method_down`` keys: the tile methods where they differ from the format's default.
   """
   methods = {}
+  if token and fe == "nvfp4" and f16:       # gate_up_f16 (H200 runs 154-155, in the step)
+    tiles = default_moe_tiling(fe, m, token, shared_token)
+    return {**tiles, **(dict(block_n=32) if m >= 5 else dict(num_warps=8))}
   if token and fe == "nvfp4" and m >= 5:
     gu, dn = (16, 512, 4, 2), (32, 512, 4, 2)
   elif token and shared_token and fe == "bf16":
@@ -819,7 +827,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   # NVFP4 token mode: the shared expert's M rows on CUDA-core rows tiles too (tensor-core tiles
   # at the NVFP4 M = 1 tiling (bn16, bk1024, 16 warps) made the call 4x slower at M = 2, run 25;
   # BF16's M = 1 tiling is the tensor-core one, where rows spills: 4.4 ms at M = 8, run 28)
-  tiling = default_moe_tiling(fe, m, token=token, shared_token=shared_token)
+  tiling = default_moe_tiling(fe, m, token=token, shared_token=shared_token,
+                              f16=bool(gate_up_f16))
   # NVFP4 M = 1: per-block sums (run 84: gate_up 8.77 / down 8.69 us in the step against 9.44 /
   # 8.87 for reduce)
   base_method = (NV.default_method(1, layout=layout) if nv_m1

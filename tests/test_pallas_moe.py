@@ -796,3 +796,28 @@ def test_moe_decode_routed_gate_up_f16_needs_per_token_blocks():
   with pytest.raises(ValueError, match="x16_rows must be"):
     moe_decode_routed(x, logits, experts, shared, top_k=6, slot_rows="token", gate_up_f16=True,
                       x16_rows=x16_operand(x[:2]), decode=DECODE, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("m", [3, 8])
+def test_moe_decode_routed_down_f16(m):
+  """``down_f16``: the gate_up kernel writes bf16(h) as f16 with a scale per 16 values and the
+  down kernel multiplies in f16x2 too: y matches the reference like the default does, within
+  bf16 noise of the f16 gate_up alone; lowered for an H200."""
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", m, 32, 6, 256, 128, 256, False,
+                                                  f"dn16{m}")
+  kw = dict(top_k=6, decode=DECODE, slot_rows="token", shared_rows="token", gate_up_f16=True,
+            interpret=INTERPRET)
+  y, _ = moe_decode_routed(x, logits, experts, shared, down_f16=True, **kw)
+  y0, _ = moe_decode_routed(x, logits, experts, shared, **kw)
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
+  assert_routed_close(y, ref, 6, "token", f"down_f16 M={m}")
+  from flint_jax.pallas.testing import rel_l2, triton_modules
+  assert 0 < rel_l2(used_rows(y, 6), used_rows(y0, 6)) < 5e-3
+  gpu_kw = dict(kw, decode="asm", interpret=False)
+  mods = triton_modules(lambda x_, l_: moe_decode_routed(
+      x_, l_, experts, shared, down_f16=True, **gpu_kw), x, logits)
+  (down,) = [mod for mod in mods if mod["name"].startswith("flint_moe_down")]
+  assert "_h16_" in down["name"] and "fma.rn.f16x2" in down["asm"], down["name"]
+  with pytest.raises(ValueError, match="down_f16 needs gate_up_f16"):
+    moe_decode_routed(x, logits, experts, shared, down_f16=True,
+                      **dict(kw, gate_up_f16=False))

@@ -290,3 +290,31 @@ def test_x16_operand():
   assert np.all((amax[:3] >= 2.0 ** 14) & (amax[:3] < 2.0 ** 15)), amax
   assert amax[3] == 0 and float(inv[3]) == 1.0
   np.testing.assert_array_equal(np.log2(np.asarray(inv)), np.round(np.log2(np.asarray(inv))))
+
+
+@pytest.mark.parametrize("n", [16, 64])
+def test_store_x16_blocks(n):
+  """``store_x16_blocks`` (in a kernel, interpret mode) writes what ``x16_blocks_reference``
+  gives: f16 values in x16 order with one exact power-of-two scale per 16 values; the scaled
+  values times their factors are the bf16 inputs again."""
+  import functools
+  from jax.experimental import pallas as pl
+  from flint_jax.pallas.nvfp4_gemv import store_x16_blocks, x16_blocks_reference
+  gen = rng("x16b", n)
+  v = randn(gen, (2, 128)) * jnp.repeat(jnp.exp2(jnp.arange(16.0) - 8), 16)[None, :128]
+  v = v.astype(jnp.bfloat16)
+
+  def kernel(v_ref, o_ref, i_ref):
+    row, j = pl.program_id(0), pl.program_id(1)
+    store_x16_blocks(o_ref, i_ref, (row,), v_ref[row, pl.ds(j * n, n)], j * n, n)
+
+  x16, inv = pl.pallas_call(
+      kernel, grid=(2, 128 // n), interpret=True,
+      out_shape=(jax.ShapeDtypeStruct((2, 128), jnp.float16),
+                 jax.ShapeDtypeStruct((2, 8), jnp.float32)))(v)
+  want16, want_inv = x16_blocks_reference(v)
+  np.testing.assert_array_equal(np.asarray(x16).view(np.uint16), np.asarray(want16).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(inv), np.asarray(want_inv))
+  back = np.asarray(x16, np.float64).reshape(2, 32, 2, 2).swapaxes(-1, -2).reshape(2, 8, 16)
+  np.testing.assert_array_equal((back * np.asarray(inv, np.float64)[..., None]).reshape(2, 128),
+                                np.asarray(v, np.float64))

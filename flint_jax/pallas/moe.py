@@ -181,7 +181,8 @@ def _lin_format(w) -> str:
   return "bf16"
 
 
-def _tile_dot(fmt, xs, x_idx, m, mp, ws, w_idx, n0, bn, i, bk, acc, decode, layout, method):
+def _tile_dot(fmt, xs, x_idx, m, mp, ws, w_idx, n0, bn, i, bk, acc, decode, layout, method,
+              x_scale=None):
   """acc + one K step (index i) of x[.., :m] . W[.., n0:n0+bn]^T, fp32 in the
   ``_acc_zeros(fmt, mp, bn, bk, method)`` layout (decode factor included for NVFP4)."""
   if fmt == "bf16":
@@ -196,7 +197,7 @@ def _tile_dot(fmt, xs, x_idx, m, mp, ws, w_idx, n0, bn, i, bk, acc, decode, layo
   nb = bk // 64
   return NV.nvfp4_tile_dot(x5_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn,
                            pl.multiple_of(i * nb, nb), nb, decode=decode, layout=layout,
-                           method=method, acc=acc)
+                           method=method, acc=acc, x_scale_ref=x_scale)
 
 
 def _acc_zeros(fmt, mp, bn, bk, method):
@@ -274,7 +275,7 @@ def _slot_route(l_ref, u, route):
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
                     decode, layout, method, route=None, token_method=None, split_k=1,
                     finish=False, shared_first=False, shared_token=False, shared_tokens=1,
-                    x16=False, interpret=False):
+                    x16=False, h16=False, interpret=False):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
@@ -296,7 +297,10 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   writes h = bf16(silu(g) * u) and resets its counter entry to 0 (the counter returns zeroed, so
   one zeroed counter serves every layer of a step).
   x16 (with token_method "blocks"): the one-token operands ``xt5`` are ``nvfp4_gemv.x16_operand``'s
-  f16 rows (the f16 products of ``blocks_fma_f16``), ``xinv`` [M] their row factors."""
+  f16 rows (the f16 products of ``blocks_fma_f16``), ``xinv`` [M] their row factors. h16 (with
+  x16 and shared_token): h is written as the down kernel's f16 operand instead
+  (``nvfp4_gemv.store_x16_blocks``: ``h16`` / ``hs16`` [., 1, I] f16 and ``hinv`` / ``hsinv``
+  [., 1, I / 16] f32, one scale per 16 values of bf16(h))."""
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
   ks = pl.program_id(1) if split_k > 1 else 0
@@ -325,6 +329,10 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   def store_h(h_name, lead, ag, au, n0, m_, mp_, method_):
     """h = bf16(silu(g) * u), or (split_k > 1) the fp32 partials g, u of slice ks (finish: and
     the last slice's program sums them into h)."""
+    if split_k == 1 and h16:      # h as bf16 (the model's rounding), then its f16 operand
+      h = C.silu_mul_f32(ag, au).astype(jnp.bfloat16)
+      NV.store_x16_blocks(r[h_name + "16"], r[h_name + "inv"], (*lead, 0), h, n0, bn)
+      return
     if split_k == 1:
       C.store_tile(r[h_name], lead, C.silu_mul_f32(ag, au), n0, bn, m_, mp_, method_)
       return
@@ -437,7 +445,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
                  decode, layout, unroll, method, split, route_top_k=None, token_method=None,
                  gu_split_k=1, shared_cols=1, combine=None, shared_first=False,
-                 shared_token=False, interpret=False):
+                 shared_token=False, h16=False, interpret=False):
   """split=False: grid (D/BN,), every slot + shared + combine in one program, out [M, D].
   split=True: grid (D/BN, slots + 1), one (slot | shared) per program, y [(slots + 1) * M, D]
   bf16 (the caller's [slots + 1, M, D]; the combine is one XLA fusion, or
@@ -459,7 +467,9 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
   the shared expert's programs are grid rows 0 .. shared_cols - 1, the slots' after them.
   shared_token (split, with token_method): hs arrives as [M, 1, I_s] and the shared expert's
   part q (grid row slots + q, q < M) computes token q's row on the ``token_method`` tile (grid
-  (D/BN, slots + M); shared_cols must be 1)."""
+  (D/BN, slots + M); shared_cols must be 1). h16 (with token_method "blocks" and shared_token):
+  h / hs are the gate_up kernel's f16 operands, their per-block factors ``hinv5`` / ``hsinv5``
+  (viewed [., 1, I / 64, 2, 2]); the f16 products of ``nvfp4_gemv.blocks_fma_f16``."""
   r = dict(zip(names, refs))
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   dt = r["out"].dtype
@@ -496,14 +506,15 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
     wsd = [r["sd_w"]] if fs == "bf16" else [r["sd_q"], r["sd_s"]]
     hs = (r["hs"], r["hs5"]) if gu_split_k == 1 else None
     lead, m_, mp_, method_ = ((), m, mp, method) if t is None else ((t,), m_u, mp_u, method_u)
-    kw_s = dict(kw, method=method_)
+    kw_s = dict(kw, method=method_, x_scale=r["hsinv5"] if h16 else None)
     body = (parts_dot("hs", (), m, mp, r["sd_w"], (), bk_s, method, n0, bn) if gu_split_k > 1
             else lambda i, a: _tile_dot(fs, hs, lead, m_, mp_, wsd, (), n0, bn, i, bk_s, a,
                                         **kw_s))
     acc = lax.fori_loop(0, inter_s // bk_s, body, _acc_zeros(fs, mp_, bn, bk_s, method_))
     acc = C.finish_acc(acc, method_)
     if fs == "nvfp4":
-      acc = acc * (r["sd_s2"][0] * NV.decode_factor(decode))
+      f = NV.F16_DECODE_FACTOR if h16 else NV.decode_factor(decode)
+      acc = acc * (r["sd_s2"][0] * f)
     return acc.astype(dt)
 
   def slot_y(u):    # y_k = bf16(h_u . Wd_e^T * scale_2[e])
@@ -513,14 +524,15 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
       e = r["route_ids"][u // route_top_k, u % route_top_k]
     wd = [r["dn_w"]] if fe == "bf16" else [r["dn_q"], r["dn_s"]]
     h = (r["h"], r["h5"]) if gu_split_k == 1 else None
-    kw_u = dict(kw, method=method_u)
+    kw_u = dict(kw, method=method_u, x_scale=r["hinv5"] if h16 else None)
     body = (parts_dot("h", (u,), m_u, mp_u, r["dn_w"], (e,), bk, method_u) if gu_split_k > 1
             else lambda i, a: _tile_dot(fe, h, (u,), m_u, mp_u, wd, (e,), n0, bn, i, bk, a,
                                         **kw_u))
     acc = lax.fori_loop(0, inter // bk, body, _acc_zeros(fe, mp_u, bn, bk, method_u))
     acc = C.finish_acc(acc, method_u)
     if fe == "nvfp4":
-      acc = acc * (r["dn_s2"][e] * NV.decode_factor(decode))
+      f = NV.F16_DECODE_FACTOR if h16 else NV.decode_factor(decode)
+      acc = acc * (r["dn_s2"][e] * f)
     return acc.astype(dt)
 
   if split:
@@ -790,7 +802,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
             down_shared_cols=None, combine=None, asm_down=None, route_given=None,
             shared_first=False, shared_rows=None, gate_up_touch=(), shared_tokens=None,
-            gate_up_f16=None, x16_rows=None):
+            gate_up_f16=None, x16_rows=None, down_f16=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -883,6 +895,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             f"gate_up_f16 needs NVFP4 experts on per-token slots (slot_rows='token', M > 1) with "
             f"token_method 'blocks' in the tile layout and shared_tokens 1, got {fe=}, "
             f"{token=}, {token_method=}, {layout=}, shared_tokens={n_tok}")
+  h16 = bool(down_f16)
+  C.check(not h16 or (x16 and shared_token and inter % 64 == 0 and inter_s % 64 == 0),
+          "down_f16 needs gate_up_f16 and shared_rows='token' (the per-token shared expert)")
   C.check(x16_rows is None or (x16 and x16_rows[0].shape == (m, d)
                                and x16_rows[0].dtype == jnp.float16
                                and x16_rows[1].shape == (m,)
@@ -923,7 +938,13 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     names += ["sg_q", "sg_s", "su_q", "su_s", "sg_s2", "su_s2"]
     args += _weight_args(fs, shared["gate_proj"], "") + _weight_args(fs, shared["up_proj"], "")
     args += [C.scalar_f32(shared["gate_proj"][2]), C.scalar_f32(shared["up_proj"][2])]
-  if sk == 1:
+  if sk == 1 and h16:    # the down kernel's f16 operands and their per-block factors
+    names += ["h16", "hinv", "hs16", "hsinv"]
+    out_shape = [jax.ShapeDtypeStruct((u, 1, inter), jnp.float16),
+                 jax.ShapeDtypeStruct((u, 1, inter // 16), jnp.float32),
+                 jax.ShapeDtypeStruct((m, 1, inter_s), jnp.float16),
+                 jax.ShapeDtypeStruct((m, 1, inter_s // 16), jnp.float32)]
+  elif sk == 1:
     names += ["h", "hs"]
     out_shape = [jax.ShapeDtypeStruct((u, 1 if token else m, inter), x.dtype),
                  jax.ShapeDtypeStruct((m, 1, inter_s) if shared_token else (m, inter_s),
@@ -955,7 +976,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
       layout=layout, method=method, route=route, token_method=token_method, split_k=sk,
       finish=finish, shared_first=shared_first, shared_token=shared_token, shared_tokens=n_tok,
-      x16=x16, interpret=interpret)
+      x16=x16, h16=h16, interpret=interpret)
   tag += ("_token" if token else "") + ("_shtok" if shared_token else "")
   tag += f"{n_tok}" if n_tok > 1 else ""
   gate_up_touch = tuple(gate_up_touch)
@@ -976,6 +997,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   # what the down kernel reads: h (unsplit, or finished by the last slice) or the partials
   down_parts = 1 if finish else sk
   h_parts = res[n_h - 2:n_h] if down_parts == 1 else res[:4]
+  if h16:
+    h_parts = res[n_h - 4:n_h]
 
   # ---- kernel 2: down (+ routing-weighted combine unless split) + shared down
   # The shared expert's K (I_s) is longer than a routed one's (I): its columns may be cut over
@@ -989,7 +1012,12 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     dn_names, dn_args = route_names, route_args
   else:   # the gate_up kernel's routing: no top-k here
     dn_names, dn_args = ["route_ids"], [route_out.ids]
-  if down_parts == 1:
+  if h16:
+    h, h_inv, hs, hs_inv = h_parts
+    names = ["h", "h5", "hs", "hs5", "hinv5", "hsinv5"]
+    args = [h, NV.x_view(h), hs, NV.x_view(hs), h_inv.reshape(u, 1, inter // 64, 2, 2),
+            hs_inv.reshape(m, 1, inter_s // 64, 2, 2)]
+  elif down_parts == 1:
     h, hs = h_parts
     names = ["h", "h5", "hs", "hs5"]
     args = [h, NV.x_view(h) if inter % 64 == 0 else h, hs,
@@ -1041,7 +1069,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       method=method_down, split=down_split, route_top_k=None if route is None else route[0],
       token_method=token_method, gu_split_k=down_parts, shared_cols=down_shared_cols,
       combine=combine_kw, shared_first=shared_first and down_split, shared_token=shared_token,
-      interpret=interpret)
+      h16=h16, interpret=interpret)
   if down_split:
     down_prefetch = tuple(down_prefetch)
     out_shape = [jax.ShapeDtypeStruct(((u + 1) * m, d), x.dtype)]
@@ -1060,7 +1088,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
           input_output_aliases=aliases,
           compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
           prefetch=len(down_prefetch),
-          name=(f"flint_moe_down_split{tag}_{fe}_{fs}_{method_down}_bn{bn_dn}"
+          name=(f"flint_moe_down_split{tag}{'_h16' if h16 else ''}_{fe}_{fs}_{method_down}_bn{bn_dn}"
                 f"{f'_sc{down_shared_cols}' if down_shared_cols > 1 else ''}"
                 f"{'' if combine is None else '_combine' if c_norm else '_residual'}"
                 f"{'_pf' if down_prefetch else ''}"),
@@ -1158,7 +1186,7 @@ def _check_top_logits(top_logits, m) -> int:
 
 
 _ROUTED_KNOBS = ("top_k", "slot_rows", "token_method", "asm_down", "prerouted", "shared_first",
-                 "shared_rows", "shared_tokens", "gate_up_f16")
+                 "shared_rows", "shared_tokens", "gate_up_f16", "down_f16")
 
 
 def _launch_routed(x, logits, experts, shared, options, **extra):
@@ -1200,7 +1228,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       shared_rows: str | None = None, route: MoERoute | None = None,
                       gate_up_touch=(), shared_tokens: int | None = None,
                       gate_up_f16: bool | None = None, x16_rows=None,
-                      interpret: bool = False):
+                      down_f16: bool | None = None, interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls; 3 with ``prerouted``,
   the default for NVFP4 experts at M > 1) and the routing.
 
@@ -1270,6 +1298,9 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   the default's within bf16 rounding. None / False = off. ``x16_rows``: that operand already
   computed, ``(x16, inv) = nvfp4_gemv.x16_operand(x)`` (e.g. by ``add_rms_norm(x16=True)``, the
   kernel that wrote x); None = an XLA op here (three small kernels on the H200).
+  ``down_f16`` (with ``gate_up_f16`` and ``shared_rows="token"``): the down kernel multiplies in
+  f16x2 too: the gate_up kernel writes bf16(h) as f16 with one scale per 16 values
+  (``nvfp4_gemv.store_x16_blocks``) instead of h. None / False = off.
   """
   options = locals()    # first statement: exactly the arguments
   y, route_out, counter = _launch_routed(x, logits, experts, shared, options)
@@ -1297,7 +1328,7 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               route: MoERoute | None = None, gate_up_touch=(),
                               shared_tokens: int | None = None,
                               gate_up_f16: bool | None = None, x16_rows=None,
-                              interpret: bool = False):
+                              down_f16: bool | None = None, interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its

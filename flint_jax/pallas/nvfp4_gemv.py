@@ -300,7 +300,7 @@ def lanes_shape(block_k: int) -> tuple:
 
 
 def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
-                   layout, method="dot", acc=None, codes=None):
+                   layout, method="dot", acc=None, codes=None, x_scale_ref=None):
   """fp32 partial x . W^T over the 64-value blocks b0 .. b0+nb of weight rows n0 .. n0+bn.
 
   x_ref: view [..., M, K/64, 2, 2, 16] bf16 indexed by ``x_idx`` (leading indices), rows 0..m-1
@@ -312,10 +312,13 @@ def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, 
   w_hi * x_hi, two FFMAs per code byte and no reduction (``_common.finish_acc`` after the K
   loop).
   The result carries the decode's power of two (``decode_factor``). ``codes`` (tile layout):
-  the weight tile already loaded by ``load_codes``.
+  the weight tile already loaded by ``load_codes``. An f16 x (``blocks`` only) selects
+  ``blocks_fma_f16``; ``x_scale_ref`` then holds its per-block factors, viewed [..., M, K/64,
+  2, 2] (``store_x16_blocks``), and the result carries ``F16_DECODE_FACTOR``.
   """
   part = _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb,
-                         decode=decode, layout=layout, method=method, acc=acc, codes=codes)
+                         decode=decode, layout=layout, method=method, acc=acc, codes=codes,
+                         x_scale_ref=x_scale_ref)
   return part if acc is None or method in C.LANE_ACCS else acc + part
 
 
@@ -476,6 +479,29 @@ def x16_operand(x):
   return x16, pow2_f32(-c)
 
 
+def store_x16_blocks(x16_ref, inv_ref, lead, v, n0, n):
+  """Values v [n] (n % 16 == 0; e.g. a GEMV's bf16 outputs n0 .. n0 + n) as the f16 operand of
+  a later ``blocks_fma_f16`` with one scale per 16-value block instead of per row:
+  ``x16_ref[*lead, n0 + x16_position(k)] = f16(v[k] 2^c_b)`` and ``inv_ref[*lead, n0 / 16 + b]
+  = 2^-c_b``, c_b = ``x16_exponent`` of block b's largest magnitude (exact, as ``x16_operand``)."""
+  vf = v.astype(jnp.float32).reshape(n // 16, 16)
+  c = x16_exponent(jnp.max(jnp.abs(vf), axis=1))                            # [n / 16]
+  x16 = (vf * pow2_f32(c)[:, None]).astype(jnp.float16).reshape(n)
+  plgpu.store(x16_ref.at[(*lead, n0 + x16_position(jnp.arange(n, dtype=jnp.int32)))], x16)
+  plgpu.store(inv_ref.at[(*lead, n0 // 16 + jnp.arange(n // 16, dtype=jnp.int32))], pow2_f32(-c))
+
+
+def x16_blocks_reference(v):
+  """Plain jnp: v [..., K] -> (x16 [..., K] f16, inv [..., K / 16] f32) as ``store_x16_blocks``
+  writes them."""
+  *lead, k = v.shape
+  vb = v.astype(jnp.float32).reshape(*lead, k // 16, 16)
+  c = x16_exponent(jnp.max(jnp.abs(vb), axis=-1))
+  x16 = (vb * pow2_f32(c)[..., None]).astype(jnp.float16).reshape(*lead, k)
+  x16 = jnp.swapaxes(x16.reshape(*lead, k // 4, 2, 2), -1, -2).reshape(*lead, k)
+  return x16, pow2_f32(-c)
+
+
 def _f16_lane_sums(q, xl, xh):
   """The asm's outputs in jnp (interpret mode): q uint8 [..., 16], xl / xh f16 [..., 16]
   (``x16_operand`` order) -> f32 [..., 16], per code word (lo lane 0, lo lane 1, hi lane 0, hi
@@ -518,19 +544,24 @@ def _scale_x128(s):
   return s.astype(jnp.float32) * 128.0
 
 
-def blocks_fma_f16(acc, codes, x_half, decode):
+def blocks_fma_f16(acc, codes, x_half, decode, x_scales=None):
   """The ``blocks`` K step on f16 products: acc [BN, nb, 2] + per 16-value block, s x 2^7 times
   the sum of its ``f16_lane_sums`` (x_half(h): the ``x16_operand`` half h, f16 [nb, 2, 16]).
-  The result carries ``F16_DECODE_FACTOR`` times x16's row scale."""
+  The result carries ``F16_DECODE_FACTOR`` times x16's row scale; or, with ``x_scales`` (the
+  low and high nibbles' x block factors, f32 [nb, 2] each: ``store_x16_blocks``' inv), the
+  factor only."""
   q, s_lo, s_hi = codes
   sums = f16_lane_sums(q, x_half(0), x_half(1), decode)                  # [BN, nb, 2, 16]
+  s_lo, s_hi = _scale_x128(s_lo), _scale_x128(s_hi)
+  if x_scales is not None:
+    s_lo, s_hi = s_lo * x_scales[0], s_hi * x_scales[1]
   hi = (jnp.arange(16, dtype=jnp.int32) % 4) >= 2                        # hi lanes of a word
-  s = jnp.where(hi, _scale_x128(s_hi)[..., None], _scale_x128(s_lo)[..., None])
+  s = jnp.where(hi, s_hi[..., None], s_lo[..., None])
   return acc + jnp.sum(sums * s, axis=3)
 
 
 def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
-                    layout, method, acc, codes=None):
+                    layout, method, acc, codes=None, x_scale_ref=None):
   ds = slice(None)
   nrow = pl.ds(n0, bn)
   rows = C.row_load_index(m, mp)
@@ -541,7 +572,9 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
       if codes is None:
         codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
       x_half = lambda h: x_ref[(*x_idx, 0, blk, h, ds, ds)]               # noqa: E731
-      return blocks_fma_f16(acc, codes, x_half, decode)
+      x_scales = (None if x_scale_ref is None else
+                  tuple(x_scale_ref[(*x_idx, 0, blk, half, ds)] for half in (0, 1)))
+      return blocks_fma_f16(acc, codes, x_half, decode, x_scales)
     if method == "blocks" and decode == "asm" and asm_decode.value == "post":
       C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
       if codes is None:

@@ -474,6 +474,11 @@ class DecodeOptions:
             if not ok:
                 raise ValueError(f"DecodeOptions.{name} must be a tuple of (name, value) pairs "
                                  f"with names from {keys}, got {pairs!r}")
+        if self.moe_down_f16 and (self.moe_gate_up_f16 is False or self.moe_shared_rows == "all"):
+            raise ValueError("DecodeOptions.moe_down_f16 needs the f16 gate_up (moe_gate_up_f16 "
+                             "not False) and the shared expert per token (moe_shared_rows not "
+                             f"'all'), got moe_gate_up_f16={self.moe_gate_up_f16!r}, "
+                             f"moe_shared_rows={self.moe_shared_rows!r}")
         if self.moe_shared_tokens is not None and self.moe_shared_tokens < 1:
             raise ValueError("DecodeOptions.moe_shared_tokens must be >= 1, got "
                              f"{self.moe_shared_tokens!r}")

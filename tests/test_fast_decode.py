@@ -300,6 +300,8 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(router_topk=True, moe_prerouted=False), "router_topk needs"),
     (dict(o_proj_split_k=3), "o_proj_split_k"),
     (dict(moe_shared_tokens=0), "moe_shared_tokens"),
+    (dict(moe_down_f16=True, moe_gate_up_f16=False), "moe_down_f16 needs"),
+    (dict(moe_down_f16=True, moe_shared_rows="all"), "moe_down_f16 needs"),
     (dict(moe_tiling=(("block_n_down", 32), ("block_m", 8))), "moe_tiling"),
     (dict(moe_tiling={"block_n": 32}), "moe_tiling"),
     (dict(lm_head_tiling=(("split_k",),)), "lm_head_tiling"),

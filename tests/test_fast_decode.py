@@ -443,6 +443,16 @@ def test_moe_gate_up_f16_step():
     assert not any("down" in n and "x16" in n for n in names), names
 
 
+def test_moe_down_f16_step():
+    """`moe_down_f16` at batch 3: the MoE down kernel on f16x2 products too (h as f16 with a
+    scale per 16 values): logits within bf16 noise of the default step, the same argmax."""
+    from flint_jax.pallas.testing import rel_l2
+    for l1, _, l2 in paired_steps(True, 31, DecodeOptions(moe_down_f16=True), DecodeOptions(),
+                                  3, (5, 17)):
+        assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
+        assert (l1.argmax(-1) == l2.argmax(-1)).all()
+
+
 @pytest.mark.parametrize("quant", [True, False])
 def test_tile_overrides_reach_the_kernels(quant):
     """Lowered for an H200 at batch 4: the overrides show in the kernels' names (the o_proj in

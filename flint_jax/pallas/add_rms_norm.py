@@ -85,11 +85,9 @@ def _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, row, *, d, dp, eps, x16
 
 def _store_x16(x16_ref, inv_ref, row, out, cols, mask):
   """Row ``row`` of ``nvfp4_gemv.x16_operand(out)`` (padded entries of out are zero)."""
-  xf = out.astype(jnp.float32)
-  c = NV.x16_exponent(jnp.max(jnp.abs(xf), axis=0))
-  x16 = (xf * NV.pow2_f32(c)).astype(jnp.float16)
+  x16, inv = NV.to_x16(out.astype(jnp.float32), axis=0)
   plgpu.store(x16_ref.at[row, NV.x16_position(cols)], x16, mask=mask)
-  inv_ref[row] = NV.pow2_f32(-c)
+  inv_ref[row] = inv[0]
 
 
 def _rms_norm_kernel(x_ref, w_ref, o_ref, *, d, dp, eps):

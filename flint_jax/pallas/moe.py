@@ -996,9 +996,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
                else None if route is None else MoERoute(*res[n_h:]))
   # what the down kernel reads: h (unsplit, or finished by the last slice) or the partials
   down_parts = 1 if finish else sk
-  h_parts = res[n_h - 2:n_h] if down_parts == 1 else res[:4]
-  if h16:
-    h_parts = res[n_h - 4:n_h]
+  # (h16: h, its factors, hs, its factors)
+  h_parts = res[n_h - 4:n_h] if h16 else res[n_h - 2:n_h] if down_parts == 1 else res[:4]
 
   # ---- kernel 2: down (+ routing-weighted combine unless split) + shared down
   # The shared expert's K (I_s) is longer than a routed one's (I): its columns may be cut over
@@ -1293,7 +1292,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   and sums per token).
   ``gate_up_f16`` (per-token NVFP4 slots on ``blocks`` tiles): the gate_up kernel multiplies in
   f16x2 (``nvfp4_gemv.blocks_fma_f16``: about 3.4 instructions per weight instead of 4.8)
-  against x scaled per row into f16 (``x16_operand``, one small XLA op before the kernel); each
+  against x scaled per row into f16 (``nvfp4_gemv.x16_operand``); each
   pair of exact products is rounded once to f16 before the f32 block sums, so h differs from
   the default's within bf16 rounding. None / False = off. ``x16_rows``: that operand already
   computed, ``(x16, inv) = nvfp4_gemv.x16_operand(x)`` (e.g. by ``add_rms_norm(x16=True)``, the

@@ -464,6 +464,20 @@ def x16_position(k):
   return k + (r == 1).astype(k.dtype) - (r == 2).astype(k.dtype)
 
 
+def to_x16(vf, axis=-1):
+  """f32 values -> (f16(vf * 2^c), 2^-c), c = ``x16_exponent`` of the largest magnitude along
+  ``axis`` (kept as a size-1 axis in both results): the exact f16 scaling shared by
+  ``x16_operand``, ``store_x16_blocks`` and ``add_rms_norm(x16=True)``."""
+  c = x16_exponent(jnp.max(jnp.abs(vf), axis=axis, keepdims=True))
+  return (vf * pow2_f32(c)).astype(jnp.float16), pow2_f32(-c)
+
+
+def _x16_order(x16):
+  """[..., K] -> groups of four stored x0, x2, x1, x3 (``x16_position``)."""
+  *lead, k = x16.shape
+  return jnp.swapaxes(x16.reshape(*lead, k // 4, 2, 2), -1, -2).reshape(*lead, k)
+
+
 def x16_operand(x):
   """The f16 activation operand of the ``blocks`` f16 K step: x [..., K] (bf16, K % 4 == 0) ->
   (x16 [..., K] f16, inv [...] f32). x16 = x * 2^c per row, c putting the row's largest
@@ -471,12 +485,8 @@ def x16_operand(x):
   8 significant bits fit f16's 11), each group of four values stored x0, x2, x1, x3
   (``x16_position``); inv = 2^-c, the factor that takes a sum over x16 back to x's scale.
   ``add_rms_norm(x16=True)`` writes the same from its kernel."""
-  *lead, k = x.shape
-  xf = x.astype(jnp.float32)
-  c = x16_exponent(jnp.max(jnp.abs(xf), axis=-1))
-  x16 = (xf * pow2_f32(c)[..., None]).astype(jnp.float16)
-  x16 = jnp.swapaxes(x16.reshape(*lead, k // 4, 2, 2), -1, -2).reshape(*lead, k)
-  return x16, pow2_f32(-c)
+  x16, inv = to_x16(x.astype(jnp.float32))
+  return _x16_order(x16), inv[..., 0]
 
 
 def store_x16_blocks(x16_ref, inv_ref, lead, v, n0, n):
@@ -484,22 +494,19 @@ def store_x16_blocks(x16_ref, inv_ref, lead, v, n0, n):
   a later ``blocks_fma_f16`` with one scale per 16-value block instead of per row:
   ``x16_ref[*lead, n0 + x16_position(k)] = f16(v[k] 2^c_b)`` and ``inv_ref[*lead, n0 / 16 + b]
   = 2^-c_b``, c_b = ``x16_exponent`` of block b's largest magnitude (exact, as ``x16_operand``)."""
-  vf = v.astype(jnp.float32).reshape(n // 16, 16)
-  c = x16_exponent(jnp.max(jnp.abs(vf), axis=1))                            # [n / 16]
-  x16 = (vf * pow2_f32(c)[:, None]).astype(jnp.float16).reshape(n)
-  plgpu.store(x16_ref.at[(*lead, n0 + x16_position(jnp.arange(n, dtype=jnp.int32)))], x16)
-  plgpu.store(inv_ref.at[(*lead, n0 // 16 + jnp.arange(n // 16, dtype=jnp.int32))], pow2_f32(-c))
+  x16, inv = to_x16(v.astype(jnp.float32).reshape(n // 16, 16))          # [n/16, 16], [n/16, 1]
+  plgpu.store(x16_ref.at[(*lead, n0 + x16_position(jnp.arange(n, dtype=jnp.int32)))],
+              x16.reshape(n))
+  plgpu.store(inv_ref.at[(*lead, n0 // 16 + jnp.arange(n // 16, dtype=jnp.int32))],
+              inv.reshape(n // 16))
 
 
 def x16_blocks_reference(v):
   """Plain jnp: v [..., K] -> (x16 [..., K] f16, inv [..., K / 16] f32) as ``store_x16_blocks``
   writes them."""
   *lead, k = v.shape
-  vb = v.astype(jnp.float32).reshape(*lead, k // 16, 16)
-  c = x16_exponent(jnp.max(jnp.abs(vb), axis=-1))
-  x16 = (vb * pow2_f32(c)[..., None]).astype(jnp.float16).reshape(*lead, k)
-  x16 = jnp.swapaxes(x16.reshape(*lead, k // 4, 2, 2), -1, -2).reshape(*lead, k)
-  return x16, pow2_f32(-c)
+  x16, inv = to_x16(v.astype(jnp.float32).reshape(*lead, k // 16, 16))
+  return _x16_order(x16.reshape(*lead, k)), inv[..., 0]
 
 
 def _f16_lane_sums(q, xl, xh):

@@ -346,7 +346,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     gate_up programs each decode their tile once for 2 / 4 / 8 tokens), "pallas_mt-f16"
     (`moe_gate_up_f16` forced on: the MoE gate_up's f16x2 products, the default at batch > 1;
     with tile tokens, e.g. "pallas_mt-f16-bn32"), "pallas_nogu16" (forced off), "pallas_dn16"
-    (`moe_down_f16`: the MoE down kernel's f16x2 products too),
+    (`moe_down_f16`: the MoE down kernel's f16x2 products too), "pallas_f16blk" /
+    "pallas_dn16blk" (`moe_f16_sums="block"`: those kernels' f16 sums over whole blocks),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
     the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'
@@ -396,6 +397,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "nq": DecodeOptions(norm_in_qkv=True),
                "nogu16": DecodeOptions(moe_gate_up_f16=False),
                "dn16": DecodeOptions(moe_down_f16=True),
+               "f16blk": DecodeOptions(moe_f16_sums="block"),
+               "dn16blk": DecodeOptions(moe_down_f16=True, moe_f16_sums="block"),
                "nonq": DecodeOptions(norm_in_qkv=False),
                "sp": DecodeOptions(attention="split"),
                "fa": DecodeOptions(attention="fused"),

@@ -302,6 +302,7 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(moe_shared_tokens=0), "moe_shared_tokens"),
     (dict(moe_down_f16=True, moe_gate_up_f16=False), "moe_down_f16 needs"),
     (dict(moe_down_f16=True, moe_shared_rows="all"), "moe_down_f16 needs"),
+    (dict(moe_f16_sums="quad"), "moe_f16_sums"),
     (dict(moe_tiling=(("block_n_down", 32), ("block_m", 8))), "moe_tiling"),
     (dict(moe_tiling={"block_n": 32}), "moe_tiling"),
     (dict(lm_head_tiling=(("split_k",),)), "lm_head_tiling"),
@@ -443,14 +444,20 @@ def test_moe_gate_up_f16_step():
     assert not any("down" in n and "x16" in n for n in names), names
 
 
-def test_moe_down_f16_step():
+@pytest.mark.parametrize("sums", ["pair", "block"])
+def test_moe_down_f16_step(sums):
     """`moe_down_f16` at batch 3: the MoE down kernel on f16x2 products too (h as f16 with a
-    scale per 16 values): logits within bf16 noise of the default step, the same argmax."""
+    scale per 16 values), with either `moe_f16_sums`: logits within bf16 noise of the default
+    step, the same argmax; the block sums are not the pair sums' values."""
     from flint_jax.pallas.testing import rel_l2
-    for l1, _, l2 in paired_steps(True, 31, DecodeOptions(moe_down_f16=True), DecodeOptions(),
-                                  3, (5, 17)):
+    opts = DecodeOptions(moe_down_f16=True, moe_f16_sums=sums)
+    for l1, _, l2 in paired_steps(True, 31, opts, DecodeOptions(), 3, (5, 17)):
         assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
         assert (l1.argmax(-1) == l2.argmax(-1)).all()
+    if sums == "block":
+        pair = DecodeOptions(moe_down_f16=True)
+        for l1, _, l2 in paired_steps(True, 31, opts, pair, 3, (5,)):
+            assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
 
 
 @pytest.mark.parametrize("quant", [True, False])

@@ -205,6 +205,48 @@ def test_f16_block_asm():
   np.testing.assert_array_equal(np.asarray(em).reshape(-1, 4), got)
 
 
+def test_f16_acc_asm():
+  """``f16_sums="block"``: the asm run on a block's four code words in turn (the first one's
+  ``mul`` form, then the accumulating one) gives per nibble half two f16 lanes, each the sum of
+  its eight products E2M1 x 2^-14 x x rounded to f16 after every product (lane 0: bytes 0 and
+  1 of each word, lane 1: bytes 2 and 3, words in order), equal to the interpret mode's jnp
+  form (``_f16_block_lane_sums``)."""
+  import jax.numpy as jnp
+  g = np.random.default_rng(17)
+  words = _all_code_words()
+  words = np.concatenate([words, g.permutation(words)])[: (words.size // 4) * 4]
+  n = words.size // 4                                                      # blocks
+  words = words.reshape(n, 4)
+  xs = [(g.standard_normal((n, 16)) * 2.0 ** g.integers(-6, 13, (n, 16))).astype(np.float16)
+        for _ in range(2)]
+  acc = {}
+  for i in range(4):
+    (l02, l13), (h02, h13) = (_f16_pairs(x[:, 4 * i: 4 * i + 4]) for x in xs)
+    ops = {"$2": words[:, i], "$3": l02, "$4": l13, "$5": h02, "$6": h13}
+    if i:
+      ops.update({"$7": acc["$0"], "$8": acc["$1"]})
+    acc = run_ptx(NV._ASM_F16_ACC[i > 0], ops)
+  got = np.stack([v.astype(np.float32) for r in ("$0", "$1") for v in _f16_lanes(acc[r])],
+                 axis=1)
+  want = []
+  for half, x in enumerate(xs):
+    w = np.stack([_expected(words[:, i], half) for i in range(4)], 1)      # [n, 4 words, 4 bytes]
+    w = w.astype(np.float64) * 2.0 ** -14
+    xn = x.astype(np.float64).reshape(n, 4, 4)[:, :, [0, 2, 1, 3]]        # x0 .. x3 per word
+    for a, b in ((0, 1), (2, 3)):
+      lane = None
+      for i in range(4):
+        for j in (a, b):
+          p = w[:, i, j] * xn[:, i, j]
+          lane = (p if lane is None else p + lane).astype(np.float16).astype(np.float64)
+      want.append(lane.astype(np.float32))
+  np.testing.assert_array_equal(got, np.stack(want, axis=1))
+  q = np.stack([(words >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)], -1)
+  q = q.astype(np.uint8).reshape(n, 16)
+  em = NV._f16_block_lane_sums(jnp.asarray(q), jnp.asarray(xs[0]), jnp.asarray(xs[1]))
+  np.testing.assert_array_equal(np.asarray(em), got)
+
+
 def test_emulator_rejects_unknown_instructions():
   with pytest.raises(NotImplementedError, match="sin"):
     run_ptx("{\nsin.approx.f32 $0, $1;\n}", {"$1": np.zeros(2, np.uint32)})

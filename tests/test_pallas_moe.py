@@ -753,16 +753,25 @@ def test_moe_decode_routed_combine_lowers_for_h200(fmt, m, norm):
   assert ("_combine" if norm else "_residual") in text
 
 
-@pytest.mark.parametrize("m,scale", [(2, 1.0), (5, 37.0), (8, 1e-3)])
-def test_moe_decode_routed_gate_up_f16(m, scale):
+@pytest.mark.parametrize("m,scale,sums", [(2, 1.0, "pair"), (5, 37.0, "block"),
+                                          (8, 1e-3, "pair"), (8, 1e-3, "block")])
+def test_moe_decode_routed_gate_up_f16(m, scale, sums):
   """``gate_up_f16``: the per-token NVFP4 gate_up on f16x2 products (x scaled per row into f16,
-  pairs of exact products rounded once to f16) matches the reference like the default does,
-  at row scales far from 1, and its kernel lowers for an H200 with the x16 inputs."""
+  pairs of exact products rounded once to f16, or with ``f16_sums="block"`` a block's sums in
+  f16) matches the reference like the default does, at row scales far from 1, and its kernel
+  lowers for an H200 with the x16 inputs."""
+  from flint_jax.pallas.nvfp4_gemv import f16_sums
   _, experts, shared, x, _, logits = _routed_case("nvfp4", m, 32, 6, 256, 128, 256, False,
                                                   f"gu16{m}")
   x = (x.astype(jnp.float32) * scale).astype(jnp.bfloat16)
   kw = dict(top_k=6, decode=DECODE, slot_rows="token", shared_rows="token", interpret=INTERPRET)
-  y, route = moe_decode_routed(x, logits, experts, shared, gate_up_f16=True, **kw)
+  with f16_sums(sums):
+    y, route = moe_decode_routed(x, logits, experts, shared, gate_up_f16=True, **kw)
+  if sums == "block":   # the block sums round more often: not the pair sums' values
+    with f16_sums("pair"):
+      yp, _ = moe_decode_routed(x, logits, experts, shared, gate_up_f16=True, **kw)
+    assert not np.array_equal(np.asarray(used_rows(y, 6), np.float32),
+                              np.asarray(used_rows(yp, 6), np.float32))
   y0, route0 = moe_decode_routed(x, logits, experts, shared, **kw)
   np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(route0.ids))
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
@@ -772,15 +781,18 @@ def test_moe_decode_routed_gate_up_f16(m, scale):
   assert rel_l2(used_rows(y, 6), used_rows(y0, 6)) < 5e-3
   # the operand given (as add_rms_norm(x16=True) writes it): the same y
   from flint_jax.pallas.nvfp4_gemv import x16_operand
-  y1, _ = moe_decode_routed(x, logits, experts, shared, gate_up_f16=True,
-                            x16_rows=x16_operand(x), **kw)
+  with f16_sums(sums):
+    y1, _ = moe_decode_routed(x, logits, experts, shared, gate_up_f16=True,
+                              x16_rows=x16_operand(x), **kw)
   np.testing.assert_array_equal(np.asarray(used_rows(y1, 6), np.float32),
                                 np.asarray(used_rows(y, 6), np.float32))
   gpu_kw = dict(kw, decode="asm", interpret=False)
-  mods = triton_modules(lambda x_, l_: moe_decode_routed(
-      x_, l_, experts, shared, gate_up_f16=True, **gpu_kw), x, logits)
+  with f16_sums(sums):
+    mods = triton_modules(lambda x_, l_: moe_decode_routed(
+        x_, l_, experts, shared, gate_up_f16=True, **gpu_kw), x, logits)
   (gate_up,) = [mod for mod in mods if mod["name"].startswith("flint_moe_gate_up")]
   assert "_x16_" in gate_up["name"] and "fma.rn.f16x2" in gate_up["asm"], gate_up["name"]
+  assert ("mov.b32 $0, alo" in gate_up["asm"]) == (sums == "block")   # the accumulating asm
 
 
 def test_moe_decode_routed_gate_up_f16_needs_per_token_blocks():
@@ -798,26 +810,30 @@ def test_moe_decode_routed_gate_up_f16_needs_per_token_blocks():
                       x16_rows=x16_operand(x[:2]), decode=DECODE, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("m", [3, 8])
-def test_moe_decode_routed_down_f16(m):
+@pytest.mark.parametrize("m,sums", [(3, "pair"), (8, "pair"), (8, "block")])
+def test_moe_decode_routed_down_f16(m, sums):
   """``down_f16``: the gate_up kernel writes bf16(h) as f16 with a scale per 16 values and the
   down kernel multiplies in f16x2 too: y matches the reference like the default does, within
-  bf16 noise of the f16 gate_up alone; lowered for an H200."""
+  bf16 noise of the f16 gate_up alone (with the same ``f16_sums``); lowered for an H200."""
+  from flint_jax.pallas.nvfp4_gemv import f16_sums
   _, experts, shared, x, _, logits = _routed_case("nvfp4", m, 32, 6, 256, 128, 256, False,
                                                   f"dn16{m}")
   kw = dict(top_k=6, decode=DECODE, slot_rows="token", shared_rows="token", gate_up_f16=True,
             interpret=INTERPRET)
-  y, _ = moe_decode_routed(x, logits, experts, shared, down_f16=True, **kw)
-  y0, _ = moe_decode_routed(x, logits, experts, shared, **kw)
+  with f16_sums(sums):
+    y, _ = moe_decode_routed(x, logits, experts, shared, down_f16=True, **kw)
+    y0, _ = moe_decode_routed(x, logits, experts, shared, **kw)
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
   assert_routed_close(y, ref, 6, "token", f"down_f16 M={m}")
   from flint_jax.pallas.testing import rel_l2, triton_modules
   assert 0 < rel_l2(used_rows(y, 6), used_rows(y0, 6)) < 5e-3
   gpu_kw = dict(kw, decode="asm", interpret=False)
-  mods = triton_modules(lambda x_, l_: moe_decode_routed(
-      x_, l_, experts, shared, down_f16=True, **gpu_kw), x, logits)
+  with f16_sums(sums):
+    mods = triton_modules(lambda x_, l_: moe_decode_routed(
+        x_, l_, experts, shared, down_f16=True, **gpu_kw), x, logits)
   (down,) = [mod for mod in mods if mod["name"].startswith("flint_moe_down")]
   assert "_h16_" in down["name"] and "fma.rn.f16x2" in down["asm"], down["name"]
+  assert ("mov.b32 $0, alo" in down["asm"]) == (sums == "block")
   with pytest.raises(ValueError, match="down_f16 needs gate_up_f16"):
     moe_decode_routed(x, logits, experts, shared, down_f16=True,
                       **dict(kw, gate_up_f16=False))

@@ -118,3 +118,30 @@ def test_xla_waits_at_kernel_entry():
       k = 1000 * (call + 1)
       got = [int(np.asarray(o)[0]) for o in run(jnp.array([k], I32))]
       assert got == [k + i for i in range(pairs)], (pairs, call, got)
+
+
+@pytest.mark.parametrize("state,values", [
+    ("pdl.early_trigger", (True, False)), ("pdl.early_trigger_kernels", ("all", "latency")),
+    ("ffi_launch.enabled", (False, True)), ("nvfp4_gemv.asm_decode", ("mul", "post")),
+    ("nvfp4_gemv.f16_sums", ("pair", "block"))])
+def test_config_states_key_top_level_jit_calls(state, values):
+  """Each flint_jax config state is part of the jit key: a jitted call already made under one
+  value is traced again under the other (jax 0.11 keys top-level calls on
+  ``include_in_jit_key`` states only, not on the trace context), so kernels, tests and
+  benchmarks that switch a state around a jitted call never reuse a stale compilation."""
+  import importlib
+  mod_name, attr = state.split(".")
+  st = getattr(importlib.import_module(f"flint_jax.pallas.{mod_name}"), attr)
+  traced = []
+
+  @jax.jit
+  def f(x):
+    traced.append(st.value)
+    return x + float(values.index(st.value))
+
+  x = jnp.zeros((2,), F32)
+  outs = []
+  for v in values + values:
+    with st(v):
+      outs.append(float(f(x)[0]))
+  assert outs == [0.0, 1.0, 0.0, 1.0] and traced == list(values), (outs, traced)

@@ -158,6 +158,8 @@ def main():
   ap.add_argument("--asm", default="mul",
                   help="the NVFP4 asm decode's sequence (nvfp4_gemv.asm_decode): mul | "
                        "mul_bf16 | shift | post")
+  ap.add_argument("--f16-sums", default="pair",
+                  help="how the f16 blocks K step sums (nvfp4_gemv.f16_sums): pair | block")
   ap.add_argument("--out", default="/tmp/flint_sass", help="directory for TTIR/TTGIR/PTX/SASS")
   ap.add_argument("--triton-python", default=sys.executable,
                   help="a Python with the triton package (default: this one)")
@@ -166,7 +168,7 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   bases = []
   nv = importlib.import_module("flint_jax.pallas.nvfp4_gemv")
-  with nv.asm_decode(args.asm):
+  with nv.asm_decode(args.asm), nv.f16_sums(args.f16_sums):
     modules = capture_triton_modules(fn, *fargs)
   for i, c in enumerate(modules):
     base = os.path.join(args.out, f"{i}_{c['name']}")

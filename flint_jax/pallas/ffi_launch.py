@@ -58,10 +58,12 @@ TARGET = "flint_pdl_launch"
 
 #: Whether ``_common.pallas_call`` routes every flint_jax kernel (outside interpret mode) through
 #: ``pallas_call`` below, with the entry wait and a PDL launch: ``with ffi_launch.enabled(True)``
-#: around the code that traces the kernels (part of jax's trace context); the decode step sets it
-#: from ``DecodeOptions.launch``. For measurements.
+#: around the code that traces the kernels (part of jax's trace context and jit key, as
+#: ``pdl.early_trigger``); the decode step sets it from ``DecodeOptions.launch``. For
+#: measurements.
 enabled = config.bool_state(
     "flint_jax_ffi_launch", default=False, include_in_trace_context=True,
+    include_in_jit_key=True,
     help="flint_jax Pallas kernels are compiled by the triton package and launched by flint_jax")
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "pdl_launch.cc")
 

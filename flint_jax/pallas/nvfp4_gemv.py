@@ -213,11 +213,12 @@ RAW_FACTOR = 2.0 ** -126
 #: compiler) or "shift" (session 11's): identical values. "post": as "mul", but the ``blocks``
 #: tiles decode without the scale multiply and scale each 16-value block's sum (one HMUL2 per
 #: two weights fewer; the same products summed in another order, so not bit-identical). Read
-#: when a kernel is traced (part of jax's trace context); the decode step sets it from
-#: ``DecodeOptions.nvfp4_asm``. For measurements.
+#: when a kernel is traced (part of jax's trace context and jit key, as ``pdl.early_trigger``);
+#: the decode step sets it from ``DecodeOptions.nvfp4_asm``. For measurements.
 asm_decode = config.enum_state(
     "flint_jax_nvfp4_asm_decode", ["mul", "mul_bf16", "shift", "post"], default="mul",
-    include_in_trace_context=True, help="instruction sequence of the NVFP4 asm decode")
+    include_in_trace_context=True, include_in_jit_key=True,
+    help="instruction sequence of the NVFP4 asm decode")
 
 
 def x_to_f32(x, decode):
@@ -445,6 +446,46 @@ def _f16_block_asm() -> str:
 _ASM_F16 = _f16_block_asm()
 
 
+# ``f16_sums`` "block": the same decode and products, but each nibble half's two f16x2 lanes
+# accumulate over the four code words of a 16-byte block (one ``fma.rn.f16x2`` per two values,
+# the sums of 8 products per lane rounded to f16 after each fma), so the conversions to f32 and
+# the block-scale FFMAs run once per block instead of once per word (SASS: ~4 f32 instructions
+# per 32 values instead of ~16). The accumulator passes from word to word as an elementwise
+# operand (``f16_block_lane_sums``).
+def _f16_acc_asm(first: bool) -> str:
+  """Operands: $0 / $1 the low / high nibbles' f16x2 accumulators (lane 0: bytes 0 and 1, lane
+  1: bytes 2 and 3), $2 four code bytes, $3 / $4 the low nibbles' x pairs (x0, x2) / (x1, x3)
+  as f16x2, $5 / $6 the high nibbles'; unless ``first``, $7 / $8 the accumulators so far."""
+  lines = [".reg .b32 t, m, s, w13h, w13l, w02h, w02l, alo, ahi;"]
+  for shift, w in ((0, "w13h"), (4, "w13l"), (8, "w02h"), (12, "w02l")):
+    src = "$2"
+    if shift:
+      lines.append(f"shl.b32 t, $2, {shift};")
+      src = "t"
+    lines += [f"and.b32 m, {src}, 0x70007000;", "shr.b32 m, m, 3;",
+              f"and.b32 s, {src}, 0x80008000;", f"or.b32 {w}, m, s;"]
+  if first:
+    lines += ["mul.rn.f16x2 alo, w02l, $3;", "mul.rn.f16x2 ahi, w02h, $5;"]
+  else:
+    lines += ["fma.rn.f16x2 alo, w02l, $3, $7;", "fma.rn.f16x2 ahi, w02h, $5, $8;"]
+  lines += ["fma.rn.f16x2 alo, w13l, $4, alo;", "fma.rn.f16x2 ahi, w13h, $6, ahi;",
+            "mov.b32 $0, alo;", "mov.b32 $1, ahi;"]
+  return "{\n" + "\n".join(lines) + "\n}"
+
+
+_ASM_F16_ACC = (_f16_acc_asm(True), _f16_acc_asm(False))
+
+#: How the f16 ``blocks`` K step (``blocks_fma_f16``) sums its products before the block
+#: scales: "pair" (each pair of products rounded to f16, then f32: the first form, session 24)
+#: or "block" (f16 lanes over a whole 16-value block, then f32; fewer instructions, ~4x the f16
+#: rounding). Read when a kernel is traced (as ``asm_decode``); the decode step sets it from
+#: ``DecodeOptions.moe_f16_sums``.
+f16_sums = config.enum_state(
+    "flint_jax_nvfp4_f16_sums", ["pair", "block"], default="pair",
+    include_in_trace_context=True, include_in_jit_key=True,
+    help="how the NVFP4 f16 blocks K step sums its products")
+
+
 def x16_exponent(amax):
   """c (int32) with amax * 2^c in [2^14, 2^15) for a normal amax > 0, clipped to [-100, 100]
   (0 for amax == 0): from amax's f32 exponent bits, the same in jnp and inside a kernel."""
@@ -531,6 +572,51 @@ def _f16_lane_sums(q, xl, xh):
   return jnp.stack([lo0, lo1, hi0, hi1], axis=-1).astype(f32).reshape(shape)
 
 
+def _f16_block_lane_sums(q, xl, xh):
+  """``f16_block_lane_sums`` in jnp (interpret mode): the same products and the same f16
+  rounding after each ``mul`` / ``fma`` (up to double rounding of the f32 sum)."""
+  f32, f16 = jnp.float32, jnp.float16
+  words = q.shape[:-1] + (4, 4)
+
+  def lanes(codes, x):
+    w = (_fp8_decode(codes).astype(f32) * 2.0 ** -8).reshape(words)      # E2M1 x 2^-14
+    xv = jnp.broadcast_to(x, q.shape).astype(f32).reshape(words)         # x0, x2, x1, x3
+    a0 = a1 = None
+    for i in range(4):                                                   # the block's words
+      p0, p2 = w[..., i, 0] * xv[..., i, 0], w[..., i, 2] * xv[..., i, 1]
+      a0 = p0.astype(f16) if a0 is None else (p0 + a0.astype(f32)).astype(f16)
+      a1 = p2.astype(f16) if a1 is None else (p2 + a1.astype(f32)).astype(f16)
+      a0 = (w[..., i, 1] * xv[..., i, 2] + a0.astype(f32)).astype(f16)
+      a1 = (w[..., i, 3] * xv[..., i, 3] + a1.astype(f32)).astype(f16)
+    return a0, a1
+
+  lo0, lo1 = lanes(q & 15, xl)
+  hi0, hi1 = lanes(q >> 4, xh)
+  return jnp.stack([lo0, lo1, hi0, hi1], axis=-1).astype(f32)
+
+
+def f16_block_lane_sums(q, xl, xh, decode):
+  """Per 16-byte block of q uint8 [BN, nb, 2, 16] (``load_codes``) and the f16 x halves xl / xh
+  [nb, 2, 16]: f32 [BN, nb, 2, 4] = (lo lane 0, lo lane 1, hi lane 0, hi lane 1), each the f16
+  sum of 8 products E2M1 x 2^-14 times x16 (``_f16_acc_asm``; the words' sums in order, lane 0
+  bytes 0 and 1 of each word, lane 1 bytes 2 and 3). GPU: inline PTX, the four words split off
+  the loaded tile (``jnp.split``: register moves); interpret: jnp."""
+  if decode != "asm":
+    return _f16_block_lane_sums(q, xl, xh)
+  words = q.shape[:-1] + (4,)
+  qs = jnp.split(q, 4, axis=-1)
+  xls, xhs = (jnp.split(v, 4, axis=-1) for v in (xl, xh))
+  acc = None
+  for i in range(4):
+    args = [qs[i]] + [jnp.broadcast_to(v[i], words) for v in (xls, xhs)]
+    args += [] if acc is None else [acc]
+    (acc,) = plgpu.elementwise_inline_asm(
+        _ASM_F16_ACC[acc is not None], args=args,
+        constraints="=r,=r,r,r,r,r,r" + ("" if len(args) == 3 else ",r,r"), pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(words, jnp.float16)])
+  return acc.astype(jnp.float32)
+
+
 def f16_lane_sums(q, xl, xh, decode):
   """Per code word of q uint8 [BN, nb, 2, 16] (``load_codes``) and the f16 x halves xl / xh
   [nb, 2, 16]: f32 [BN, nb, 2, 16] = (lo lane 0, lo lane 1, hi lane 0, hi lane 1) sums of
@@ -558,11 +644,12 @@ def blocks_fma_f16(acc, codes, x_half, decode, x_scales=None):
   low and high nibbles' x block factors, f32 [nb, 2] each: ``store_x16_blocks``' inv), the
   factor only."""
   q, s_lo, s_hi = codes
-  sums = f16_lane_sums(q, x_half(0), x_half(1), decode)                  # [BN, nb, 2, 16]
-  s_lo, s_hi = _scale_x128(s_lo), _scale_x128(s_hi)
+  block = f16_sums.value == "block"
+  sums = (f16_block_lane_sums if block else f16_lane_sums)(q, x_half(0), x_half(1), decode)
+  s_lo, s_hi = _scale_x128(s_lo), _scale_x128(s_hi)                      # sums [BN, nb, 2, 4 | 16]
   if x_scales is not None:
     s_lo, s_hi = s_lo * x_scales[0], s_hi * x_scales[1]
-  hi = (jnp.arange(16, dtype=jnp.int32) % 4) >= 2                        # hi lanes of a word
+  hi = (jnp.arange(sums.shape[-1], dtype=jnp.int32) % 4) >= 2            # hi lanes of a word
   s = jnp.where(hi, s_hi[..., None], s_lo[..., None])
   return acc + jnp.sum(sums * s, axis=3)
 

@@ -53,10 +53,12 @@ __all__ = ["grid_dependency_wait", "launch_dependents", "global_timer_lo", "with
 
 #: Whether ``_common.pallas_call`` makes a flint_jax kernel trigger its dependents at its start:
 #: ``with pdl.early_trigger(False): ...`` around the code that traces the kernels (part of jax's
-#: trace context, so jitted kernel wrappers traced under either value are cached apart); the
-#: default comes from the env var ``FLINT_JAX_PDL_EARLY_TRIGGER`` (on).
+#: trace context and of the jit key, so jitted kernel wrappers traced under either value are
+#: cached apart: jax 0.11 keys a top-level jitted call on ``include_in_jit_key`` states only);
+#: the default comes from the env var ``FLINT_JAX_PDL_EARLY_TRIGGER`` (on).
 early_trigger = config.bool_state(
     "flint_jax_pdl_early_trigger", default=True, include_in_trace_context=True,
+    include_in_jit_key=True,
     help="flint_jax Pallas kernels execute griddepcontrol.launch_dependents at their start")
 
 #: Which kernels trigger under ``early_trigger``: "all", "latency" (the latency-bound ones:
@@ -64,7 +66,8 @@ early_trigger = config.bool_state(
 #: weight-streaming GEMV / MoE kernels). For measurements (``DecodeOptions.early_trigger``).
 early_trigger_kernels = config.enum_state(
     "flint_jax_pdl_early_trigger_kernels", ["all", "latency", "streams"], default="all",
-    include_in_trace_context=True, help="which flint_jax kernels trigger early")
+    include_in_trace_context=True, include_in_jit_key=True,
+    help="which flint_jax kernels trigger early")
 
 #: Name prefixes of the latency-bound kernels (the ``name`` of their ``pallas_call``).
 LATENCY_KERNELS = ("flint_qk_norm", "flint_decode_attn", "flint_add_rms_norm", "flint_rms_norm",

@@ -346,8 +346,10 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     gate_up programs each decode their tile once for 2 / 4 / 8 tokens), "pallas_mt-f16"
     (`moe_gate_up_f16` forced on: the MoE gate_up's f16x2 products, the default at batch > 1;
     with tile tokens, e.g. "pallas_mt-f16-bn32"), "pallas_nogu16" (forced off), "pallas_dn16"
-    (`moe_down_f16`: the MoE down kernel's f16x2 products too), "pallas_f16blk" /
-    "pallas_dn16blk" (`moe_f16_sums="block"`: those kernels' f16 sums over whole blocks),
+    (`moe_down_f16`: the MoE down kernel's f16x2 products too; on by default since run 158),
+    "pallas_nodn16" (off), "pallas_f16blk" / "pallas_dn16blk" (`moe_f16_sums="block"`, the
+    default: those kernels' f16 sums over whole blocks), "pallas_f16pair" (session 24's pair
+    sums), "pallas_gu16pair" (session 24's default: pair sums, the down kernel in f32),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
     the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'
@@ -397,8 +399,11 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "nq": DecodeOptions(norm_in_qkv=True),
                "nogu16": DecodeOptions(moe_gate_up_f16=False),
                "dn16": DecodeOptions(moe_down_f16=True),
+               "nodn16": DecodeOptions(moe_down_f16=False),
+               "f16pair": DecodeOptions(moe_f16_sums="pair"),
                "f16blk": DecodeOptions(moe_f16_sums="block"),
                "dn16blk": DecodeOptions(moe_down_f16=True, moe_f16_sums="block"),
+               "gu16pair": DecodeOptions(moe_down_f16=False, moe_f16_sums="pair"),
                "nonq": DecodeOptions(norm_in_qkv=False),
                "sp": DecodeOptions(attention="split"),
                "fa": DecodeOptions(attention="fused"),

@@ -294,12 +294,18 @@ class DecodeOptions:
     moe_down_f16: with the f16 gate_up and the shared expert per token, the MoE down kernel
       multiplies in f16x2 too: the gate_up kernel writes bf16(h) as f16 with one scale per 16
       values (`moe_decode_routed(down_f16=True)`): SASS 627 -> 525 instructions per thread and
-      K step, 128 -> 94 registers. None / False (default) = off; True = on.
+      K step, 128 -> 94 registers. None (default) = on where it applies (the f16 gate_up on,
+      the shared expert per token and in the experts' format, `moe_down_shared_cols` None /
+      1): H200 run 158, with the block sums, 8x1K 4.401 -> 4.228 ms, 4x1K 3.322 -> 3.296, 2x1K
+      2.508 -> 2.484 (with the pair sums it paid at batch 8 only: 4.679 -> 4.643, and 4x1K
+      3.407 -> 3.426); False = off; True = on (an error where it cannot apply).
     moe_f16_sums: how those f16 kernels sum their products before the block scales
-      (`nvfp4_gemv.f16_sums`): "pair" (default: each pair of products rounded to f16, then
-      f32) or "block" (each 16-value block's eight products per f16 lane summed in f16, then
-      f32: SASS of the 8x1K gate_up 975 -> 784 instructions per thread and K step, the down
-      kernel's 525 -> 429).
+      (`nvfp4_gemv.f16_sums`): "block" (default: each 16-value block's eight products per
+      f16 lane summed in f16, then f32: SASS of the 8x1K gate_up 975 -> 784 instructions per
+      thread and K step, the down kernel's 525 -> 429; H200 run 158, gate_up 35.7 -> 29.7 us
+      per layer at 8x1K, the down kernel 17.7 -> 15.6; the MoE's rel-L2 against exact sums
+      2.5e-3 against 1.9e-3, both from h's bf16 rounding flips) or "pair" (each pair of
+      products rounded to f16, then f32: session 24's form).
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -341,7 +347,7 @@ class DecodeOptions:
     moe_shared_tokens: int | None = None
     moe_gate_up_f16: bool | None = None
     moe_down_f16: bool | None = None
-    moe_f16_sums: str = "pair"
+    moe_f16_sums: str = "block"
 
     MOE_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
                        "block_k_down", "num_warps_down", "num_stages_down")
@@ -361,6 +367,15 @@ class DecodeOptions:
         return bool(self.moe_gate_up_f16) or (
             self.moe == "routed" and self.moe_slot_rows != "all"
             and self.moe_shared_tokens in (None, 1))
+
+    def down_f16_at(self, batch: int, shared_same_format: bool) -> bool:
+        """Whether the NVFP4 MoE down kernel at this batch size multiplies in f16 (caller
+        checks that the experts are NVFP4; ``shared_same_format``: the shared expert is too)."""
+        if self.moe_down_f16 is False or not self.gate_up_f16_at(batch):
+            return False
+        return bool(self.moe_down_f16) or (
+            shared_same_format and self.moe_shared_rows != "all"
+            and self.moe_down_shared_cols in (None, 1))
 
     def nvfp4_asm_at(self, site: str) -> str:
         """The ``asm`` decode sequence of one kernel site: "qkv" (the fused q|k|v GEMV),
@@ -784,7 +799,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 moe_kw["shared_tokens"] = opts.moe_shared_tokens
             if gate_up_f16:
                 moe_kw["gate_up_f16"] = True
-                if opts.moe_down_f16:
+                shared_quant = all(lay.mlp.shared_expert.down_proj.quant
+                                   for i, lay in enumerate(layers) if cfg.is_moe(i))
+                if opts.down_f16_at(b, shared_quant):
                     moe_kw["down_f16"] = True
         # The cache's counters (zeros between steps; each kernel returns its entries to zero),
         # threaded through the kernels that count on them: the BF16 MoE gate_up in K slices

@@ -442,22 +442,35 @@ def test_moe_gate_up_f16_step():
     assert gate_ups and all("_x16_" in n for n in gate_ups), names
     assert any(n.startswith("flint_add_rms_norm") and n.endswith("_x16") for n in names), names
     assert not any("down" in n and "x16" in n for n in names), names
+    # and the down kernel on f16 products (moe_down_f16's default)
+    downs = [n for n in names if n.startswith("flint_moe_down")]
+    assert downs and all("_h16_" in n for n in downs), names
 
 
 @pytest.mark.parametrize("sums", ["pair", "block"])
 def test_moe_down_f16_step(sums):
     """`moe_down_f16` at batch 3: the MoE down kernel on f16x2 products too (h as f16 with a
-    scale per 16 values), with either `moe_f16_sums`: logits within bf16 noise of the default
-    step, the same argmax; the block sums are not the pair sums' values."""
+    scale per 16 values), with either `moe_f16_sums`: logits within bf16 noise of the step
+    whose MoE sums in f32, the same argmax; the block sums are not the pair sums' values; on by
+    default (with the block sums), off with `moe_down_f16=False`."""
     from flint_jax.pallas.testing import rel_l2
     opts = DecodeOptions(moe_down_f16=True, moe_f16_sums=sums)
-    for l1, _, l2 in paired_steps(True, 31, opts, DecodeOptions(), 3, (5, 17)):
+    f32_sums = DecodeOptions(moe_gate_up_f16=False)
+    for l1, _, l2 in paired_steps(True, 31, opts, f32_sums, 3, (5, 17)):
         assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
         assert (l1.argmax(-1) == l2.argmax(-1)).all()
-    if sums == "block":
-        pair = DecodeOptions(moe_down_f16=True)
-        for l1, _, l2 in paired_steps(True, 31, opts, pair, 3, (5,)):
-            assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
+    other = "pair" if sums == "block" else "block"
+    for l1, _, l2 in paired_steps(True, 31, opts, DecodeOptions(moe_down_f16=True,
+                                                                moe_f16_sums=other), 3, (5,)):
+        assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
+    assert DecodeOptions().down_f16_at(3, True) and not DecodeOptions().down_f16_at(1, True)
+    assert not DecodeOptions().down_f16_at(3, False)
+    assert not DecodeOptions(moe_down_f16=False).down_f16_at(3, True)
+    assert not DecodeOptions(moe_gate_up_f16=False).down_f16_at(3, True)
+    assert not DecodeOptions(moe_shared_rows="all").down_f16_at(3, True)
+    if sums == "block":   # the default step is this one, bit for bit
+        for l1, _, l2 in paired_steps(True, 31, opts, DecodeOptions(), 3, (5,)):
+            np.testing.assert_array_equal(l1, l2)
 
 
 @pytest.mark.parametrize("quant", [True, False])

@@ -476,12 +476,12 @@ def _f16_acc_asm(first: bool) -> str:
 _ASM_F16_ACC = (_f16_acc_asm(True), _f16_acc_asm(False))
 
 #: How the f16 ``blocks`` K step (``blocks_fma_f16``) sums its products before the block
-#: scales: "pair" (each pair of products rounded to f16, then f32: the first form, session 24)
-#: or "block" (f16 lanes over a whole 16-value block, then f32; fewer instructions, ~4x the f16
-#: rounding). Read when a kernel is traced (as ``asm_decode``); the decode step sets it from
+#: scales: "block" (default: f16 lanes over a whole 16-value block, then f32; H200 run 158, the
+#: 8x1K MoE gate_up 35.7 -> 29.7 us per layer) or "pair" (each pair of products rounded to f16,
+#: then f32: session 24's form, ~4x fewer f16 roundings). Read when a kernel is traced (as ``asm_decode``); the decode step sets it from
 #: ``DecodeOptions.moe_f16_sums``.
 f16_sums = config.enum_state(
-    "flint_jax_nvfp4_f16_sums", ["pair", "block"], default="pair",
+    "flint_jax_nvfp4_f16_sums", ["pair", "block"], default="block",
     include_in_trace_context=True, include_in_jit_key=True,
     help="how the NVFP4 f16 blocks K step sums its products")
 

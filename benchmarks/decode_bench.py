@@ -350,6 +350,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "pallas_nodn16" (off), "pallas_f16blk" / "pallas_dn16blk" (`moe_f16_sums="block"`, the
     default: those kernels' f16 sums over whole blocks), "pallas_f16pair" (session 24's pair
     sums), "pallas_gu16pair" (session 24's default: pair sums, the down kernel in f32),
+    "pallas_b1f16" / "pallas_b1gu16" (`moe_gate_up_f16=True`: the f16 MoE kernels at batch 1
+    too, with / without the f16 down kernel),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
     the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'
@@ -404,6 +406,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "f16blk": DecodeOptions(moe_f16_sums="block"),
                "dn16blk": DecodeOptions(moe_down_f16=True, moe_f16_sums="block"),
                "gu16pair": DecodeOptions(moe_down_f16=False, moe_f16_sums="pair"),
+               "b1f16": DecodeOptions(moe_gate_up_f16=True),
+               "b1gu16": DecodeOptions(moe_gate_up_f16=True, moe_down_f16=False),
                "nonq": DecodeOptions(norm_in_qkv=False),
                "sp": DecodeOptions(attention="split"),
                "fa": DecodeOptions(attention="fused"),

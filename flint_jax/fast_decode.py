@@ -272,7 +272,8 @@ class DecodeOptions:
     moe_tiling: at batch > 1, tile overrides for the routed MoE's two kernels: pairs (name,
       value) with names from ``MOE_TILING_KEYS`` (``block_n`` / ``block_k`` / ``num_warps`` /
       ``num_stages`` of the gate_up kernel, the same with ``_down`` of the down kernel), e.g.
-      ``(("block_n_down", 32),)``. () (default) = ``moe.default_moe_tiling``. For measuring
+      ``(("block_n_down", 32),)`` (at batch 1 with the f16 MoE too). () (default) =
+      ``moe.default_moe_tiling``. For measuring
       tiles inside the step, where the L2 and the neighbouring kernels are the real ones.
     lm_head_tiling: at batch > 1, overrides for the NVFP4 LM head GEMV: pairs (name, value)
       with names from ``LM_HEAD_TILING_KEYS`` (``nvfp4_gemv``'s ``block_n``, ``block_k``,
@@ -290,7 +291,9 @@ class DecodeOptions:
       exact sums, a tenth of bf16's rounding of h). None (default) = on where it applies
       (batch > 1, the routed MoE on per-token slots, `moe_shared_tokens` 1): H200 runs
       154-155, 8x1K 4.743 -> 4.588 ms, 4x1K 3.590 -> 3.417, 2x1K 2.638 -> 2.562 (perf log 91);
-      False = off; True = on (an error where per-token slots are off).
+      False = off; True = on (an error where per-token slots are off), and at batch 1 too
+      (one-token slots with the shared expert per token, x16 from `add_rms_norm_router` or
+      `add_rms_norm`; not the batch-1 default until measured: bench `pallas_b1f16`).
     moe_down_f16: with the f16 gate_up and the shared expert per token, the MoE down kernel
       multiplies in f16x2 too: the gate_up kernel writes bf16(h) as f16 with one scale per 16
       values (`moe_decode_routed(down_f16=True)`): SASS 627 -> 525 instructions per thread and
@@ -362,7 +365,9 @@ class DecodeOptions:
     def gate_up_f16_at(self, batch: int) -> bool:
         """Whether the NVFP4 MoE gate_up at this batch size multiplies in f16 (caller checks
         that the experts are NVFP4)."""
-        if batch == 1 or self.moe_gate_up_f16 is False:
+        if batch == 1:   # not measured yet there: only when asked for
+            return self.moe_gate_up_f16 is True
+        if self.moe_gate_up_f16 is False:
             return False
         return bool(self.moe_gate_up_f16) or (
             self.moe == "routed" and self.moe_slot_rows != "all"
@@ -793,14 +798,19 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             moe_kw["method"] = "dot"
             moe_kw.update(block_n=64, block_k=256, num_warps=4, num_stages=3)
         gate_up_f16 = opts.gate_up_f16_at(b) and moe_quant
+        shared_quant = all(lay.mlp.shared_expert.down_proj.quant
+                           for i, lay in enumerate(layers) if cfg.is_moe(i))
+        if b == 1 and gate_up_f16:   # the one-token slots on the f16 K step (tiles: moe_tiling)
+            moe_kw.update(slot_rows="token", shared_rows=opts.moe_shared_rows or "token",
+                          gate_up_f16=True, **dict(opts.moe_tiling))
+            if opts.down_f16_at(b, shared_quant):
+                moe_kw["down_f16"] = True
         if b > 1:   # explicit tile overrides last
             moe_kw.update(opts.moe_tiling)
             if opts.moe_shared_tokens not in (None, 1):
                 moe_kw["shared_tokens"] = opts.moe_shared_tokens
             if gate_up_f16:
                 moe_kw["gate_up_f16"] = True
-                shared_quant = all(lay.mlp.shared_expert.down_proj.quant
-                                   for i, lay in enumerate(layers) if cfg.is_moe(i))
                 if opts.down_f16_at(b, shared_quant):
                     moe_kw["down_f16"] = True
         # The cache's counters (zeros between steps; each kernel returns its entries to zero),
@@ -905,12 +915,14 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 layer_moe_kw = {}
                 if router_in_norm:
                     shared = mlp.shared_expert
-                    h, x, router_logits = add_rms_norm_router(
+                    h, x, router_logits, *x16_rows = add_rms_norm_router(
                         h, a, post_ln, mlp.gate.weight[...], eps=eps, interpret=interpret,
                         prefetch=(_weight_arrays(shared.gate_proj, shared.up_proj)
                                   if "router" in pf else ()),
                         touch=(_expert_pages(mlp.experts, "gate_up") if "router" in touch
-                               else ()))
+                               else ()), x16=gate_up_f16)
+                    if x16_rows:   # and the MoE gate_up's f16 operand
+                        layer_moe_kw = dict(x16_rows=tuple(x16_rows))
                 elif gate_up_f16 and cfg.is_moe(i):   # and the MoE gate_up's f16 operand
                     h, x, *x16_rows = add_rms_norm(h, a, post_ln, eps=eps, x16=True,
                                                    interpret=interpret)

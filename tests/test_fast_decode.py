@@ -473,6 +473,37 @@ def test_moe_down_f16_step(sums):
             np.testing.assert_array_equal(l1, l2)
 
 
+def test_moe_f16_step_at_batch_1():
+    """`moe_gate_up_f16=True` at batch 1 (not the default there): one-token slots with the
+    shared expert per token on the f16 K step, x16 written by the add + norm + router kernel,
+    the down kernel on f16 too (unless `moe_down_f16=False`): logits within bf16 noise of the
+    default step, the same argmax; lowered for an H200 with as many kernels as the default."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import rel_l2, triton_modules
+    assert not DecodeOptions().gate_up_f16_at(1)
+    assert DecodeOptions(moe_gate_up_f16=True).gate_up_f16_at(1)
+    for opts in (DecodeOptions(moe_gate_up_f16=True),
+                 DecodeOptions(moe_gate_up_f16=True, moe_down_f16=False)):
+        for l1, _, l2 in paired_steps(True, 29, opts, DecodeOptions(), 1, (5, 17)):
+            assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
+            assert (l1.argmax(-1) == l2.argmax(-1)).all()
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
+    names = {}
+    for key, opts in (("f16", DecodeOptions(moe_gate_up_f16=True)), ("default", DecodeOptions())):
+        step = fast_decode.make_decode_step(graphdef, cfg, options=opts)
+        names[key] = [m["name"] for m in triton_modules(
+            lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
+            jax.ShapeDtypeStruct((1,), jnp.int32))]
+    f16 = names["f16"]
+    assert len(f16) == len(names["default"]), names
+    assert any(n.startswith("flint_add_rms_norm_router") and n.endswith("_x16") for n in f16)
+    assert all("_x16_" in n for n in f16 if n.startswith("flint_moe_gate_up")), f16
+    assert all("_h16_" in n for n in f16 if n.startswith("flint_moe_down")), f16
+
+
 @pytest.mark.parametrize("quant", [True, False])
 def test_tile_overrides_reach_the_kernels(quant):
     """Lowered for an H200 at batch 4: the overrides show in the kernels' names (the o_proj in

@@ -62,6 +62,28 @@ def test_add_rms_norm_router(m, d, e, kw):
                                 np.sort(np.asarray(jax.lax.top_k(l_ref, top)[1]), -1))
 
 
+@pytest.mark.parametrize("m,d,e,kw", [(1, 2048, 256, {}), (3, 320, 40, dict(block_d=128))])
+def test_add_rms_norm_router_x16(m, d, e, kw):
+  """``x16=True``: program 0 also writes ``nvfp4_gemv.x16_operand(x)`` (the f16 MoE gate_up's
+  operand) bit for bit, the other outputs unchanged; lowered for an H200 (in column chunks too:
+  x is formed whole in each row either way)."""
+  from flint_jax.pallas.nvfp4_gemv import x16_operand
+  from flint_jax.pallas.testing import triton_modules
+  _, h, a, w, router = _inputs(m, d, e, "x16", tuple(kw.items()))
+  s, x, logits, x16, inv = add_rms_norm_router(h, a, w, router, x16=True, interpret=INTERPRET,
+                                               **kw)
+  s0, x0, l0 = add_rms_norm_router(h, a, w, router, interpret=INTERPRET, **kw)
+  for got, want in ((s, s0), (x, x0), (logits, l0)):
+    np.testing.assert_array_equal(f32(got), f32(want))
+  want16, want_inv = x16_operand(x)
+  np.testing.assert_array_equal(np.asarray(x16).view(np.uint16),
+                                np.asarray(want16).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(inv), np.asarray(want_inv))
+  (mod,) = triton_modules(lambda *args: add_rms_norm_router(*args, x16=True, **kw),
+                          h, a, w, router)
+  assert mod["name"].endswith("_x16"), mod["name"]
+
+
 @pytest.mark.parametrize("m,d,e,s_parts,kw", [
     (1, 2048, 256, 4, {}),                              # the NVFP4 o_proj's split-K 4 partials
     (3, 320, 40, 2, dict(block_e=8, block_d=128)),      # partials summed per column chunk too

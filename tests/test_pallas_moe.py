@@ -795,6 +795,46 @@ def test_moe_decode_routed_gate_up_f16(m, scale, sums):
   assert ("mov.b32 $0, alo" in gate_up["asm"]) == (sums == "block")   # the accumulating asm
 
 
+@pytest.mark.parametrize("sums", ["pair", "block"])
+def test_moe_decode_routed_f16_one_token(sums):
+  """M = 1 with ``gate_up_f16`` (one-token slots, the shared expert per token) and the f16 down
+  kernel: y matches the reference like the M = 1 default does, within bf16 noise of it, also
+  with the combine in the down kernel (``moe_decode_routed_combine(norm=False)``, the batch-1
+  step's); lowered for an H200."""
+  from flint_jax.pallas.nvfp4_gemv import f16_sums
+  from flint_jax.pallas.testing import rel_l2, triton_modules
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", 1, 32, 6, 256, 128, 256, False,
+                                                  "gu16one")
+  kw = dict(top_k=6, decode=DECODE, interpret=INTERPRET)
+  f16 = dict(slot_rows="token", shared_rows="token", gate_up_f16=True, down_f16=True)
+  with f16_sums(sums):
+    y, route = moe_decode_routed(x, logits, experts, shared, **kw, **f16)
+  y0, route0 = moe_decode_routed(x, logits, experts, shared, **kw)
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(route0.ids))
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
+  assert_routed_close(y, ref, 6, "token", f"f16 M=1 {sums}")
+  assert 0 < rel_l2(used_rows(y, 6), used_rows(y0, 6)) < 5e-3
+  # the batch-1 step's form: the combine (no norm) in the down kernel's last programs
+  gen = rng("gu16one-h")
+  h = randn(gen, x.shape, jnp.bfloat16, 4.0)
+  counter = jnp.zeros((4096,), jnp.int32)
+  w_next = jnp.ones((x.shape[1],), jnp.bfloat16)
+  ckw = dict(kw, top_k=6, counter_base=2048, norm=False)
+  with f16_sums(sums):
+    s1, ss1, _, c1 = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
+                                               **ckw, **f16)
+  s0, ss0, _, _ = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
+                                            **ckw)
+  assert not np.asarray(c1).any()
+  assert rel_l2(s1, s0) < 5e-3 and rel_l2(ss1, ss0) < 5e-3
+  gpu_kw = dict(kw, decode="asm", interpret=False)
+  with f16_sums(sums):
+    names = [mod["name"] for mod in triton_modules(lambda x_, l_: moe_decode_routed(
+        x_, l_, experts, shared, **gpu_kw, **f16), x, logits)]
+  assert any("gate_up" in n and "_x16_" in n for n in names), names
+  assert any("down" in n and "_h16_" in n for n in names), names
+
+
 def test_moe_decode_routed_gate_up_f16_needs_per_token_blocks():
   _, experts, shared, x, _, logits = _routed_case("nvfp4", 4, 32, 6, 256, 128, 256, False, "gu16x")
   with pytest.raises(ValueError, match="gate_up_f16 needs NVFP4 experts on per-token slots"):

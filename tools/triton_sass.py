@@ -158,7 +158,7 @@ def main():
   ap.add_argument("--asm", default="mul",
                   help="the NVFP4 asm decode's sequence (nvfp4_gemv.asm_decode): mul | "
                        "mul_bf16 | shift | post")
-  ap.add_argument("--f16-sums", default="pair",
+  ap.add_argument("--f16-sums", default="block",
                   help="how the f16 blocks K step sums (nvfp4_gemv.f16_sums): pair | block")
   ap.add_argument("--out", default="/tmp/flint_sass", help="directory for TTIR/TTGIR/PTX/SASS")
   ap.add_argument("--triton-python", default=sys.executable,

@@ -70,8 +70,8 @@ MAX_ROWS = 16
 _TILE_ELEMS = 8192   # default block_e * block_d: 64 fp32 registers per thread with 4 warps
 
 
-def _kernel(h_ref, a_ref, wn_ref, rw_ref, s_ref, x_ref, l_ref, *, m, d, dp, n_exp, block_e,
-            block_d, eps):
+def _kernel(h_ref, a_ref, wn_ref, rw_ref, s_ref, x_ref, l_ref, *x16_refs, m, d, dp, n_exp,
+            block_e, block_d, eps):
   pid = pl.program_id(0)
   cols = jnp.arange(dp, dtype=jnp.int32)
   cmask = cols < d
@@ -102,6 +102,8 @@ def _kernel(h_ref, a_ref, wn_ref, rw_ref, s_ref, x_ref, l_ref, *, m, d, dp, n_ex
     def _():
       plgpu.store(s_ref.at[t, cols], s, mask=cmask)
       plgpu.store(x_ref.at[t, cols], x, mask=cmask)
+      if x16_refs:   # the MoE gate_up's f16 operand, as add_rms_norm(x16=True) writes it
+        ARN._store_x16(*x16_refs, t, x, cols, cmask)
 
     if n_chunks == 1:
       acc = logits_part(w_full, x)
@@ -150,11 +152,11 @@ def _tuning(d, n_exp, block_e, block_d, num_warps):
   return dp, block_e, block_d, num_warps or ARN._num_warps(dp)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "block_e", "block_d", "num_warps",
+@functools.partial(jax.jit, static_argnames=("eps", "block_e", "block_d", "num_warps", "x16",
                                              "interpret"))
 def add_rms_norm_router(h, a, w_norm, router_w, *, eps: float = 1e-6, block_e: int | None = None,
                         block_d: int | None = None, num_warps: int | None = None,
-                        prefetch=(), touch=(), interpret: bool = False):
+                        prefetch=(), touch=(), x16: bool = False, interpret: bool = False):
   """(s, x, logits) = (bf16(h + a), RMSNorm(s) * w_norm, f32(x) . f32(router_w)^T); one launch.
 
   h [M, D] (M <= 16), a [M, D] (h's dtype) or fp32 split-K partials [S, M, D] (summed in the
@@ -164,7 +166,9 @@ def add_rms_norm_router(h, a, w_norm, router_w, *, eps: float = 1e-6, block_e: i
   ``add_rms_norm``'s, which keeps its row reduction order). ``prefetch``: arrays (a later
   kernel's weights) the programs ask the L2 to fetch while they work (``_common.pallas_call``);
   ``touch``: arrays (the MoE's stacked experts) whose 2 MiB pages' address translations the
-  programs warm (``l2_prefetch.touch_pages``). Neither changes a result.
+  programs warm (``l2_prefetch.touch_pages``). Neither changes a result. ``x16``: also returns
+  ``nvfp4_gemv.x16_operand(x)`` (x16 [M, D] f16, inv [M] f32), written by program 0 as
+  ``add_rms_norm(x16=True)`` does (the f16 MoE gate_up's operand): (s, x, logits, x16, inv).
   """
   _check(h, a, w_norm, router_w)
   m, d = h.shape
@@ -174,6 +178,10 @@ def add_rms_norm_router(h, a, w_norm, router_w, *, eps: float = 1e-6, block_e: i
                              block_d=block_d, eps=eps)
   out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype),
                jax.ShapeDtypeStruct((m, n_exp), jnp.float32))
+  if x16:
+    C.check(d % 4 == 0, f"x16 needs D % 4 == 0, got {d=}")
+    out_shape += (jax.ShapeDtypeStruct(h.shape, jnp.float16),
+                  jax.ShapeDtypeStruct((m,), jnp.float32))
   parts = f"_splits{a.shape[0]}" if a.ndim == 3 else ""
   prefetch, touch = tuple(prefetch), tuple(touch)
   return C.pallas_call(
@@ -181,7 +189,7 @@ def add_rms_norm_router(h, a, w_norm, router_w, *, eps: float = 1e-6, block_e: i
       compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,
       prefetch=len(prefetch), touch=len(touch),
       name=(f"flint_add_rms_norm_router{parts}_d{d}_e{n_exp}_be{block_e}_bd{block_d}"
-            f"{'_pf' if prefetch else ''}{'_touch' if touch else ''}"),
+            f"{'_pf' if prefetch else ''}{'_touch' if touch else ''}{'_x16' if x16 else ''}"),
   )(h, a, w_norm, router_w, *prefetch, *touch)
 
 

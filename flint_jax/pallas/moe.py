@@ -818,7 +818,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
           f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
   C.check(slot_rows != "token" or route is not None, "slot_rows='token' needs the routed path")
   slot_rows = slot_rows or default_slot_rows(fe, m, gate_up_split_k)
-  token = route is not None and m > 1 and slot_rows == "token"
+  # per-token slots at M > 1; at M = 1 only for the f16 gate_up (x16 operand), where the
+  # one-token slots are the M = 1 path's programs on the f16 K step
+  token = route is not None and slot_rows == "token" and (m > 1 or bool(gate_up_f16))
   C.check(token_method is None or token,
           f"token_method={token_method!r} needs slot_rows='token' at M > 1 on the routed path")
   # routed slots of one token each: an M = 1 GEMV per slot, on the M = 1 tile method (NVFP4:
@@ -892,7 +894,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   if x16:
     C.check(token and fe == "nvfp4" and token_method == "blocks" and layout == "tile"
             and n_tok == 1 and d % 64 == 0,
-            f"gate_up_f16 needs NVFP4 experts on per-token slots (slot_rows='token', M > 1) with "
+            f"gate_up_f16 needs NVFP4 experts on per-token slots (slot_rows='token') with "
             f"token_method 'blocks' in the tile layout and shared_tokens 1, got {fe=}, "
             f"{token=}, {token_method=}, {layout=}, shared_tokens={n_tok}")
   h16 = bool(down_f16)
@@ -1290,11 +1292,13 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   token (``nvfp4_gemv.blocks_tile_dot_tokens``), so the shared weights are decoded M / T
   times instead of M times. None / 1 = one token per program. Same values (the same products
   and sums per token).
-  ``gate_up_f16`` (per-token NVFP4 slots on ``blocks`` tiles): the gate_up kernel multiplies in
-  f16x2 (``nvfp4_gemv.blocks_fma_f16``: about 3.4 instructions per weight instead of 4.8)
-  against x scaled per row into f16 (``nvfp4_gemv.x16_operand``); each
-  pair of exact products is rounded once to f16 before the f32 block sums, so h differs from
-  the default's within bf16 rounding. None / False = off. ``x16_rows``: that operand already
+  ``gate_up_f16`` (per-token NVFP4 slots on ``blocks`` tiles, ``slot_rows="token"``; at M = 1
+  too, where it makes the one-token slots the M = 1 path): the gate_up kernel multiplies in
+  f16x2 (``nvfp4_gemv.blocks_fma_f16``: about 3.4 instructions per weight instead of 4.8, 2.7
+  with ``f16_sums`` "block") against x scaled per row into f16 (``nvfp4_gemv.x16_operand``);
+  the products are summed in f16 (pairs, or whole 16-value blocks: ``nvfp4_gemv.f16_sums``)
+  before the f32 block sums, so h differs from the default's within bf16 rounding. None /
+  False = off. ``x16_rows``: that operand already
   computed, ``(x16, inv) = nvfp4_gemv.x16_operand(x)`` (e.g. by ``add_rms_norm(x16=True)``, the
   kernel that wrote x); None = an XLA op here (three small kernels on the H200).
   ``down_f16`` (with ``gate_up_f16`` and ``shared_rows="token"``): the down kernel multiplies in

@@ -155,3 +155,24 @@ def test_load_holds_prescaled_scales_for_the_gpu_pallas_path(monkeypatch):
   out_pre = flint_jax.generate(pre, prompt, max_new_tokens=4, temperature=0.0)
   out_ref = flint_jax.generate(ref, prompt, max_new_tokens=4, temperature=0.0)
   np.testing.assert_array_equal(np.asarray(out_pre), np.asarray(out_ref))
+
+
+def test_f16_block_step_with_large_prescaled_scales_under_jit():
+  """The f16 K step (``blocks_fma_f16``) with pre-scaled scales near e4m3's largest (448 x
+  2^119 in bf16) and x block factors ~2^-19, compiled by XLA (interpret mode's compiler): the
+  same sums as with the e4m3 scales. XLA moved the 2^-112 of the scale conversion onto the x
+  factors, an f32 subnormal flushed to zero, until the conversion became exponent arithmetic."""
+  from flint_jax.pallas.nvfp4_gemv import blocks_fma_f16
+  gen = rng("f16-prescaled")
+  q = jnp.asarray(gen.integers(0, 256, (4, 2, 2, 16)), jnp.uint8)
+  s = jnp.asarray(gen.choice([448.0, 384.0, 2.0 ** -9, 0.0, 96.0], (4, 2, 2)),
+                  jnp.float32).astype(jnp.float8_e4m3fn)
+  x = jnp.asarray(gen.standard_normal((2, 2, 16)) * 2.0 ** 12, jnp.float16)
+  xs = tuple(jnp.asarray(2.0 ** gen.integers(-24, -15, (2, 2)), jnp.float32) for _ in range(2))
+
+  def step(scales, xs):
+    return blocks_fma_f16(jnp.zeros((4, 2, 2)), (q, scales, scales), lambda h: x, "fp8", xs)
+
+  want = np.asarray(jax.jit(step)(s, xs))
+  assert np.abs(want).max() > 0
+  _same(jax.jit(step)(prescale_block_scales(s), xs), want, "f16 step, pre-scaled")

@@ -630,11 +630,20 @@ def f16_lane_sums(q, xl, xh, decode):
   return out
 
 
-def _scale_x128(s):
-  """A loaded block-scale tile -> f32 scale x 2^7 (pre-scaled bf16 holds scale x 2^119)."""
-  if s.dtype == jnp.bfloat16:
+def _scale_x128(s, decode="asm"):
+  """A loaded block-scale tile -> f32 scale x 2^7 (pre-scaled bf16 holds scale x 2^119).
+  Outside the ``asm`` decode (interpret mode, where XLA compiles the kernel) the pre-scaled
+  form takes 112 off the exponent field instead of multiplying by 2^-112: XLA's simplifier
+  moves such a constant onto the neighbouring product with x's block factors, where 2^-112 x
+  2^-19 is an f32 subnormal and the CPU flushes it to zero (every product then vanished).
+  Triton keeps the order written, so the GPU multiplies (one FMUL)."""
+  if s.dtype != jnp.bfloat16:
+    return s.astype(jnp.float32) * 128.0
+  if decode == "asm":
     return s.astype(jnp.float32) * (2.0 ** -112)
-  return s.astype(jnp.float32) * 128.0
+  bits = lax.bitcast_convert_type(s.astype(jnp.float32), jnp.int32)
+  scaled = lax.bitcast_convert_type(bits - (112 << 23), jnp.float32)   # exponent >= 110 + 127
+  return jnp.where((bits & 0x7FFFFFFF) == 0, 0.0, scaled)
 
 
 def blocks_fma_f16(acc, codes, x_half, decode, x_scales=None):
@@ -646,7 +655,7 @@ def blocks_fma_f16(acc, codes, x_half, decode, x_scales=None):
   q, s_lo, s_hi = codes
   block = f16_sums.value == "block"
   sums = (f16_block_lane_sums if block else f16_lane_sums)(q, x_half(0), x_half(1), decode)
-  s_lo, s_hi = _scale_x128(s_lo), _scale_x128(s_hi)                      # sums [BN, nb, 2, 4 | 16]
+  s_lo, s_hi = _scale_x128(s_lo, decode), _scale_x128(s_hi, decode)      # sums [BN, nb, 2, 4 | 16]
   if x_scales is not None:
     s_lo, s_hi = s_lo * x_scales[0], s_hi * x_scales[1]
   hi = (jnp.arange(sums.shape[-1], dtype=jnp.int32) % 4) >= 2            # hi lanes of a word

@@ -833,6 +833,26 @@ def test_moe_decode_routed_f16_one_token(sums):
         x_, l_, experts, shared, **gpu_kw, **f16), x, logits)]
   assert any("gate_up" in n and "_x16_" in n for n in names), names
   assert any("down" in n and "_h16_" in n for n in names), names
+  # D = 256 on the M = 1 gate_up tile (bn16, 8 warps): 8 code bytes per thread, too few for the
+  # block sums' four-word split (NaNs on the H200, run 160): that kernel takes the pair sums
+  with f16_sums(sums):
+    mods = triton_modules(lambda x_, l_: moe_decode_routed(
+        x_, l_, experts, shared, **gpu_kw, **f16), x, logits)
+  (gate_up,) = [mod for mod in mods if mod["name"].startswith("flint_moe_gate_up")]
+  assert "mov.b32 $0, alo" not in gate_up["asm"]
+
+
+def test_f16_block_sums_need_16_bytes_per_thread():
+  """``_f16_sums_for``: the block sums stay where each thread holds >= 16 bytes of a code tile
+  (every Flint tile), the pair sums below; "pair" is never upgraded."""
+  from flint_jax.pallas.moe import _f16_sums_for
+  from flint_jax.pallas.nvfp4_gemv import f16_sums
+  for bn, bk, warps, want in [(16, 1024, 8, "block"), (32, 512, 4, "block"), (16, 512, 4, "block"),
+                              (16, 256, 8, "pair"), (32, 128, 4, "block"), (16, 128, 4, "pair")]:
+    with f16_sums("block"), _f16_sums_for(bn, bk, warps):
+      assert f16_sums.value == want, (bn, bk, warps)
+    with f16_sums("pair"), _f16_sums_for(bn, bk, warps):
+      assert f16_sums.value == "pair"
 
 
 def test_moe_decode_routed_gate_up_f16_needs_per_token_blocks():

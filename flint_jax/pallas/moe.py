@@ -83,6 +83,7 @@ x [M, D] bf16, M <= 8 (up to 16 works); returns [M, D] bf16.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from typing import NamedTuple
@@ -795,6 +796,17 @@ _TUNING = ("block_n", "block_k", "block_n_down", "block_k_down", "decode", "layo
            "num_stages_down", "gate_up_split_k", "down_shared_cols", "interpret")
 
 
+def _f16_sums_for(bn, bk, num_warps):
+  """``nvfp4_gemv.f16_sums`` for a kernel with [bn, bk / 64, 2, 16]-byte code tiles: "block"
+  needs each thread to hold whole 16-byte groups (the four words it splits them into), i.e. at
+  least 16 bytes of the tile per thread; smaller tiles (e.g. D = 256 at 8 warps: 8 bytes per
+  thread) take the "pair" sums, whose asm reads one word at a time (on the H200 the block form
+  computed NaNs there, run 160). Every Flint tile holds 32-64 bytes per thread."""
+  if NV.f16_sums.value == "block" and bn * bk // 2 < 16 * 32 * num_warps:
+    return NV.f16_sums("pair")
+  return contextlib.nullcontext()
+
+
 def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, route_args, *,
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
@@ -982,15 +994,16 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   tag += ("_token" if token else "") + ("_shtok" if shared_token else "")
   tag += f"{n_tok}" if n_tok > 1 else ""
   gate_up_touch = tuple(gate_up_touch)
-  res = C.pallas_call(
-      kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
-      input_output_aliases=aliases,
-      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      touch=len(gate_up_touch),
-      name=f"flint_moe_gate_up{tag}{'_x16' if x16 else ''}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
-           + (f"_splitk{sk}" if sk > 1 else "") + ("_finish" if finish else "")
-           + ("_touch" if gate_up_touch else ""),
-  )(*args, *gate_up_touch)
+  with _f16_sums_for(bn, bk, num_warps):    # the kernel body is traced inside this call
+    res = C.pallas_call(
+        kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
+        input_output_aliases=aliases,
+        compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+        touch=len(gate_up_touch),
+        name=f"flint_moe_gate_up{tag}{'_x16' if x16 else ''}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
+             + (f"_splitk{sk}" if sk > 1 else "") + ("_finish" if finish else "")
+             + ("_touch" if gate_up_touch else ""),
+    )(*args, *gate_up_touch)
   res = list(res)
   counter_out = res.pop() if finish else None
   n_h = len(out_shape) - (2 if route is not None and route_given is None else 0) - finish
@@ -1082,7 +1095,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
                     jax.ShapeDtypeStruct(c_counter.shape, jnp.int32)]
       aliases = {len(args) - 1: 3}     # the counter, in place
     # the down kernel's body is traced inside this call: ``asm_down`` picks its decode sequence
-    with NV.asm_decode(asm_down or NV.asm_decode.value):
+    with NV.asm_decode(asm_down or NV.asm_decode.value), \
+        _f16_sums_for(bn_dn, min(bk_dn, bk_s_dn), num_warps_down):
       res = C.pallas_call(
           kernel, grid=(d // bn_dn, u + (m if shared_token else down_shared_cols)),
           out_shape=tuple(out_shape),

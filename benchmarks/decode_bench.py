@@ -350,8 +350,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "pallas_nodn16" (off), "pallas_f16blk" / "pallas_dn16blk" (`moe_f16_sums="block"`, the
     default: those kernels' f16 sums over whole blocks), "pallas_f16pair" (session 24's pair
     sums), "pallas_gu16pair" (session 24's default: pair sums, the down kernel in f32),
-    "pallas_b1f16" / "pallas_b1gu16" (`moe_gate_up_f16=True`: the f16 MoE kernels at batch 1
-    too, with / without the f16 down kernel),
+    "pallas_b1f16" / "pallas_b1gu16" (`moe_gate_up_f16=True`: the f16 MoE kernels, at batch 1
+    the default since run 160, with / without the f16 down kernel), "pallas_nogu16" for the
+    f32 sums at every batch,
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
     the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'

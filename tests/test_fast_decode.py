@@ -333,13 +333,14 @@ def test_early_trigger_per_format(quant, options, want):
 
 
 @pytest.mark.parametrize("options,post", [
-    (DecodeOptions(), {"multi_gemv3", "moe_down"}),
-    (DecodeOptions(nvfp4_asm="mul"), set()),
-    (DecodeOptions(nvfp4_asm="post"), None)])     # None: every NVFP4 kernel on blocks tiles
+    (DecodeOptions(moe_gate_up_f16=False), {"multi_gemv3", "moe_down"}),
+    (DecodeOptions(moe_gate_up_f16=False, nvfp4_asm="mul"), set()),
+    (DecodeOptions(moe_gate_up_f16=False, nvfp4_asm="post"), None)])   # None: every NVFP4 kernel
 def test_nvfp4_asm_auto_sites(options, post):
     """``nvfp4_asm="auto"`` (default): the NVFP4 batch-1 step's q|k|v and MoE down kernels lower
     with the "post" decode (no bf16x2 scale multiply), every other NVFP4 kernel with "mul";
-    "mul" / "post" apply to every kernel. Checked in the Triton IR lowered for an H200."""
+    "mul" / "post" apply to every kernel. Checked in the Triton IR lowered for an H200, with the
+    MoE's f32 sums (by default its kernels decode to f16 instead: `test_moe_f16_step_at_batch_1`)."""
     import jax
     import jax.numpy as jnp
     from flint_jax.cache import cache_shapes
@@ -412,20 +413,19 @@ def test_moe_shared_tokens_equals_the_default_step():
 
 
 def test_moe_gate_up_f16_step():
-    """`moe_gate_up_f16` (the default at batch > 1, NVFP4 per-token slots): the MoE gate_up on
-    f16x2 products (a tenth of h's bf16 rounding): at batch 3 logits within bf16 noise of the
-    step without it, the same argmax; at batch 1 it does nothing (bit for bit)."""
+    """`moe_gate_up_f16` (the default, NVFP4 per-token slots): the MoE gate_up on f16x2
+    products: at batch 3 logits within bf16 noise of the step without it, the same argmax
+    (batch 1: `test_moe_f16_step_at_batch_1`)."""
     from flint_jax.pallas.testing import rel_l2
-    assert DecodeOptions().gate_up_f16_at(2) and not DecodeOptions().gate_up_f16_at(1)
+    assert DecodeOptions().gate_up_f16_at(2) and DecodeOptions().gate_up_f16_at(1)
     assert not DecodeOptions(moe_slot_rows="all").gate_up_f16_at(8)
     assert not DecodeOptions(moe_shared_tokens=2).gate_up_f16_at(8)
+    assert not DecodeOptions(nvfp4_m1_method="lanes").gate_up_f16_at(1)
+    assert not DecodeOptions(moe="v1").gate_up_f16_at(1)
     for l1, _, l2 in paired_steps(True, 29, DecodeOptions(), DecodeOptions(moe_gate_up_f16=False),
                                   3, (5, 17)):
         assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
         assert (l1.argmax(-1) == l2.argmax(-1)).all()
-    for l1, _, l2 in paired_steps(True, 29, DecodeOptions(), DecodeOptions(moe_gate_up_f16=False),
-                                  1, (5,)):
-        np.testing.assert_array_equal(l1, l2)
     # lowered for an H200 at batch 4: the MoE layers' add_rms_norm writes the f16 operand and
     # their gate_up reads it (no XLA op between them; the capture lists each kernel once)
     import jax
@@ -474,25 +474,25 @@ def test_moe_down_f16_step(sums):
 
 
 def test_moe_f16_step_at_batch_1():
-    """`moe_gate_up_f16=True` at batch 1 (not the default there): one-token slots with the
+    """The f16 MoE at batch 1 (the default there since run 160): one-token slots with the
     shared expert per token on the f16 K step, x16 written by the add + norm + router kernel,
     the down kernel on f16 too (unless `moe_down_f16=False`): logits within bf16 noise of the
-    default step, the same argmax; lowered for an H200 with as many kernels as the default."""
+    step with fp32 sums (`moe_gate_up_f16=False`), the same argmax; lowered for an H200 with
+    as many kernels as that step."""
     import jax
     import jax.numpy as jnp
     from flint_jax.cache import cache_shapes
     from flint_jax.pallas.testing import rel_l2, triton_modules
-    assert not DecodeOptions().gate_up_f16_at(1)
-    assert DecodeOptions(moe_gate_up_f16=True).gate_up_f16_at(1)
-    for opts in (DecodeOptions(moe_gate_up_f16=True),
-                 DecodeOptions(moe_gate_up_f16=True, moe_down_f16=False)):
-        for l1, _, l2 in paired_steps(True, 29, opts, DecodeOptions(), 1, (5, 17)):
+    f32_sums = DecodeOptions(moe_gate_up_f16=False)
+    assert DecodeOptions().gate_up_f16_at(1) and not f32_sums.gate_up_f16_at(1)
+    for opts in (DecodeOptions(), DecodeOptions(moe_down_f16=False)):
+        for l1, _, l2 in paired_steps(True, 29, opts, f32_sums, 1, (5, 17)):
             assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
             assert (l1.argmax(-1) == l2.argmax(-1)).all()
     cfg = small_cfg()
     graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
     names = {}
-    for key, opts in (("f16", DecodeOptions(moe_gate_up_f16=True)), ("default", DecodeOptions())):
+    for key, opts in (("f16", DecodeOptions()), ("default", f32_sums)):
         step = fast_decode.make_decode_step(graphdef, cfg, options=opts)
         names[key] = [m["name"] for m in triton_modules(
             lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),

@@ -451,19 +451,21 @@ def test_moe_gate_up_f16_step():
 def test_moe_down_f16_step(sums):
     """`moe_down_f16` at batch 3: the MoE down kernel on f16x2 products too (h as f16 with a
     scale per 16 values), with either `moe_f16_sums`: logits within bf16 noise of the step
-    whose MoE sums in f32, the same argmax; the block sums are not the pair sums' values; on by
-    default (with the block sums), off with `moe_down_f16=False`."""
+    whose MoE sums in f32, the same argmax; on by default (with the block sums where the tiles
+    allow), off with `moe_down_f16=False`."""
     from flint_jax.pallas.testing import rel_l2
     opts = DecodeOptions(moe_down_f16=True, moe_f16_sums=sums)
     f32_sums = DecodeOptions(moe_gate_up_f16=False)
     for l1, _, l2 in paired_steps(True, 31, opts, f32_sums, 3, (5, 17)):
         assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
         assert (l1.argmax(-1) == l2.argmax(-1)).all()
+    # the tiny model's MoE tiles hold < 16 code bytes per thread: both take the pair sums
+    # (`moe._f16_sums_for`; the block sums are tested on larger tiles in test_pallas_moe.py)
     other = "pair" if sums == "block" else "block"
     for l1, _, l2 in paired_steps(True, 31, opts, DecodeOptions(moe_down_f16=True,
                                                                 moe_f16_sums=other), 3, (5,)):
-        assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
-    assert DecodeOptions().down_f16_at(3, True) and not DecodeOptions().down_f16_at(1, True)
+        np.testing.assert_array_equal(l1, l2)
+    assert DecodeOptions().down_f16_at(3, True) and DecodeOptions().down_f16_at(1, True)
     assert not DecodeOptions().down_f16_at(3, False)
     assert not DecodeOptions(moe_down_f16=False).down_f16_at(3, True)
     assert not DecodeOptions(moe_gate_up_f16=False).down_f16_at(3, True)
@@ -486,9 +488,12 @@ def test_moe_f16_step_at_batch_1():
     f32_sums = DecodeOptions(moe_gate_up_f16=False)
     assert DecodeOptions().gate_up_f16_at(1) and not f32_sums.gate_up_f16_at(1)
     for opts in (DecodeOptions(), DecodeOptions(moe_down_f16=False)):
+        rels = []
         for l1, _, l2 in paired_steps(True, 29, opts, f32_sums, 1, (5, 17)):
-            assert 0 < rel_l2(l1, l2) < 2e-2, rel_l2(l1, l2)
+            rels.append(rel_l2(l1, l2))
             assert (l1.argmax(-1) == l2.argmax(-1)).all()
+        # h's bf16 rounding may absorb the f16 sums' difference in a step, not in every one
+        assert 0 < max(rels) and max(rels) < 2e-2, rels
     cfg = small_cfg()
     graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
     names = {}

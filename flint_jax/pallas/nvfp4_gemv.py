@@ -423,18 +423,27 @@ def blocks_tile_dot_tokens(x_ref, x_idxs, q_ref, s_ref, w_idx, n0, bn, b0, nb, *
 F16_DECODE_FACTOR = 128.0   # the f16 sums carry 2^-14 (decode) x 2^7 (the scales as s x 2^7)
 
 
+def _e2m1_f16_lines(codes: str) -> list:
+  """PTX placing the E2M1 nibbles of the code word ``codes`` as f16x2 (E2M1 x 2^-14): w13h /
+  w13l the high / low nibbles of bytes 1 and 3, w02h / w02l those of bytes 0 and 2 (registers
+  t, m, s as scratch)."""
+  lines = []
+  for shift, w in ((0, "w13h"), (4, "w13l"), (8, "w02h"), (12, "w02l")):
+    src = codes
+    if shift:
+      lines.append(f"shl.b32 t, {codes}, {shift};")
+      src = "t"
+    lines += [f"and.b32 m, {src}, 0x70007000;", "shr.b32 m, m, 3;",
+              f"and.b32 s, {src}, 0x80008000;", f"or.b32 {w}, m, s;"]
+  return lines
+
+
 def _f16_block_asm() -> str:
   """Operands: $0-$3 f32 outputs (low nibbles' lane 0 / lane 1 sums, high nibbles'), $4 four
   code bytes, $5 / $6 the low nibbles' x pairs (x0, x2) / (x1, x3) as f16x2, $7 / $8 the high
   nibbles'. Lane 0 sums bytes 0 and 1, lane 1 bytes 2 and 3."""
   lines = [".reg .b32 t, m, s, w13h, w13l, w02h, w02l, plo, phi;", ".reg .b16 h0, h1, h2, h3;"]
-  for shift, w in ((0, "w13h"), (4, "w13l"), (8, "w02h"), (12, "w02l")):
-    src = "$4"
-    if shift:
-      lines.append(f"shl.b32 t, $4, {shift};")
-      src = "t"
-    lines += [f"and.b32 m, {src}, 0x70007000;", "shr.b32 m, m, 3;",
-              f"and.b32 s, {src}, 0x80008000;", f"or.b32 {w}, m, s;"]
+  lines += _e2m1_f16_lines("$4")
   lines += ["mul.rn.f16x2 plo, w02l, $5;", "fma.rn.f16x2 plo, w13l, $6, plo;",
             "mul.rn.f16x2 phi, w02h, $7;", "fma.rn.f16x2 phi, w13h, $8, phi;",
             "mov.b32 {h0, h1}, plo;", "mov.b32 {h2, h3}, phi;",
@@ -457,13 +466,7 @@ def _f16_acc_asm(first: bool) -> str:
   1: bytes 2 and 3), $2 four code bytes, $3 / $4 the low nibbles' x pairs (x0, x2) / (x1, x3)
   as f16x2, $5 / $6 the high nibbles'; unless ``first``, $7 / $8 the accumulators so far."""
   lines = [".reg .b32 t, m, s, w13h, w13l, w02h, w02l, alo, ahi;"]
-  for shift, w in ((0, "w13h"), (4, "w13l"), (8, "w02h"), (12, "w02l")):
-    src = "$2"
-    if shift:
-      lines.append(f"shl.b32 t, $2, {shift};")
-      src = "t"
-    lines += [f"and.b32 m, {src}, 0x70007000;", "shr.b32 m, m, 3;",
-              f"and.b32 s, {src}, 0x80008000;", f"or.b32 {w}, m, s;"]
+  lines += _e2m1_f16_lines("$2")
   if first:
     lines += ["mul.rn.f16x2 alo, w02l, $3;", "mul.rn.f16x2 ahi, w02h, $5;"]
   else:

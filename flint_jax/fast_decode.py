@@ -804,21 +804,18 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             moe_kw["method"] = "dot"
             moe_kw.update(block_n=64, block_k=256, num_warps=4, num_stages=3)
         gate_up_f16 = opts.gate_up_f16_at(b) and moe_quant
-        shared_quant = all(lay.mlp.shared_expert.down_proj.quant
-                           for i, lay in enumerate(layers) if cfg.is_moe(i))
-        if b == 1 and gate_up_f16:   # the one-token slots on the f16 K step (tiles: moe_tiling)
-            moe_kw.update(slot_rows="token", shared_rows=opts.moe_shared_rows or "token",
-                          gate_up_f16=True, **dict(opts.moe_tiling))
+        if b > 1 or gate_up_f16:   # explicit tile overrides last (batch 1: the f16 MoE's)
+            moe_kw.update(opts.moe_tiling)
+        if b > 1 and opts.moe_shared_tokens not in (None, 1):
+            moe_kw["shared_tokens"] = opts.moe_shared_tokens
+        if gate_up_f16:
+            moe_kw["gate_up_f16"] = True
+            if b == 1:   # the one-token slots on the f16 K step
+                moe_kw.update(slot_rows="token", shared_rows=opts.moe_shared_rows or "token")
+            shared_quant = all(lay.mlp.shared_expert.down_proj.quant
+                               for i, lay in enumerate(layers) if cfg.is_moe(i))
             if opts.down_f16_at(b, shared_quant):
                 moe_kw["down_f16"] = True
-        if b > 1:   # explicit tile overrides last
-            moe_kw.update(opts.moe_tiling)
-            if opts.moe_shared_tokens not in (None, 1):
-                moe_kw["shared_tokens"] = opts.moe_shared_tokens
-            if gate_up_f16:
-                moe_kw["gate_up_f16"] = True
-                if opts.down_f16_at(b, shared_quant):
-                    moe_kw["down_f16"] = True
         # The cache's counters (zeros between steps; each kernel returns its entries to zero),
         # threaded through the kernels that count on them: the BF16 MoE gate_up in K slices
         # (with the layer end folded into the next q|k|v) or the MoE combine in the down kernel

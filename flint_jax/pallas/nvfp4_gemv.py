@@ -481,8 +481,8 @@ _ASM_F16_ACC = (_f16_acc_asm(True), _f16_acc_asm(False))
 #: How the f16 ``blocks`` K step (``blocks_fma_f16``) sums its products before the block
 #: scales: "block" (default: f16 lanes over a whole 16-value block, then f32; H200 run 158, the
 #: 8x1K MoE gate_up 35.7 -> 29.7 us per layer) or "pair" (each pair of products rounded to f16,
-#: then f32: session 24's form, ~4x fewer f16 roundings). Read when a kernel is traced (as ``asm_decode``); the decode step sets it from
-#: ``DecodeOptions.moe_f16_sums``.
+#: then f32: session 24's form, ~4x fewer f16 roundings). Read when a kernel is traced (as
+#: ``asm_decode``); the decode step sets it from ``DecodeOptions.moe_f16_sums``.
 f16_sums = config.enum_state(
     "flint_jax_nvfp4_f16_sums", ["pair", "block"], default="block",
     include_in_trace_context=True, include_in_jit_key=True,
@@ -553,6 +553,14 @@ def x16_blocks_reference(v):
   return _x16_order(x16.reshape(*lead, k)), inv[..., 0]
 
 
+def _f16_words(codes, x):
+  """The jnp forms' operands per code word: nibbles codes [..., 16] (one half) -> f32 (E2M1 x
+  2^-14 [..., 4 words, 4 bytes], x [..., 4 words, 4] in ``x16_operand`` order x0, x2, x1, x3)."""
+  words = codes.shape[:-1] + (4, 4)
+  w = (_fp8_decode(codes).astype(jnp.float32) * 2.0 ** -8).reshape(words)
+  return w, jnp.broadcast_to(x, codes.shape).astype(jnp.float32).reshape(words)
+
+
 def _f16_lane_sums(q, xl, xh):
   """The asm's outputs in jnp (interpret mode): q uint8 [..., 16], xl / xh f16 [..., 16]
   (``x16_operand`` order) -> f32 [..., 16], per code word (lo lane 0, lo lane 1, hi lane 0, hi
@@ -560,11 +568,9 @@ def _f16_lane_sums(q, xl, xh):
   rounding of the f32 sum, where the exact sum needs more than 24 bits)."""
   f32, f16 = jnp.float32, jnp.float16
   shape = q.shape
-  words = shape[:-1] + (4, 4)
 
   def lanes(codes, x):
-    w = (_fp8_decode(codes).astype(f32) * 2.0 ** -8).reshape(words)      # E2M1 x 2^-14
-    xv = jnp.broadcast_to(x, shape).astype(f32).reshape(words)           # x0, x2, x1, x3
+    w, xv = _f16_words(codes, x)
     p0 = (w[..., 0] * xv[..., 0]).astype(f16).astype(f32)
     p2 = (w[..., 2] * xv[..., 1]).astype(f16).astype(f32)
     return ((p0 + w[..., 1] * xv[..., 2]).astype(f16),
@@ -579,11 +585,9 @@ def _f16_block_lane_sums(q, xl, xh):
   """``f16_block_lane_sums`` in jnp (interpret mode): the same products and the same f16
   rounding after each ``mul`` / ``fma`` (up to double rounding of the f32 sum)."""
   f32, f16 = jnp.float32, jnp.float16
-  words = q.shape[:-1] + (4, 4)
 
   def lanes(codes, x):
-    w = (_fp8_decode(codes).astype(f32) * 2.0 ** -8).reshape(words)      # E2M1 x 2^-14
-    xv = jnp.broadcast_to(x, q.shape).astype(f32).reshape(words)         # x0, x2, x1, x3
+    w, xv = _f16_words(codes, x)
     a0 = a1 = None
     for i in range(4):                                                   # the block's words
       p0, p2 = w[..., i, 0] * xv[..., i, 0], w[..., i, 2] * xv[..., i, 1]

@@ -284,8 +284,8 @@ _TILE_ABBREV = {"bn": "block_n", "bk": "block_k", "w": "num_warps", "s": "num_st
 def tiling_options(variant: str):
     """`DecodeOptions` of a tile-override path variant: "osk8" (`o_proj_split_k=8`),
     "mt-bnd32-wd8" (`moe_tiling`: block_n_down 32, num_warps_down 8; the token "f16" adds
-    `moe_gate_up_f16`, e.g. "mt-f16-w8") or "lm-bn64-w4-dot" (`lm_head_tiling`; a bare word is
-    the tile method). Keys: ``_TILE_ABBREV``."""
+    `moe_gate_up_f16`, e.g. "mt-f16-w8", and "shtopk" `moe_shared_with_topk`) or
+    "lm-bn64-w4-dot" (`lm_head_tiling`; a bare word is the tile method). Keys: ``_TILE_ABBREV``."""
     import re
     from flint_jax.fast_decode import DecodeOptions
     if variant.startswith("osk"):
@@ -295,6 +295,9 @@ def tiling_options(variant: str):
     for tok in tokens:
         if kind == "mt" and tok == "f16":
             extra["moe_gate_up_f16"] = True
+            continue
+        if kind == "mt" and tok == "shtopk":
+            extra["moe_shared_with_topk"] = True
             continue
         match = re.fullmatch(r"([a-z]+?)(\d+)", tok)
         if match and match[1] in _TILE_ABBREV:
@@ -352,7 +355,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     sums), "pallas_gu16pair" (session 24's default: pair sums, the down kernel in f32),
     "pallas_b1f16" / "pallas_b1gu16" (`moe_gate_up_f16=True`: the f16 MoE kernels, at batch 1
     the default since run 160, with / without the f16 down kernel), "pallas_nogu16" for the
-    f32 sums at every batch,
+    f32 sums at every batch, "pallas_shtopk" (`moe_shared_with_topk`: at batch > 1 the shared
+    expert's gate_up programs in the top-k kernel, the gate_up kernel only the routed slots),
     "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
     trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
     the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'
@@ -409,6 +413,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "gu16pair": DecodeOptions(moe_down_f16=False, moe_f16_sums="pair"),
                "b1f16": DecodeOptions(moe_gate_up_f16=True),
                "b1gu16": DecodeOptions(moe_gate_up_f16=True, moe_down_f16=False),
+               "shtopk": DecodeOptions(moe_shared_with_topk=True),
                "nonq": DecodeOptions(norm_in_qkv=False),
                "sp": DecodeOptions(attention="split"),
                "fa": DecodeOptions(attention="fused"),

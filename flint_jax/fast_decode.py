@@ -312,6 +312,12 @@ class DecodeOptions:
       per layer at 8x1K, the down kernel 17.7 -> 15.6; the MoE's rel-L2 against exact sums
       2.5e-3 against 1.9e-3, both from h's bf16 rounding flips) or "pair" (each pair of
       products rounded to f16, then f32: session 24's form).
+    moe_shared_with_topk: at batch > 1 with NVFP4 experts (per-token slots, the shared expert
+      per token: the defaults there), the shared expert's gate_up programs run in the top-k
+      kernel beside its M top-k programs, and the gate_up kernel runs only the routed slots
+      (`moe_decode_routed(shared_with_topk=True)`): the same launches and values, the top-k's
+      dependent latency under the shared weights' stream. False (default) = off (not yet
+      measured on the H200); needs `router_topk` off.
     """
     fused_qkv: bool = True
     moe: str = "routed"
@@ -354,6 +360,7 @@ class DecodeOptions:
     moe_gate_up_f16: bool | None = None
     moe_down_f16: bool | None = None
     moe_f16_sums: str = "block"
+    moe_shared_with_topk: bool = False
 
     MOE_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
                        "block_k_down", "num_warps_down", "num_stages_down")
@@ -563,6 +570,10 @@ class DecodeOptions:
                                  or self.moe_prerouted is False):
             raise ValueError("DecodeOptions.router_topk needs moe='routed', router_pallas not "
                              "False and moe_prerouted not False")
+        if self.moe_shared_with_topk and (self.moe != "routed" or self.router_topk
+                                          or self.moe_prerouted is False):
+            raise ValueError("DecodeOptions.moe_shared_with_topk needs moe='routed', router_topk "
+                             "off and moe_prerouted not False (it computes the top-k itself)")
         if self.norm_in_qkv and (self.moe != "routed" or not self.fused_qkv):
             raise ValueError("DecodeOptions.norm_in_qkv needs moe='routed' and fused_qkv=True")
         if self.qkv_wait and (self.moe != "routed" or not self.fused_qkv or self.norm_in_qkv):
@@ -808,6 +819,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             moe_kw.update(opts.moe_tiling)
         if b > 1 and opts.moe_shared_tokens not in (None, 1):
             moe_kw["shared_tokens"] = opts.moe_shared_tokens
+        if b > 1 and moe_quant and opts.moe_shared_with_topk:
+            moe_kw["shared_with_topk"] = True
         if gate_up_f16:
             moe_kw["gate_up_f16"] = True
             if b == 1:   # the one-token slots on the f16 K step

@@ -303,6 +303,8 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(moe_down_f16=True, moe_gate_up_f16=False), "moe_down_f16 needs"),
     (dict(moe_down_f16=True, moe_shared_rows="all"), "moe_down_f16 needs"),
     (dict(moe_f16_sums="quad"), "moe_f16_sums"),
+    (dict(moe_shared_with_topk=True, router_topk=True), "moe_shared_with_topk needs"),
+    (dict(moe_shared_with_topk=True, moe_prerouted=False), "moe_shared_with_topk needs"),
     (dict(moe_tiling=(("block_n_down", 32), ("block_m", 8))), "moe_tiling"),
     (dict(moe_tiling={"block_n": 32}), "moe_tiling"),
     (dict(lm_head_tiling=(("split_k",),)), "lm_head_tiling"),
@@ -445,6 +447,36 @@ def test_moe_gate_up_f16_step():
     # and the down kernel on f16 products (moe_down_f16's default)
     downs = [n for n in names if n.startswith("flint_moe_down")]
     assert downs and all("_h16_" in n for n in downs), names
+
+
+@pytest.mark.parametrize("quant,rows", [(True, 3), (True, 1), (False, 2)])
+def test_moe_shared_with_topk_step(quant, rows):
+    """`moe_shared_with_topk`: at batch > 1 on NVFP4 experts the shared expert's gate_up in the
+    top-k kernel, the gate_up kernel only the routed slots: logits bit for bit the default
+    step's, the same number of kernels (the top-k kernel replaced); batch 1 and BF16 experts
+    (no top-k kernel there) unchanged."""
+    for l1, _, l2 in paired_steps(quant, 37, DecodeOptions(moe_shared_with_topk=True),
+                                  DecodeOptions(), rows, (5, 17)):
+        np.testing.assert_array_equal(l1, l2)
+    if not quant or rows == 1:
+        return
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
+    names = {}
+    for key, opts in (("shtopk", DecodeOptions(moe_shared_with_topk=True)),
+                      ("default", DecodeOptions())):
+        step = fast_decode.make_decode_step(graphdef, cfg, options=opts)
+        names[key] = [m["name"] for m in triton_modules(
+            lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, rows, 256),
+            jax.ShapeDtypeStruct((rows,), jnp.int32))]
+    assert len(names["shtopk"]) == len(names["default"]), names
+    assert any(n.startswith("flint_moe_topk_shared") for n in names["shtopk"]), names
+    assert not any(n.startswith("flint_moe_topk_e") for n in names["shtopk"]), names
+    assert any(n.startswith("flint_moe_topk_e") for n in names["default"]), names
 
 
 @pytest.mark.parametrize("sums", ["pair", "block"])

@@ -897,3 +897,50 @@ def test_moe_decode_routed_down_f16(m, sums):
   with pytest.raises(ValueError, match="down_f16 needs gate_up_f16"):
     moe_decode_routed(x, logits, experts, shared, down_f16=True,
                       **dict(kw, gate_up_f16=False))
+
+
+@pytest.mark.parametrize("fmt,m,e,f16,ties", [("nvfp4", 8, 32, "down", False),
+                                              ("nvfp4", 3, 20, "gate_up", True),
+                                              ("nvfp4", 2, 32, None, False),
+                                              ("bf16", 5, 32, None, True)])
+def test_moe_decode_routed_shared_with_topk(fmt, m, e, f16, ties):
+  """``shared_with_topk``: the top-k and the shared expert's gate_up in one launch, then the
+  routed slots alone: the routing and y bit-identical to the one-launch gate_up (prerouted),
+  E not a power of two and tied logits included; the combine entry point too; both kernels
+  lower for an H200; misuse rejected."""
+  _, experts, shared, x, _, logits = _routed_case(fmt, m, e, 6, 256, 128, 256, ties, "shtopk")
+  kw = dict(top_k=6, decode=DECODE, slot_rows="token", shared_rows="token",
+            gate_up_f16=f16 is not None, down_f16=f16 == "down", interpret=INTERPRET)
+  y, route = moe_decode_routed(x, logits, experts, shared, shared_with_topk=True, **kw)
+  y0, route0 = moe_decode_routed(x, logits, experts, shared, prerouted=True, **kw)
+  assert_route_is_top_k(route, logits, 6)
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(route0.ids))
+  np.testing.assert_array_equal(np.asarray(route.logits), np.asarray(route0.logits))
+  np.testing.assert_array_equal(np.asarray(used_rows(y, 6), np.float32),
+                                np.asarray(used_rows(y0, 6), np.float32))
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
+  assert_routed_close(y, ref, 6, "token", f"shared_with_topk {fmt} M={m}")
+  gen = rng("shtopk-h", fmt, m)
+  h = randn(gen, (m, 256))
+  w_next = randn(gen, (256,)) + 1.0
+  counter = jnp.zeros((64,), jnp.int32)
+  ckw = dict(kw, block_n_down=32)
+  s1, x1, r1, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
+                                                  counter_base=20, shared_with_topk=True, **ckw)
+  s0, x0, _, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
+                                                 counter_base=20, prerouted=True, **ckw)
+  np.testing.assert_array_equal(np.asarray(s1, np.float32), np.asarray(s0, np.float32))
+  np.testing.assert_array_equal(np.asarray(x1, np.float32), np.asarray(x0, np.float32))
+  np.testing.assert_array_equal(np.asarray(r1.ids), np.asarray(route0.ids))
+  from flint_jax.pallas.testing import triton_modules
+  gpu_kw = dict(kw, decode="asm", interpret=False)
+  mods = triton_modules(lambda x_, l_: moe_decode_routed(
+      x_, l_, experts, shared, shared_with_topk=True, **gpu_kw), x, logits)
+  names = sorted(mod["name"] for mod in mods)
+  assert [n.split("_")[2] for n in names] == ["down", "gate", "topk"], names
+  assert "_shtopk" in names[1] and "topk_shared" in names[2], names
+  with pytest.raises(ValueError, match="shared_with_topk computes the routing"):
+    moe_decode_routed(x, logits, experts, shared, shared_with_topk=True, prerouted=False, **kw)
+  with pytest.raises(ValueError, match="shared_with_topk needs"):
+    moe_decode_routed(x, logits, experts, shared, shared_with_topk=True,
+                      **dict(kw, shared_rows="all", gate_up_f16=False, down_f16=False))

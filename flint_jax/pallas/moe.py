@@ -276,7 +276,7 @@ def _slot_route(l_ref, u, route):
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
                     decode, layout, method, route=None, token_method=None, split_k=1,
                     finish=False, shared_first=False, shared_token=False, shared_tokens=1,
-                    x16=False, h16=False, interpret=False):
+                    x16=False, h16=False, part="all", interpret=False):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
@@ -301,7 +301,13 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   f16 rows (the f16 products of ``blocks_fma_f16``), ``xinv`` [M] their row factors. h16 (with
   x16 and shared_token): h is written as the down kernel's f16 operand instead
   (``nvfp4_gemv.store_x16_blocks``: ``h16`` / ``hs16`` [., 1, I] f16 and ``hinv`` / ``hsinv``
-  [., 1, I / 16] f32, one scale per 16 values of bf16(h))."""
+  [., 1, I / 16] f32, one scale per 16 values of bf16(h)).
+  part: "all" (the routed slots' and the shared expert's programs); "routed" (only the routed
+  slots', ``shared_first`` ignored); "topk_shared" (with route and shared_token: programs
+  0 .. M - 1 run token t = pid's top-k of the ``logits`` and store ``route_ids`` /
+  ``route_logits`` row t, the rest are the shared expert's: ``moe_topk_route_pallas`` and the
+  shared gate_up in one launch, the routing's latency under the shared expert's weight
+  stream)."""
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
   ks = pl.program_id(1) if split_k > 1 else 0
@@ -355,8 +361,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       C.store_tile(r[h_name], lead, C.silu_mul_f32(g, u), n0, bn, m_, mp_, method_)
       plgpu.store(r["counter_out"].at[pid], jnp.int32(0))
 
-  def routed():
-    p = pid - n_shared if shared_first else pid
+  def routed(p):
     u = p // n_i
     j = p % n_i
     # slot u's token only, or every token
@@ -415,8 +420,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       au = C.finish_acc(au, "blocks") * (r["su_s2"][0] * f)
       store_h("hs", (t,), ag, au, j * bn, 1, C.pad_rows(1), "blocks")
 
-  def shared():
-    j = pid if shared_first else pid - n_routed
+  def shared(j):
     if shared_tokens > 1:
       shared_tokens_group(j)
       return
@@ -437,10 +441,19 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
       au = au * (r["su_s2"][0] * f)
     store_h("hs", lead, ag, au, j * bn, operand["m"], operand["mp"], operand["method"])
 
-  if shared_first:
-    lax.cond(pid < n_shared, shared, routed)
+  def topk(t):      # token t's routing, as ``_topk_kernel``
+    for jj, (e, lg) in enumerate(_topk_logits(r["logits"], t, *route)):
+      r["route_ids"][t, jj] = e
+      r["route_logits"][t, jj] = lg
+
+  if part == "routed":
+    routed(pid)
+  elif part == "topk_shared":
+    lax.cond(pid < m, lambda: topk(pid), lambda: shared(pid - m))
+  elif shared_first:
+    lax.cond(pid < n_shared, lambda: shared(pid), lambda: routed(pid - n_shared))
   else:
-    lax.cond(pid < n_routed, routed, shared)
+    lax.cond(pid < n_routed, lambda: routed(pid), lambda: shared(pid - n_routed))
 
 
 def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max, fe, fs,
@@ -807,6 +820,36 @@ def _f16_sums_for(bn, bk, num_warps):
   return contextlib.nullcontext()
 
 
+def _launch_topk_shared_then_routed(in_names, in_args, h_out, hs_out, gu_kw, *, m, u, n_i,
+                                    n_shared, num_warps, num_stages, tag, suffix, interpret):
+  """The gate_up stage of ``shared_with_topk`` as two launches of ``_gate_up_kernel``: first
+  the top-k of each token's ``logits`` (programs 0 .. M - 1) beside the shared expert's
+  per-token programs (``part="topk_shared"``), then the routed slots alone (``part="routed"``,
+  the ids from the first). in_names / in_args: the gate_up kernel's inputs (with "logits");
+  h_out / hs_out: {name: ShapeDtypeStruct} of the routed / shared h outputs. Returns
+  (MoERoute, h_parts) with h_parts in the one-launch order (h outputs, then hs outputs)."""
+  top_k = gu_kw["route"][0]
+  params = C.compiler_params(num_warps, num_stages)
+  route_shapes = [jax.ShapeDtypeStruct((m, top_k), jnp.int32),
+                  jax.ShapeDtypeStruct((m, top_k), jnp.float32)]
+  names_a = in_names + [*hs_out, "route_ids", "route_logits"]
+  with _f16_sums_for(gu_kw["bn"], gu_kw["bk"], num_warps):
+    res_a = C.pallas_call(
+        functools.partial(_gate_up_kernel, names=names_a, part="topk_shared", **gu_kw),
+        grid=(m + n_shared,), out_shape=(*hs_out.values(), *route_shapes),
+        compiler_params=params, interpret=interpret,
+        name=f"flint_moe_topk_shared{tag}{suffix}")(*in_args)
+    route_out = MoERoute(*res_a[-2:])
+    names_b = ["route_ids_in" if n == "logits" else n for n in in_names] + [*h_out]
+    args_b = [route_out.ids if n == "logits" else a for n, a in zip(in_names, in_args)]
+    res_b = C.pallas_call(
+        functools.partial(_gate_up_kernel, names=names_b, part="routed", **gu_kw),
+        grid=(u * n_i,), out_shape=tuple(h_out.values()),
+        compiler_params=params, interpret=interpret,
+        name=f"flint_moe_gate_up{tag}_shtopk{suffix}")(*args_b)
+  return route_out, [*res_b, *res_a[:-2]]
+
+
 def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, route_args, *,
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
@@ -814,7 +857,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
             down_shared_cols=None, combine=None, asm_down=None, route_given=None,
             shared_first=False, shared_rows=None, gate_up_touch=(), shared_tokens=None,
-            gate_up_f16=None, x16_rows=None, down_f16=None):
+            gate_up_f16=None, x16_rows=None, down_f16=None, shared_with_topk=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -824,7 +867,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   ``MoERoute`` computed outside (route_names/route_args then ["route_ids_in"] / [its ids]): the
   gate_up kernel reads the ids, outputs no routing, and route_given is returned. shared_rows:
   see ``moe_decode_routed``. gate_up_touch: arrays whose pages the gate_up kernel's programs
-  touch (``_common.pallas_call(touch=)``).
+  touch (``_common.pallas_call(touch=)``). shared_with_topk: see ``moe_decode_routed``
+  (route_names/route_args then ["logits"]).
   y [U + 1, M, D] (down_split) or out [M, D]; MoERoute or None."""
   C.check(slot_rows in (None, "all", "token"),
           f"slot_rows must be 'all' or 'token', got {slot_rows!r}")
@@ -953,16 +997,18 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     args += _weight_args(fs, shared["gate_proj"], "") + _weight_args(fs, shared["up_proj"], "")
     args += [C.scalar_f32(shared["gate_proj"][2]), C.scalar_f32(shared["up_proj"][2])]
   if sk == 1 and h16:    # the down kernel's f16 operands and their per-block factors
-    names += ["h16", "hinv", "hs16", "hsinv"]
-    out_shape = [jax.ShapeDtypeStruct((u, 1, inter), jnp.float16),
-                 jax.ShapeDtypeStruct((u, 1, inter // 16), jnp.float32),
-                 jax.ShapeDtypeStruct((m, 1, inter_s), jnp.float16),
-                 jax.ShapeDtypeStruct((m, 1, inter_s // 16), jnp.float32)]
+    h_out = {"h16": jax.ShapeDtypeStruct((u, 1, inter), jnp.float16),
+             "hinv": jax.ShapeDtypeStruct((u, 1, inter // 16), jnp.float32)}
+    hs_out = {"hs16": jax.ShapeDtypeStruct((m, 1, inter_s), jnp.float16),
+              "hsinv": jax.ShapeDtypeStruct((m, 1, inter_s // 16), jnp.float32)}
   elif sk == 1:
-    names += ["h", "hs"]
-    out_shape = [jax.ShapeDtypeStruct((u, 1 if token else m, inter), x.dtype),
-                 jax.ShapeDtypeStruct((m, 1, inter_s) if shared_token else (m, inter_s),
-                                      x.dtype)]
+    h_out = {"h": jax.ShapeDtypeStruct((u, 1 if token else m, inter), x.dtype)}
+    hs_out = {"hs": jax.ShapeDtypeStruct((m, 1, inter_s) if shared_token else (m, inter_s),
+                                         x.dtype)}
+  if sk == 1:
+    in_names, in_args = list(names), list(args)
+    names += [*h_out, *hs_out]
+    out_shape = [*h_out.values(), *hs_out.values()]
   else:      # fp32 partial g and u per K slice (finish: then h itself, and the counter)
     names += ["hg", "hu", "hsg", "hsu"]
     out_shape = [jax.ShapeDtypeStruct((sk, u, m, inter), jnp.float32)] * 2 + [
@@ -985,34 +1031,47 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     args.append(gate_up_counter)
     names.append("counter_out")
     out_shape.append(jax.ShapeDtypeStruct(gate_up_counter.shape, jnp.int32))
-  kernel = functools.partial(
-      _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter,
-      inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
-      layout=layout, method=method, route=route, token_method=token_method, split_k=sk,
-      finish=finish, shared_first=shared_first, shared_token=shared_token, shared_tokens=n_tok,
-      x16=x16, h16=h16, interpret=interpret)
+  gu_kw = dict(m=m, mp=C.pad_rows(m, method), inter=inter, inter_s=inter_s, bn=bn, bk=bk,
+               bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout,
+               method=method, route=route, token_method=token_method, split_k=sk,
+               finish=finish, shared_first=shared_first, shared_token=shared_token,
+               shared_tokens=n_tok, x16=x16, h16=h16, interpret=interpret)
   tag += ("_token" if token else "") + ("_shtok" if shared_token else "")
   tag += f"{n_tok}" if n_tok > 1 else ""
+  suffix = f"{'_x16' if x16 else ''}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
   gate_up_touch = tuple(gate_up_touch)
-  with _f16_sums_for(bn, bk, num_warps):    # the kernel body is traced inside this call
-    res = C.pallas_call(
-        kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
-        input_output_aliases=aliases,
-        compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-        touch=len(gate_up_touch),
-        name=f"flint_moe_gate_up{tag}{'_x16' if x16 else ''}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
-             + (f"_splitk{sk}" if sk > 1 else "") + ("_finish" if finish else "")
-             + ("_touch" if gate_up_touch else ""),
-    )(*args, *gate_up_touch)
-  res = list(res)
-  counter_out = res.pop() if finish else None
-  n_h = len(out_shape) - (2 if route is not None and route_given is None else 0) - finish
-  route_out = (route_given if route_given is not None
-               else None if route is None else MoERoute(*res[n_h:]))
-  # what the down kernel reads: h (unsplit, or finished by the last slice) or the partials
-  down_parts = 1 if finish else sk
-  # (h16: h, its factors, hs, its factors)
-  h_parts = res[n_h - 4:n_h] if h16 else res[n_h - 2:n_h] if down_parts == 1 else res[:4]
+  down_parts = 1 if finish else sk  # the down kernel reads h (or h finished) or the partials
+  if shared_with_topk:
+    C.check(route is not None and route_given is None and route_names == ["logits"]
+            and token and shared_token and sk == 1 and n_tok == 1 and not gate_up_touch,
+            "shared_with_topk needs the routed path with per-token slots and the shared expert "
+            "per token (slot_rows and shared_rows 'token'), the routing computed here (no "
+            "route given, prerouted not False), shared_tokens 1, gate_up_split_k 1 and no "
+            "gate_up_touch")
+    route_out, h_parts = _launch_topk_shared_then_routed(
+        in_names, in_args, h_out, hs_out, gu_kw, m=m, u=u, n_i=inter // bn,
+        n_shared=(inter_s // bn) * m, num_warps=num_warps, num_stages=num_stages,
+        tag=tag, suffix=suffix, interpret=interpret)
+    counter_out = None
+  else:
+    with _f16_sums_for(bn, bk, num_warps):    # the kernel body is traced inside this call
+      res = C.pallas_call(
+          functools.partial(_gate_up_kernel, names=names, **gu_kw),
+          grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
+          input_output_aliases=aliases,
+          compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+          touch=len(gate_up_touch),
+          name=f"flint_moe_gate_up{tag}{suffix}"
+               + (f"_splitk{sk}" if sk > 1 else "") + ("_finish" if finish else "")
+               + ("_touch" if gate_up_touch else ""),
+      )(*args, *gate_up_touch)
+    res = list(res)
+    counter_out = res.pop() if finish else None
+    n_h = len(out_shape) - (2 if route is not None and route_given is None else 0) - finish
+    route_out = (route_given if route_given is not None
+                 else None if route is None else MoERoute(*res[n_h:]))
+    # (h16: h, its factors, hs, its factors)
+    h_parts = res[n_h - 4:n_h] if h16 else res[n_h - 2:n_h] if down_parts == 1 else res[:4]
 
   # ---- kernel 2: down (+ routing-weighted combine unless split) + shared down
   # The shared expert's K (I_s) is longer than a routed one's (I): its columns may be cut over
@@ -1201,7 +1260,7 @@ def _check_top_logits(top_logits, m) -> int:
 
 
 _ROUTED_KNOBS = ("top_k", "slot_rows", "token_method", "asm_down", "prerouted", "shared_first",
-                 "shared_rows", "shared_tokens", "gate_up_f16", "down_f16")
+                 "shared_rows", "shared_tokens", "gate_up_f16", "down_f16", "shared_with_topk")
 
 
 def _launch_routed(x, logits, experts, shared, options, **extra):
@@ -1220,7 +1279,12 @@ def _launch_routed(x, logits, experts, shared, options, **extra):
   opts["slot_rows"], prerouted, opts["shared_first"] = _routed_defaults(
       fe, m, opts["slot_rows"], opts.pop("prerouted"), opts["shared_first"],
       opts["gate_up_split_k"])
-  given, r_names, r_args = _route_inputs(logits, top_k, prerouted, opts["interpret"], route)
+  if opts["shared_with_topk"]:   # the top-k runs in the shared expert's launch (``_launch``)
+    C.check(route is None and prerouted is not False,
+            "shared_with_topk computes the routing itself: no route given, prerouted not False")
+    given, r_names, r_args = None, ["logits"], [logits]
+  else:
+    given, r_names, r_args = _route_inputs(logits, top_k, prerouted, opts["interpret"], route)
   return _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, m * top_k, r_names, r_args,
                  route=(top_k, n_exp, C.next_pow2(n_exp)), route_given=given, coef=None,
                  down_split=True, **opts, **extra)
@@ -1243,7 +1307,8 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       shared_rows: str | None = None, route: MoERoute | None = None,
                       gate_up_touch=(), shared_tokens: int | None = None,
                       gate_up_f16: bool | None = None, x16_rows=None,
-                      down_f16: bool | None = None, interpret: bool = False):
+                      down_f16: bool | None = None, shared_with_topk: bool | None = None,
+                      interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls; 3 with ``prerouted``,
   the default for NVFP4 experts at M > 1) and the routing.
 
@@ -1318,6 +1383,12 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   ``down_f16`` (with ``gate_up_f16`` and ``shared_rows="token"``): the down kernel multiplies in
   f16x2 too: the gate_up kernel writes bf16(h) as f16 with one scale per 16 values
   (``nvfp4_gemv.store_x16_blocks``) instead of h. None / False = off.
+  ``shared_with_topk`` (per-token slots with the shared expert per token, the routing not
+  given): the shared expert's gate_up programs leave the gate_up kernel for the top-k kernel,
+  whose M programs then run beside them (``_launch_topk_shared_then_routed``): the same number
+  of launches, the routing's dependent latency under the shared weights' stream, and a gate_up
+  kernel of only the routed slots (M * top_k one-token slots; the shared expert was a quarter
+  of its programs at M = 8). Same values. None / False = off.
   """
   options = locals()    # first statement: exactly the arguments
   y, route_out, counter = _launch_routed(x, logits, experts, shared, options)
@@ -1345,7 +1416,8 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               route: MoERoute | None = None, gate_up_touch=(),
                               shared_tokens: int | None = None,
                               gate_up_f16: bool | None = None, x16_rows=None,
-                              down_f16: bool | None = None, interpret: bool = False):
+                              down_f16: bool | None = None,
+                              shared_with_topk: bool | None = None, interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its

@@ -396,7 +396,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     if variant.startswith("rs"):
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(ring_splits=int(variant[2:])))
-    if variant.startswith("sht"):
+    if variant.startswith("sht") and variant[3:].isdigit():
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(moe_shared_tokens=int(variant[3:])))
     if variant.startswith(("osk", "mt-", "lm-")):

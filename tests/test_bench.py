@@ -115,3 +115,18 @@ def test_tiling_options_parse_the_path_variants():
     assert decode_bench.tiling_options("mt-f16").moe_gate_up_f16
     with pytest.raises(ValueError, match="bad tile token 'q4'"):
         decode_bench.tiling_options("mt-q4")
+
+
+def test_make_handle_path_variants():
+    """Bench path names become the handle's `DecodeOptions` (a prefix shared by two variants,
+    "sht2" and "shtopk", resolves to each one's own option)."""
+    from flint_jax.fast_decode import DecodeOptions
+    cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
+    graphdef, state = decode_bench.build_state(cfg, quant=False)
+    want = {"pallas_sht2": DecodeOptions(moe_shared_tokens=2),
+            "pallas_shtopk": DecodeOptions(moe_shared_with_topk=True),
+            "pallas_mt-shtopk-w8": DecodeOptions(moe_shared_with_topk=True,
+                                                 moe_tiling=(("num_warps", 8),)),
+            "pallas_rs8": DecodeOptions(ring_splits=8)}
+    for path, opts in want.items():
+        assert decode_bench.make_handle(cfg, graphdef, state, False, path).decode_options == opts

@@ -278,7 +278,7 @@ def _fixed_routing(state):
 #: Short names of the tile keys in "pallas_mt-..." / "pallas_lm-..." paths.
 _TILE_ABBREV = {"bn": "block_n", "bk": "block_k", "w": "num_warps", "s": "num_stages",
                 "bnd": "block_n_down", "bkd": "block_k_down", "wd": "num_warps_down",
-                "sd": "num_stages_down", "sk": "split_k"}
+                "sd": "num_stages_down", "sk": "split_k", "ca": "codes_ahead"}
 
 
 def tiling_options(variant: str):

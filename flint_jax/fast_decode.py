@@ -271,8 +271,9 @@ class DecodeOptions:
       4.826 against 4.827 ms (perf log 87). For measurements.
     moe_tiling: at batch > 1, tile overrides for the routed MoE's two kernels: pairs (name,
       value) with names from ``MOE_TILING_KEYS`` (``block_n`` / ``block_k`` / ``num_warps`` /
-      ``num_stages`` of the gate_up kernel, the same with ``_down`` of the down kernel), e.g.
-      ``(("block_n_down", 32),)`` (at batch 1 with the f16 MoE too). () (default) =
+      ``num_stages`` of the gate_up kernel, the same with ``_down`` of the down kernel, and
+      ``codes_ahead``, `moe.moe_decode`'s), e.g. ``(("block_n_down", 32),)`` (at batch 1 with
+      the f16 MoE too). () (default) =
       ``moe.default_moe_tiling``. For measuring
       tiles inside the step, where the L2 and the neighbouring kernels are the real ones.
     lm_head_tiling: at batch > 1, overrides for the NVFP4 LM head GEMV: pairs (name, value)
@@ -363,7 +364,7 @@ class DecodeOptions:
     moe_shared_with_topk: bool = False
 
     MOE_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
-                       "block_k_down", "num_warps_down", "num_stages_down")
+                       "block_k_down", "num_warps_down", "num_stages_down", "codes_ahead")
     LM_HEAD_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "method")
 
     PREFETCH_SITES = ("attn", "router", "down", "kv")

@@ -127,6 +127,8 @@ def test_make_handle_path_variants():
             "pallas_shtopk": DecodeOptions(moe_shared_with_topk=True),
             "pallas_mt-shtopk-w8": DecodeOptions(moe_shared_with_topk=True,
                                                  moe_tiling=(("num_warps", 8),)),
+            "pallas_mt-ca1-bn16": DecodeOptions(moe_tiling=(("codes_ahead", 1),
+                                                            ("block_n", 16))),
             "pallas_rs8": DecodeOptions(ring_splits=8)}
     for path, opts in want.items():
         assert decode_bench.make_handle(cfg, graphdef, state, False, path).decode_options == opts

@@ -944,3 +944,31 @@ def test_moe_decode_routed_shared_with_topk(fmt, m, e, f16, ties):
   with pytest.raises(ValueError, match="shared_with_topk needs"):
     moe_decode_routed(x, logits, experts, shared, shared_with_topk=True,
                       **dict(kw, shared_rows="all", gate_up_f16=False, down_f16=False))
+
+
+@pytest.mark.parametrize("m,kw", [(8, dict(slot_rows="token", gate_up_f16=True, down_f16=True)),
+                                  (3, dict(slot_rows="token")),
+                                  (2, dict(slot_rows="all")),
+                                  (1, dict(slot_rows="token", shared_rows="token",
+                                           gate_up_f16=True))])
+def test_moe_decode_routed_codes_ahead(m, kw):
+  """``codes_ahead``: the gate_up kernel's K loop unrolled with each step's weight tiles loaded
+  before the previous step's decode: y bit-identical to the looped kernel's (the same products
+  in the same order); lowered for an H200."""
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", m, 32, 6, 256, 128, 256, False,
+                                                  f"ahead{m}")
+  kw = dict(kw, top_k=6, decode=DECODE, block_k=64, interpret=INTERPRET)   # 4 K steps
+  y, route = moe_decode_routed(x, logits, experts, shared, codes_ahead=True, **kw)
+  y0, route0 = moe_decode_routed(x, logits, experts, shared, **kw)
+  np.testing.assert_array_equal(np.asarray(route.ids), np.asarray(route0.ids))
+  np.testing.assert_array_equal(np.asarray(used_rows(y, 6), np.float32),
+                                np.asarray(used_rows(y0, 6), np.float32))
+  ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
+  assert_routed_close(y, ref, 6, "token", f"codes_ahead M={m}")
+  from flint_jax.pallas.testing import triton_modules
+  gpu_kw = dict(kw, decode="asm", interpret=False)
+  for ahead in (True, False):
+    mods = triton_modules(lambda x_, l_: moe_decode_routed(
+        x_, l_, experts, shared, codes_ahead=ahead, **gpu_kw), x, logits)
+    (gate_up,) = [mod for mod in mods if mod["name"].startswith("flint_moe_gate_up")]
+    assert ("scf.for" in gate_up["asm"]) != ahead, ahead    # the K loop unrolled or not

@@ -183,9 +183,10 @@ def _lin_format(w) -> str:
 
 
 def _tile_dot(fmt, xs, x_idx, m, mp, ws, w_idx, n0, bn, i, bk, acc, decode, layout, method,
-              x_scale=None):
+              x_scale=None, codes=None):
   """acc + one K step (index i) of x[.., :m] . W[.., n0:n0+bn]^T, fp32 in the
-  ``_acc_zeros(fmt, mp, bn, bk, method)`` layout (decode factor included for NVFP4)."""
+  ``_acc_zeros(fmt, mp, bn, bk, method)`` layout (decode factor included for NVFP4); ``codes``
+  (NVFP4, tile layout): that step's weight tile already loaded (``_load_step_codes``)."""
   if fmt == "bf16":
     x_ref, _ = xs
     (w_ref,) = ws
@@ -196,9 +197,20 @@ def _tile_dot(fmt, xs, x_idx, m, mp, ws, w_idx, n0, bn, i, bk, acc, decode, layo
   _, x5_ref = xs
   q_ref, s_ref = ws
   nb = bk // 64
-  return NV.nvfp4_tile_dot(x5_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn,
-                           pl.multiple_of(i * nb, nb), nb, decode=decode, layout=layout,
-                           method=method, acc=acc, x_scale_ref=x_scale)
+  return NV.nvfp4_tile_dot(x5_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, _block0(i, nb), nb, decode=decode, layout=layout,
+                           method=method, acc=acc, x_scale_ref=x_scale, codes=codes)
+
+
+def _load_step_codes(ws, w_idx, n0, bn, i, bk):
+  """The NVFP4 weight tile (``nvfp4_gemv.load_codes``) of K step i, for ``_tile_dot(codes=)``."""
+  nb = bk // 64
+  return NV.load_codes(*ws, w_idx, n0, bn, _block0(i, nb), nb)
+
+
+def _block0(i, nb):
+  """The first 64-value block of K step i (nb blocks per step); a Python int stays one (Triton
+  takes no alignment hint on a constant)."""
+  return i * nb if isinstance(i, int) else pl.multiple_of(i * nb, nb)
 
 
 def _acc_zeros(fmt, mp, bn, bk, method):
@@ -276,7 +288,7 @@ def _slot_route(l_ref, u, route):
 def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs, n_slots_max,
                     decode, layout, method, route=None, token_method=None, split_k=1,
                     finish=False, shared_first=False, shared_token=False, shared_tokens=1,
-                    x16=False, h16=False, part="all", interpret=False):
+                    x16=False, h16=False, part="all", codes_ahead=False, interpret=False):
   """route None: slot u's expert is ``slot_expert[u]`` (slots u >= ``n_slots`` are skipped).
   route = (top_k, n_exp, ep): slot u's expert is computed from the ``logits`` (``_slot_route``),
   every slot is live, and the slot's j == 0 program stores the (id, logit) pair at
@@ -307,7 +319,10 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
   0 .. M - 1 run token t = pid's top-k of the ``logits`` and store ``route_ids`` /
   ``route_logits`` row t, the rest are the shared expert's: ``moe_topk_route_pallas`` and the
   shared gate_up in one launch, the routing's latency under the shared expert's weight
-  stream)."""
+  stream).
+  codes_ahead (NVFP4 tile layout, split_k 1): the K loop unrolled, each step's weight tiles
+  loaded before the previous step's decode (Triton's pipeliner stages only loads feeding a
+  dot: without this a program waits for each step's loads before decoding them)."""
   r = dict(zip(names, refs))
   pid = pl.program_id(0)
   ks = pl.program_id(1) if split_k > 1 else 0
@@ -322,15 +337,34 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
                                  mp=C.pad_rows(1), method=token_method)
 
   def gemv2(wg, wu, w_idx, ng, nu, fmt, step, xs=xs, x_idx=(), m=m, mp=mp, method=method):
+    kw = dict(decode=decode, layout=layout, method=method)
+    z = _acc_zeros(fmt, mp, bn, step, method)
+    n_k = d // step // split_k                      # K steps of this program's slice
+    lo, hi = ks * n_k, (ks + 1) * n_k
+    if codes_ahead and fmt == "nvfp4" and layout == "tile" and split_k == 1:
+      # unrolled (Python) so that no uint8 tile crosses a loop boundary (a loop-carried tile
+      # is repacked byte by byte: +50% instructions, 244 registers in the SASS)
+      def load(i):    # step i's gate and up tiles
+        return (_load_step_codes(wg, w_idx, ng, bn, i, step),
+                _load_step_codes(wu, w_idx, nu, bn, i, step))
+
+      ag = au = z
+      cur = load(0)
+      for i in range(n_k):
+        nxt = load(i + 1) if i + 1 < n_k else None
+        ag = _tile_dot(fmt, xs, x_idx, m, mp, wg, w_idx, ng, bn, i, step, ag, codes=cur[0],
+                       **kw)
+        au = _tile_dot(fmt, xs, x_idx, m, mp, wu, w_idx, nu, bn, i, step, au, codes=cur[1],
+                       **kw)
+        cur = nxt
+      return C.finish_acc(ag, method), C.finish_acc(au, method)
+
     def body(i, carry):
       ag, au = carry
-      kw = dict(decode=decode, layout=layout, method=method)
       ag = _tile_dot(fmt, xs, x_idx, m, mp, wg, w_idx, ng, bn, i, step, ag, **kw)
       au = _tile_dot(fmt, xs, x_idx, m, mp, wu, w_idx, nu, bn, i, step, au, **kw)
       return ag, au
-    z = _acc_zeros(fmt, mp, bn, step, method)
-    n_k = d // step // split_k                      # K steps of this program's slice
-    ag, au = lax.fori_loop(ks * n_k, (ks + 1) * n_k, body, (z, z))
+    ag, au = lax.fori_loop(lo, hi, body, (z, z))
     return C.finish_acc(ag, method), C.finish_acc(au, method)
 
   def store_h(h_name, lead, ag, au, n0, m_, mp_, method_):
@@ -806,7 +840,7 @@ def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool 
 
 _TUNING = ("block_n", "block_k", "block_n_down", "block_k_down", "decode", "layout",
            "unroll_slots", "method", "method_down", "num_warps", "num_stages", "num_warps_down",
-           "num_stages_down", "gate_up_split_k", "down_shared_cols", "interpret")
+           "num_stages_down", "gate_up_split_k", "down_shared_cols", "codes_ahead", "interpret")
 
 
 def _f16_sums_for(bn, bk, num_warps):
@@ -857,7 +891,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
             down_shared_cols=None, combine=None, asm_down=None, route_given=None,
             shared_first=False, shared_rows=None, gate_up_touch=(), shared_tokens=None,
-            gate_up_f16=None, x16_rows=None, down_f16=None, shared_with_topk=None):
+            gate_up_f16=None, x16_rows=None, down_f16=None, shared_with_topk=None,
+            codes_ahead=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
   of both kernels (["slot_expert", "n_slots"]); route = (top_k, n_exp, ep): they are ["logits"]
   (gate_up only), gate_up also outputs the routing (ids, logits [M, top_k]) and the down kernel
@@ -1035,7 +1070,8 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
                bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode, layout=layout,
                method=method, route=route, token_method=token_method, split_k=sk,
                finish=finish, shared_first=shared_first, shared_token=shared_token,
-               shared_tokens=n_tok, x16=x16, h16=h16, interpret=interpret)
+               shared_tokens=n_tok, x16=x16, h16=h16, codes_ahead=bool(codes_ahead),
+               interpret=interpret)
   tag += ("_token" if token else "") + ("_shtok" if shared_token else "")
   tag += f"{n_tok}" if n_tok > 1 else ""
   suffix = f"{'_x16' if x16 else ''}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
@@ -1188,7 +1224,8 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
                num_stages: int | None = None,
                block_k_down: int | None = None, num_warps_down: int | None = None,
                num_stages_down: int | None = None, gate_up_split_k: int | None = None,
-               down_shared_cols: int | None = None, interpret: bool = False):
+               down_shared_cols: int | None = None, codes_ahead: bool | None = None,
+               interpret: bool = False):
   """out [M, D] = sum_k w_k expert_{ids_k}(x) + shared(x); see the module docstring.
 
   ``unroll_slots`` (default: when M * top_k <= 12) unrolls the down kernel's loop over slots in
@@ -1201,7 +1238,9 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
   the programs: Flint's M = 1 gate_up has only 64 of them for 132 SMs); the down kernel sums
   them and applies bf16(silu(g) * u) as it loads each h tile. H200, Flint, M = 1 (run 44):
   gate_up 11.7 us at S = 2 against 13.5, but the down kernel 17.8 against 7.6 (each of its
-  programs rebuilds its slot's h): slower overall, off by default.
+  programs rebuilds its slot's h): slower overall, off by default. ``codes_ahead`` (NVFP4
+  weights in the tile layout): the gate_up kernel loads each K step's weight tiles one step
+  ahead (``_gate_up_kernel``); the same values. None / False = off.
   """
   fe, fs, m, d, _, inter, inter_s = _shapes(x, experts, shared)
   C.check(ids.shape == weights.shape and ids.shape[0] == m,
@@ -1218,7 +1257,7 @@ def moe_decode(x, ids, weights, experts, shared, *, dedupe: bool | None = None,
                    num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                    block_k_down=block_k_down, num_warps_down=num_warps_down,
                    num_stages_down=num_stages_down, gate_up_split_k=gate_up_split_k,
-                   down_shared_cols=down_shared_cols)
+                   down_shared_cols=down_shared_cols, codes_ahead=codes_ahead)
   if not down_split:
     return out
   yk = out[:u].astype(jnp.float32)                                      # [U, M, D]
@@ -1308,7 +1347,7 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       gate_up_touch=(), shared_tokens: int | None = None,
                       gate_up_f16: bool | None = None, x16_rows=None,
                       down_f16: bool | None = None, shared_with_topk: bool | None = None,
-                      interpret: bool = False):
+                      codes_ahead: bool | None = None, interpret: bool = False):
   """(y, route): expert outputs routed *inside* the kernels (2 pallas_calls; 3 with ``prerouted``,
   the default for NVFP4 experts at M > 1) and the routing.
 
@@ -1388,7 +1427,10 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   whose M programs then run beside them (``_launch_topk_shared_then_routed``): the same number
   of launches, the routing's dependent latency under the shared weights' stream, and a gate_up
   kernel of only the routed slots (M * top_k one-token slots; the shared expert was a quarter
-  of its programs at M = 8). Same values. None / False = off.
+  of its programs at M = 8). Same values. None / False = off. H200 run 162, 8x1K: slower,
+  4.328 against 4.233 ms (the gate_up 29.6 -> 24.3 us per layer, but the top-k kernel 2.2 ->
+  9.8: the shared programs alone are a latency chain, hidden beside the routed ones before).
+  ``codes_ahead``: see ``moe_decode``.
   """
   options = locals()    # first statement: exactly the arguments
   y, route_out, counter = _launch_routed(x, logits, experts, shared, options)
@@ -1417,7 +1459,8 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               shared_tokens: int | None = None,
                               gate_up_f16: bool | None = None, x16_rows=None,
                               down_f16: bool | None = None,
-                              shared_with_topk: bool | None = None, interpret: bool = False):
+                              shared_with_topk: bool | None = None,
+                              codes_ahead: bool | None = None, interpret: bool = False):
   """``moe_decode_routed`` then ``moe_combine_add_rms_norm(h, y, route.logits, w_next)`` in 2
   launches instead of 3: the down kernel's last program does the combine (``_down_kernel``'s
   ``combine``). Returns ``(s, x_next, route, counter)``: s = bf16(h + moe) [M, D], x_next its

@@ -452,11 +452,13 @@ def test_default_moe_tiling_token_down_rows():
     assert (t["block_n_down"], t["block_n"], t["block_k"]) == (bn_down, 16, bk), (m, t)
   assert default_moe_tiling("nvfp4", 1)["block_n_down"] == 16
   assert default_moe_tiling("bf16", 4, token=True)["block_n_down"] == 64
-  # the f16 gate_up (gate_up_f16): bn32 from M = 5, 8 warps below; the down kernel unchanged
-  for m, bn, warps in ((8, 32, 4), (5, 32, 4), (4, 16, 8), (2, 16, 8)):
+  # the f16 gate_up (gate_up_f16): bn32 from M = 5, bk512 on 4 warps at M = 4 (runs 162-163),
+  # 8 warps below; the down kernel unchanged
+  for m, bn, bk, warps in ((8, 32, 512, 4), (5, 32, 512, 4), (4, 16, 512, 4), (3, 16, 1024, 8),
+                           (2, 16, 1024, 8)):
     t = default_moe_tiling("nvfp4", m, token=True, shared_token=True, f16=True)
     t0 = default_moe_tiling("nvfp4", m, token=True, shared_token=True)
-    assert (t["block_n"], t["num_warps"]) == (bn, warps), (m, t)
+    assert (t["block_n"], t["block_k"], t["num_warps"]) == (bn, bk, warps), (m, t)
     assert {k: v for k, v in t.items() if k.endswith("_down")} == {
         k: v for k, v in t0.items() if k.endswith("_down")}
 

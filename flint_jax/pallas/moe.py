@@ -794,6 +794,9 @@ def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool 
   instead of 126, and other tiles win: bn32 at M >= 5 (8x1K: 33.9 us per layer against 34.3 on
   bn16, 37.3 for the default decode), 8 warps below (4x1K: 18.4 against 23.1 on 4 warps, and
   21.7 for the default decode on 8 warps; 2x1K: 10.5 against 12.4); the down kernel as without.
+  With the block sums (runs 162-163, in the step): at M = 4 bk512 on 4 warps, 16.7 against
+  17.5 us per layer (4x1K 3.254 / 3.270 against 3.301 / 3.290 ms); at M = 2 it is slower (11.7
+  against 9.8); at M = 8 bn16, bk256 and a K step loaded ahead (``codes_ahead``) are slower.
   ``shared_token``: the shared expert per token too (``shared_rows="token"``): BF16's gate_up
   then on bk128 with 4 stages (its M = 1 tile, bn64 bk256 3 stages, asks for 288 KB of shared
   memory, the H200 has 227 KB; run 109).
@@ -816,7 +819,8 @@ def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool 
   methods = {}
   if token and fe == "nvfp4" and f16:       # gate_up_f16 (H200 runs 154-155, in the step)
     tiles = default_moe_tiling(fe, m, token, shared_token)
-    return {**tiles, **(dict(block_n=32) if m >= 5 else dict(num_warps=8))}
+    return {**tiles, **(dict(block_n=32) if m >= 5 else
+                        dict(block_k=512, num_warps=4) if m == 4 else dict(num_warps=8))}
   if token and fe == "nvfp4" and m >= 5:
     gu, dn = (16, 512, 4, 2), (32, 512, 4, 2)
   elif token and shared_token and fe == "bf16":

@@ -285,7 +285,8 @@ def tiling_options(variant: str):
     """`DecodeOptions` of a tile-override path variant: "osk8" (`o_proj_split_k=8`),
     "mt-bnd32-wd8" (`moe_tiling`: block_n_down 32, num_warps_down 8; the token "f16" adds
     `moe_gate_up_f16`, e.g. "mt-f16-w8", and "shtopk" `moe_shared_with_topk`) or
-    "lm-bn64-w4-dot" (`lm_head_tiling`; a bare word is the tile method). Keys: ``_TILE_ABBREV``."""
+    "lm-bn64-w4-dot" (`lm_head_tiling`; a bare word is the tile method, except "x16":
+    `lm_head_f16`, e.g. "lm-x16-bk512-w4"). Keys: ``_TILE_ABBREV``."""
     import re
     from flint_jax.fast_decode import DecodeOptions
     if variant.startswith("osk"):
@@ -298,6 +299,9 @@ def tiling_options(variant: str):
             continue
         if kind == "mt" and tok == "shtopk":
             extra["moe_shared_with_topk"] = True
+            continue
+        if kind == "lm" and tok == "x16":
+            extra["lm_head_f16"] = True
             continue
         match = re.fullmatch(r"([a-z]+?)(\d+)", tok)
         if match and match[1] in _TILE_ABBREV:
@@ -345,6 +349,8 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     by the attention kernel), "pallas_qfin" (`qkv_finish`: the q|k|v kernel's last K slice of
     each tile sums the partials itself), "pallas_osk8" (`o_proj_split_k`), "pallas_mt-bnd32-wd8" /
     "pallas_lm-bn64-w4" (`moe_tiling` / `lm_head_tiling` at batch > 1, `tiling_options`),
+    "pallas_lm-x16" / "pallas_lm-x16-bk512-w4" (`lm_head_f16`: the batch-1 NVFP4 LM head on
+    f16x2 products, with its tiles),
     "pallas_sht2" / "pallas_sht4" / "pallas_sht8" (`moe_shared_tokens`: the shared expert's
     gate_up programs each decode their tile once for 2 / 4 / 8 tokens), "pallas_mt-f16"
     (`moe_gate_up_f16` forced on: the MoE gate_up's f16x2 products, the default at batch > 1;

@@ -41,6 +41,7 @@ from flint_jax.pallas.gemv import gemv
 from flint_jax.pallas.moe import moe_decode_routed_combine
 from flint_jax.pallas.nvfp4_gemv import asm_decode as nvfp4_asm_decode
 from flint_jax.pallas.nvfp4_gemv import f16_sums as nvfp4_f16_sums
+from flint_jax.pallas.nvfp4_gemv import x16_operand
 
 # KVCache.counters entries of the MoE down kernel's combine (`moe_decode_routed_combine`): one
 # for the column blocks and one per block (<= 129 at D = 2048), or in the residual mode at
@@ -276,9 +277,16 @@ class DecodeOptions:
       the f16 MoE too). () (default) =
       ``moe.default_moe_tiling``. For measuring
       tiles inside the step, where the L2 and the neighbouring kernels are the real ones.
-    lm_head_tiling: at batch > 1, overrides for the NVFP4 LM head GEMV: pairs (name, value)
-      with names from ``LM_HEAD_TILING_KEYS`` (``nvfp4_gemv``'s ``block_n``, ``block_k``,
-      ``num_warps``, ``num_stages``, ``split_k``, ``method``). () (default) = its defaults.
+    lm_head_tiling: overrides for the NVFP4 LM head GEMV (at batch > 1, or at batch 1 with
+      ``lm_head_f16``): pairs (name, value) with names from ``LM_HEAD_TILING_KEYS``
+      (``nvfp4_gemv``'s ``block_n``, ``block_k``, ``num_warps``, ``num_stages``, ``split_k``,
+      ``method``). () (default) = its defaults.
+    lm_head_f16: at batch 1, the NVFP4 LM head GEMV multiplies in f16x2 against the final
+      norm's output scaled into f16 (`nvfp4_gemv(x16, ..., x_inv=)`, the ``blocks`` tiles'
+      f16 K step, sums per ``moe_f16_sums``), the operand written by the last MoE layer's
+      down kernel where it does the combine (`moe_decode_routed_combine(x16_next=True)`),
+      else by one XLA op (`x16_operand`). SASS of the 150144 x 2048 head (bk512, 4 warps):
+      211 against 325 instructions per thread and K step. False (default) = off until timed.
     moe_shared_tokens: at batch > 1 with the shared expert per token (``moe_shared_rows``
       "token", the NVFP4 default), each shared-expert gate_up program takes this many tokens
       and decodes its weight tile once for them (`moe_decode_routed(shared_tokens=)`); None
@@ -362,6 +370,7 @@ class DecodeOptions:
     moe_down_f16: bool | None = None
     moe_f16_sums: str = "block"
     moe_shared_with_topk: bool = False
+    lm_head_f16: bool = False
 
     MOE_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
                        "block_k_down", "num_warps_down", "num_stages_down", "codes_ahead")
@@ -603,7 +612,7 @@ FUSED_OPTIONS = DecodeOptions(router_in_norm=True, norm_in_qkv=True, attention="
 
 
 def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None, sum_splits=True,
-            bf16_pallas=False, split_k=None, tiling=()):
+            bf16_pallas=False, split_k=None, tiling=(), x_inv=None):
     """x [M, K] -> [M, N]; ``method``: the NVFP4 kernel's tile method (None: its default).
     ``split_k`` / ``tiling`` (pairs of `nvfp4_gemv` keyword arguments): overrides of the Pallas
     GEMV's defaults (``DecodeOptions.o_proj_split_k`` / ``lm_head_tiling``).
@@ -611,10 +620,11 @@ def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None, sum_splits=T
     ``sum_splits=False``: a split-K Pallas GEMV returns its fp32 partials [S, M, N] unsummed, for
     `add_rms_norm` to sum (one launch less); only pass it where the result goes there.
     ``bf16_pallas``: BF16 weights on the Pallas `gemv` (K in 4 slices where it divides) instead
-    of XLA's dot.
+    of XLA's dot. ``x_inv`` (NVFP4): x is the f16 operand `x16_operand` gives, x_inv its
+    factor (`nvfp4_gemv`'s).
     """
     if lin.quant:
-        kw = dict(method=method, split_k=split_k)
+        kw = dict(method=method, split_k=split_k, x_inv=x_inv)
         kw.update(tiling)
         return nvfp4_gemv(x, lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...],
                           out_dtype=out_dtype, interpret=interpret, sum_splits=sum_splits, **kw)
@@ -696,34 +706,37 @@ def _shared_arg(mlp):
 
 
 def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_kw=None,
-                      counters=None, route=None, norm=True):
+                      counters=None, route=None, norm=True, x16_next=False):
     """The MoE block on x, then (h + moe, rms_norm(h + moe) * w_next). Routed mode: `logits`
     the router's (`_route`), `route` its routing when that was computed too, `moe_kw`
     `moe_decode_routed`'s options, `counters` the cache's counters, the combine then done by
     the down kernel (with ``norm=False`` it stops at h + moe and returns the sums of squares of
-    its column blocks in x's place, `moe_decode_routed_combine`). Returns (h, x, counters), the
-    counters as the kernels leave them (None when not given)."""
+    its column blocks in x's place, `moe_decode_routed_combine`). Returns (h, x, counters,
+    x16_rows), the counters as the kernels leave them (None when not given); ``x16_next`` with
+    the combine in the down kernel: x16_rows = x's f16 operand (x16, inv) from that kernel,
+    else None."""
     eps = cfg.rms_norm_eps
     k = cfg.num_experts_per_tok
     if mode == "v1":
         mode = "slots" if mlp.experts.quant else "xla"
     if mode == "routed":
         if counters is not None:   # the combine in the down kernel's last program
-            s, x_next, _, counters = moe_decode_routed_combine(
+            s, x_next, _, counters, *x16_rows = moe_decode_routed_combine(
                 x, logits, _experts_arg(mlp.experts), _shared_arg(mlp), h, w_next, counters,
                 counter_base=COMBINE_COUNTER_BASE, eps=eps, norm=norm, top_k=k,
-                interpret=interpret, route=route, **(moe_kw or {}))
-            return s, x_next, counters
+                interpret=interpret, route=route, x16_next=x16_next and norm,
+                **(moe_kw or {}))
+            return s, x_next, counters, (x16_rows[0] if x16_rows else None)
         y, route = moe_decode_routed(x, logits, _experts_arg(mlp.experts), _shared_arg(mlp),
                                      top_k=k, interpret=interpret, route=route, **(moe_kw or {}))
         return (*moe_combine_add_rms_norm(h, y, route.logits, w_next, eps=eps,
-                                          interpret=interpret), counters)
+                                          interpret=interpret), counters, None)
     if mode == "slots":
         y = moe_block(x, mlp.gate.weight[...], _experts_arg(mlp.experts), _shared_arg(mlp),
                       top_k=cfg.num_experts_per_tok, interpret=interpret)
     else:
         y = mlp(x[:, None, :])[:, 0]  # the XLA path: gathered experts, einsums
-    return (*add_rms_norm(h, y, w_next, eps=eps, interpret=interpret), counters)
+    return (*add_rms_norm(h, y, w_next, eps=eps, interpret=interpret), counters, None)
 
 
 def _weight_arrays(*lins):
@@ -853,6 +866,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # RoPE's cos / sin: computed by the first sliding layer's attention kernel, loaded by
         # the others (SASS: the sincos were ~30% of a ring program's instructions)
         rope_cs = None
+        # lm_head_f16: the LM head on the f16 operand, which the last combine may write
+        lm16 = opts.lm_head_f16 and b == 1 and m.lm_head.quant
+        x16_head = None
         if not fold:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)
         for i, layer in enumerate(layers):
@@ -971,11 +987,11 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     # the last layer's full combine (its norm feeds the LM head) stays its own
                     # kernel where the combine in the down kernel is not the batch's choice
                     in_down = combine_in_down and (not norm or opts.combine_in_down_at(b))
-                    h, x, out_counters = _moe_add_rms_norm(
+                    h, x, out_counters, x16_head = _moe_add_rms_norm(
                         mlp, cfg, x, h, nxt, opts.moe, interpret, router_logits,
                         {**moe_kw, **down_pf, **layer_moe_kw},
                         counters=counters if in_down else None,
-                        route=route, norm=norm)
+                        route=route, norm=norm, x16_next=lm16 and last)
                     if in_down:
                         counters = out_counters
                     if not norm:    # x holds the sums of squares of h's column blocks
@@ -989,9 +1005,14 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         pending = (y, None)
                     else:
                         h, x = add_rms_norm(h, y, nxt, eps=eps, interpret=interpret)
-        logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32,
-                         method=nv_method or ("dot" if swap_off else None),
-                         tiling=opts.lm_head_tiling if b > 1 else ())
+        if lm16:   # the LM head on the f16 operand (from the last combine, else one XLA op)
+            x16, x_inv = x16_head if x16_head is not None else x16_operand(x)
+            logits = _linear(m.lm_head, x16, interpret, out_dtype=jnp.float32,
+                             tiling=opts.lm_head_tiling, x_inv=x_inv)
+        else:
+            logits = _linear(m.lm_head, x, interpret, out_dtype=jnp.float32,
+                             method=nv_method or ("dot" if swap_off else None),
+                             tiling=opts.lm_head_tiling if b > 1 else ())
         new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
                             lengths=pos + 1,
                             counters=counters)

@@ -129,6 +129,9 @@ def test_make_handle_path_variants():
                                                  moe_tiling=(("num_warps", 8),)),
             "pallas_mt-ca1-bn16": DecodeOptions(moe_tiling=(("codes_ahead", 1),
                                                             ("block_n", 16))),
+            "pallas_lm-x16": DecodeOptions(lm_head_f16=True),
+            "pallas_lm-x16-bk512-w4": DecodeOptions(lm_head_f16=True, lm_head_tiling=(
+                ("block_k", 512), ("num_warps", 4))),
             "pallas_rs8": DecodeOptions(ring_splits=8)}
     for path, opts in want.items():
         assert decode_bench.make_handle(cfg, graphdef, state, False, path).decode_options == opts

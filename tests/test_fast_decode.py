@@ -803,3 +803,34 @@ def test_moe_combine_in_down_counters_stay_zero():
                                    DecodeOptions(moe_combine_in_down=False), 1, (9, 2, 30)):
         assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
         np.testing.assert_array_equal(l1, l2)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(moe_combine_in_down=False, rms_in_qkv=False),
+                                   dict(lm_head_tiling=(("block_k", 64), ("num_warps", 2)))])
+def test_lm_head_f16_step(extra):
+    """`lm_head_f16` at batch 1 (NVFP4): the LM head on the f16 operand, written by the last
+    MoE layer's down kernel with the combine (default) or by `x16_operand` (combine not in the
+    down kernel): logits within the f16 sums' error of the step without it, the same argmax;
+    at batch 2 it changes nothing; lowered for an H200, the LM head reads the combine's f16
+    operand."""
+    from flint_jax.pallas.testing import rel_l2
+    on, off = DecodeOptions(lm_head_f16=True, **extra), DecodeOptions(**extra)
+    for l1, _, l2 in paired_steps(True, 41, on, off, 1, (5, 17)):
+        assert 0 < rel_l2(l1, l2) < 5e-3, rel_l2(l1, l2)
+        assert (l1.argmax(-1) == l2.argmax(-1)).all()
+    if extra:
+        return
+    for l1, _, l2 in paired_steps(True, 41, on, off, 2, (5,)):
+        np.testing.assert_array_equal(l1, l2)
+    import jax
+    import jax.numpy as jnp
+    from flint_jax.cache import cache_shapes
+    from flint_jax.pallas.testing import triton_modules
+    cfg = small_cfg()
+    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
+    step = fast_decode.make_decode_step(graphdef, cfg, options=on)
+    names = [m["name"] for m in triton_modules(lambda s, c, t: step(s, c, t), state,
+                                               cache_shapes(cfg, 1, 256),
+                                               jax.ShapeDtypeStruct((1,), jnp.int32))]
+    assert any(n.startswith("flint_nvfp4_gemv_blocks") and n.endswith("_x16") for n in names), names
+    assert any(n.startswith("flint_moe_down") and n.endswith("_combine_x16") for n in names), names

@@ -485,6 +485,42 @@ def test_moe_decode_routed_combine_shared_rows_token():
   assert not np.asarray(counter).any(), "the counter entries must come back zeroed"
 
 
+@pytest.mark.parametrize("m,kw", [(1, dict(gate_up_f16=True, down_f16=True)), (3, {})])
+def test_moe_decode_routed_combine_x16_next(m, kw):
+  """``x16_next``: the combine's program also writes x_next's f16 operand, equal bit for bit to
+  ``x16_operand(x_next)``; s and x_next as without it; the kernel lowers for an H200."""
+  from flint_jax.pallas.nvfp4_gemv import x16_operand
+  from flint_jax.pallas.testing import triton_modules
+  _, experts, shared, x, _, logits = _routed_case("nvfp4", m, 16, 3, 256, 64, 128, False,
+                                                  f"x16n{m}")
+  gen = rng("x16n-h", m)
+  h = randn(gen, (m, 256))
+  w_next = randn(gen, (256,)) + 1.0
+  kw = dict(top_k=3, decode=DECODE, interpret=INTERPRET, block_n_down=32, slot_rows="token",
+            shared_rows="token", **kw)
+  counter = jnp.zeros((64,), jnp.int32)
+  s0, x0, _, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
+                                                 counter_base=20, **kw)
+  s1, x1, _, counter, (x16, inv) = moe_decode_routed_combine(
+      x, logits, experts, shared, h, w_next, counter, counter_base=20, x16_next=True, **kw)
+  assert not np.asarray(counter).any(), "the counter entries must come back zeroed"
+  np.testing.assert_array_equal(np.asarray(s1, np.float32), np.asarray(s0, np.float32))
+  np.testing.assert_array_equal(np.asarray(x1, np.float32), np.asarray(x0, np.float32))
+  want16, want_inv = x16_operand(x1)
+  assert x16.dtype == jnp.float16 and x16.shape == (m, 256) and inv.shape == (m,)
+  np.testing.assert_array_equal(np.asarray(x16).view(np.uint16),
+                                np.asarray(want16).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(inv), np.asarray(want_inv))
+  with pytest.raises(ValueError, match="needs norm=True"):
+    moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, counter_base=20,
+                              x16_next=True, norm=False, **kw)
+  gpu_kw = dict(kw, decode="asm", interpret=False)
+  mods = triton_modules(lambda x_, l_: moe_decode_routed_combine(
+      x_, l_, experts, shared, h, w_next, counter, counter_base=20, x16_next=True, **gpu_kw),
+      x, logits)
+  assert any(mod["name"].endswith("_combine_x16") for mod in mods), [m_["name"] for m_ in mods]
+
+
 def test_moe_decode_routed_rejects_bad_shared_rows():
   _, experts, shared, x, _, logits = _routed_case("nvfp4", 4, 16, 2, 128, 64, 64, False, "bsr")
   for kw, match in [(dict(slot_rows="all", shared_rows="token"), "needs slot_rows='token'"),

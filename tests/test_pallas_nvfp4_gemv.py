@@ -318,3 +318,61 @@ def test_store_x16_blocks(n):
   back = np.asarray(x16, np.float64).reshape(2, 32, 2, 2).swapaxes(-1, -2).reshape(2, 8, 16)
   np.testing.assert_array_equal((back * np.asarray(inv, np.float64)[..., None]).reshape(2, 128),
                                 np.asarray(v, np.float64))
+
+
+@pytest.mark.parametrize("decode", DECODES)
+@pytest.mark.parametrize("n,k,scale,sums,kw", [
+    (48, 320, 1.0, "block", dict(block_n=16, block_k=64)),       # odd K steps (5 of 64)
+    (64, 512, 1e-3, "pair", dict(block_k=128, split_k=2)),       # split-K, small values
+    (96, 2048, 37.0, "block", {}),                               # the default (LM head) tiles
+    (2048, 2048, 1.0, "block", dict(out_dtype=jnp.bfloat16)),   # Flint size, bf16 out
+])
+def test_nvfp4_gemv_x16(decode, n, k, scale, sums, kw):
+  """``x_inv``: the M = 1 GEMV on the f16 operand (``x16_operand``) matches the reference on the
+  bf16 x it holds like the f32 ``blocks`` tiles do (within a few bf16 ulps of them), at row
+  scales far from 1; ``from_x16`` gives x back exactly; the kernel lowers for an H200 with the
+  f16x2 products."""
+  from flint_jax.pallas.nvfp4_gemv import f16_sums, from_x16, x16_operand
+  from flint_jax.pallas.testing import rel_l2, triton_modules
+  g = rng("x16gemv", n, k, scale, sums, kw)
+  x = (randn(g, (1, k)).astype(jnp.float32) * scale).astype(jnp.bfloat16)
+  w = random_nvfp4(g, (n, k))
+  kw = dict(dict(out_dtype=jnp.float32), **kw)
+  x16, inv = x16_operand(x)
+  np.testing.assert_array_equal(np.asarray(from_x16(x16, inv), np.float32),
+                                np.asarray(x, np.float32))
+  with f16_sums(sums):
+    out = nvfp4_gemv(x16, *w, x_inv=inv, decode=decode, interpret=INTERPRET, **kw)
+  ref = nvfp4_gemv_reference(x, *w, out_dtype=kw["out_dtype"])
+  np.testing.assert_array_equal(
+      np.asarray(nvfp4_gemv_reference(x16, *w, x_inv=inv, out_dtype=kw["out_dtype"])),
+      np.asarray(ref))
+  # f32 outputs: the f16 sums' error (~2^-11 of a block's sum), not f32's
+  tol = dict(atol=3e-3, rtol=0.0) if kw["out_dtype"] == jnp.float32 else {}
+  assert_close(out, ref, what=f"nvfp4_gemv x16 ({sums})", **tol)
+  f32_tiles = nvfp4_gemv(x, *w, method="blocks", decode=decode, interpret=INTERPRET, **kw)
+  # measured (interpret): rel. L2 2-4e-4 (f32 out) / 1.1e-3 (bf16 out) against ~1e-7 / 0
+  bound = 1e-3 if kw["out_dtype"] == jnp.float32 else 5e-3
+  assert rel_l2(out, ref) < bound and rel_l2(f32_tiles, ref) < 1e-5, (
+      rel_l2(out, ref), rel_l2(f32_tiles, ref))
+  with f16_sums(sums):
+    mods = triton_modules(lambda a, b: nvfp4_gemv(a, *w, x_inv=b, decode="asm", **kw),
+                          x16, inv)
+  (mod,) = mods
+  assert mod["name"].endswith("_x16") and "fma.rn.f16x2" in mod["asm"], mod["name"]
+
+
+def test_nvfp4_gemv_x16_rejects():
+  """The f16 operand needs its factor, one row and the blocks tiles; errors say so."""
+  from flint_jax.pallas.nvfp4_gemv import x16_operand
+  w = random_nvfp4(rng("x16rej"), (32, 128))
+  x = randn(rng("x16rej", 1), (2, 128))
+  x16, inv = x16_operand(x)
+  with pytest.raises(ValueError, match="needs its x_inv"):
+    nvfp4_gemv(x16[:1], *w, interpret=True)
+  with pytest.raises(ValueError, match="needs its x_inv"):
+    nvfp4_gemv(x[:1], *w, x_inv=inv[:1], interpret=True)
+  with pytest.raises(ValueError, match="for one row"):
+    nvfp4_gemv(x16, *w, x_inv=inv, interpret=True)
+  with pytest.raises(ValueError, match="'blocks' tiles"):
+    nvfp4_gemv(x16[:1], *w, x_inv=inv[:1], method="reduce", interpret=True)

@@ -15,6 +15,7 @@ into the same one). Example::
 
   JAX_PLATFORMS=cpu PYTHONPATH=. python tools/triton_sass.py --out /tmp/sass \\
       --kernel nvfp4_gemv --m 1 --n 4096 --k 2048 --kw method=lanes block_n=16 block_k=1024
+  (``--kw x16=1``: the GEMV on the f16 operand, ``nvfp4_gemv(x16, ..., x_inv=)``)
   JAX_PLATFORMS=cpu PYTHONPATH=. python tools/triton_sass.py --kernel moe --m 8
 
 Kernels: nvfp4_gemv, multi_gemv (NVFP4 q|k|v), moe / moe_bf16 (routed, NVFP4 / BF16 experts,
@@ -110,6 +111,9 @@ def build(kernel: str, m: int, n: int, k: int, kw: dict, prescaled: bool = False
   if kernel == "nvfp4_gemv":
     mod = importlib.import_module("flint_jax.pallas.nvfp4_gemv")
     w = random_nvfp4((n, k))
+    if kw.pop("x16", False):   # the f16 operand (x16_operand) with its factor x_inv
+      return (lambda x, inv, *w_: mod.nvfp4_gemv(x, *w_, x_inv=inv, **kw),
+              (S((m, k), jnp.float16), S((m,), jnp.float32), *w))
     return functools.partial(mod.nvfp4_gemv, **kw), (S((m, k), jnp.bfloat16), *w)
   if kernel == "multi_gemv":
     mod = importlib.import_module("flint_jax.pallas.multi_gemv")

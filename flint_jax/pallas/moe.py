@@ -641,7 +641,7 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
 
 
 def _down_combine_finish(r, *, m, d, n_slots, progs_per_block, top_k, base, eps, dp,
-                         interpret, bn=None, norm=True, per_token=False, token=None):
+                         interpret, bn=None, norm=True, per_token=False, token=None, x16=False):
   """The tail of the down kernel with ``combine``: see ``_down_kernel``. ``per_token`` (residual
   mode with per-token slots): ``token`` is this program's token; its block's arrivals are
   counted per token on entry ``base + 1 + block * M + token`` and the last of its top_k + 1
@@ -675,7 +675,8 @@ def _down_combine_finish(r, *, m, d, n_slots, progs_per_block, top_k, base, eps,
     def _():
       plgpu.store(cnt.at[jnp.int32(base)], jnp.int32(0))
       for t in range(m):
-        _combine_row_flat(r, t, m=m, top_k=top_k, n_slots=n_slots, d=d, dp=dp, eps=eps)
+        _combine_row_flat(r, t, m=m, top_k=top_k, n_slots=n_slots, d=d, dp=dp, eps=eps,
+                          x16=x16)
 
 
 def _combine_block(r, t, jb, *, m, top_k, n_slots, bn):
@@ -695,9 +696,10 @@ def _combine_block(r, t, jb, *, m, top_k, n_slots, bn):
   r["cmb_ss"][t, jb] = jnp.sum(s32 * s32)
 
 
-def _combine_row_flat(r, t, *, m, top_k, n_slots, d, dp, eps):
+def _combine_row_flat(r, t, *, m, top_k, n_slots, d, dp, eps, x16=False):
   """``moe_combine_add_rms_norm``'s row code for token t, reading y from the down kernel's own
-  output [(U + 1) * M, D] (volatile: other programs wrote it during this kernel)."""
+  output [(U + 1) * M, D] (volatile: other programs wrote it during this kernel); ``x16``: also
+  x_next's f16 operand (``cmb_x16`` / ``cmb_xinv``, ``nvfp4_gemv.x16_operand``)."""
   y_ref = r["out"]
   t = jnp.int32(t)
 
@@ -705,7 +707,8 @@ def _combine_row_flat(r, t, *, m, top_k, n_slots, d, dp, eps):
     return plgpu.load(y_ref.at[u * m + t, cols], mask=mask, other=0, volatile=True)
 
   _combine_row(y_row, r["cmb_logits"], r["cmb_h"], r["cmb_w"], r["cmb_s"], r["cmb_x"], t,
-               top_k=top_k, u=n_slots, d=d, dp=dp, eps=eps)
+               top_k=top_k, u=n_slots, d=d, dp=dp, eps=eps,
+               x16_refs=(r["cmb_x16"], r["cmb_xinv"]) if x16 else ())
 
 
 # ------------------------------------------------------------------------------------------
@@ -1154,8 +1157,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     names += ["sd_q", "sd_s", "sd_s2"]
     args += _weight_args(fs, shared["down_proj"], "") + [C.scalar_f32(shared["down_proj"][2])]
   combine_kw = None
-  if combine is not None:   # (h, w_next, counter, base, eps, norm): the combine in the last
-    c_h, c_w, c_counter, c_base, c_eps, c_norm = combine      # program(s)
+  if combine is not None:   # (h, w_next, counter, base, eps, norm, x16): the combine in the
+    c_h, c_w, c_counter, c_base, c_eps, c_norm, c_x16 = combine      # last program(s)
+    C.check(c_norm or not c_x16, "combine: the x16 operand is of the normalised row (norm=True)")
     n_blocks = d // bn_dn
     C.check(route is not None and down_split, "the combine needs the routed, split down kernel")
     C.check(c_h.shape == (m, d) and c_h.dtype == x.dtype and c_w.shape == (d,),
@@ -1170,10 +1174,11 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
     names += ["cmb_logits", "cmb_h", "cmb_w", "cmb_counter"]
     args += [route_out.logits, c_h, c_w, c_counter]
     combine_kw = dict(top_k=route[0], base=c_base, eps=c_eps, dp=C.next_pow2(d), bn=bn_dn,
-                      norm=c_norm, per_token=per_token)
+                      norm=c_norm, per_token=per_token, x16=c_x16)
   names += ["out"]
   if combine is not None:
     names += ["cmb_s", "cmb_x" if c_norm else "cmb_ss", "cmb_counter_out"]
+    names += ["cmb_x16", "cmb_xinv"] if c_x16 else []
   kernel = functools.partial(
       _down_kernel, names=names, m=m, mp=C.pad_rows(m, method_down), inter=inter,
       inter_s=inter_s, bn=bn_dn, bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs,
@@ -1192,6 +1197,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
                     jax.ShapeDtypeStruct((m, d), x.dtype) if c_norm else
                     jax.ShapeDtypeStruct((m, d // bn_dn), jnp.float32),
                     jax.ShapeDtypeStruct(c_counter.shape, jnp.int32)]
+      if c_x16:
+        out_shape += [jax.ShapeDtypeStruct((m, d), jnp.float16),
+                      jax.ShapeDtypeStruct((m,), jnp.float32)]
       aliases = {len(args) - 1: 3}     # the counter, in place
     # the down kernel's body is traced inside this call: ``asm_down`` picks its decode sequence
     with NV.asm_decode(asm_down or NV.asm_decode.value), \
@@ -1205,6 +1213,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
           name=(f"flint_moe_down_split{tag}{'_h16' if h16 else ''}_{fe}_{fs}_{method_down}_bn{bn_dn}"
                 f"{f'_sc{down_shared_cols}' if down_shared_cols > 1 else ''}"
                 f"{'' if combine is None else '_combine' if c_norm else '_residual'}"
+                f"{'_x16' if combine is not None and c_x16 else ''}"
                 f"{'_pf' if down_prefetch else ''}"),
       )(*args, *down_prefetch)
     y = res[0].reshape(u + 1, m, d)
@@ -1442,9 +1451,11 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("counter_base", "eps", "norm") + _ROUTED_KNOBS + _TUNING)
+                   static_argnames=("counter_base", "eps", "norm", "x16_next") + _ROUTED_KNOBS
+                   + _TUNING)
 def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               counter_base: int, eps: float = 1e-6, norm: bool = True,
+                              x16_next: bool = False,
                               top_k: int = 6,
                               slot_rows: str | None = None, token_method: str | None = None,
                               block_n: int | None = None,
@@ -1477,12 +1488,19 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
   writes that block's s and its fp32 sum of squares; returns ``(s, sumsq, route, counter)``,
   sumsq f32 [M, D / block_n_down] (``sumsq[t, b] = sum over block b's columns of f32(s[t])^2``),
   for a consumer that normalises as it loads (``multi_gemv(s, ..., rms_sumsq=sumsq,
-  rms_weight=w_next)``). s is the same either way; w_next is not read."""
+  rms_weight=w_next)``). s is the same either way; w_next is not read.
+
+  ``x16_next`` (with ``norm``): also x_next's f16 operand, ``nvfp4_gemv.x16_operand(x_next)``
+  (x16 [M, D] f16, inv [M] f32), from the same program (e.g. for the LM head's
+  ``nvfp4_gemv(x16, ..., x_inv=inv)``); returns ``(s, x_next, route, counter, (x16, inv))``."""
   options = locals()    # first statement: exactly the arguments
   options.pop("norm")
-  (_, s_out, x_out, counter), route_out, _ = _launch_routed(
+  C.check(norm or not x16_next, "x16_next is the normalised row's operand: needs norm=True")
+  (_, s_out, x_out, counter, *x16_rows), route_out, _ = _launch_routed(
       x, logits, experts, shared, options,
-      combine=(h, w_next, counter, counter_base, eps, norm))
+      combine=(h, w_next, counter, counter_base, eps, norm, x16_next))
+  if x16_next:
+    return s_out, x_out, route_out, counter, tuple(x16_rows)
   return s_out, x_out, route_out, counter
 
 
@@ -1521,16 +1539,21 @@ def _combine_s(y_row, l_ref, h_ref, t, cols, mask, *, top_k, u, dtype):
   return (h.astype(jnp.float32) + moe.astype(jnp.float32)).astype(dtype)
 
 
-def _combine_row(y_row, l_ref, h_ref, w_ref, s_ref, o_ref, t, *, top_k, u, d, dp, eps):
+def _combine_row(y_row, l_ref, h_ref, w_ref, s_ref, o_ref, t, *, top_k, u, d, dp, eps,
+                 x16_refs=()):
   """The combine + residual add + RMSNorm of token t (``_combine_s``, then ``add_rms_norm``'s
-  normalisation)."""
+  normalisation); ``x16_refs``: (x16 [M, D] f16, inv [M] f32), the normalised row's
+  ``x16_operand`` (as ``add_rms_norm(x16=True)`` writes it)."""
   cols = jnp.arange(dp, dtype=jnp.int32)
   mask = cols < d
   s = _combine_s(y_row, l_ref, h_ref, t, cols, mask, top_k=top_k, u=u, dtype=s_ref.dtype)
   w = plgpu.load(w_ref.at[cols], mask=mask, other=0).astype(jnp.float32)
   out = ARN._normalize(s.astype(jnp.float32), w, d, eps)
   plgpu.store(s_ref.at[t, cols], s, mask=mask)
-  plgpu.store(o_ref.at[t, cols], out.astype(o_ref.dtype), mask=mask)
+  out = out.astype(o_ref.dtype)
+  plgpu.store(o_ref.at[t, cols], out, mask=mask)
+  if x16_refs:
+    ARN._store_x16(*x16_refs, t, out, cols, mask)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))

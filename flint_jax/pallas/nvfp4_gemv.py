@@ -845,8 +845,11 @@ def _validate(x, ws, block_n, block_k, split_k=1):
   return m, n, k
 
 
-def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, o_ref, *, m, mp, bn, nb, n_iter, split_k,
-                       decode, layout, method):
+def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, *refs, m, mp, bn, nb, n_iter, split_k,
+                       decode, layout, method, x16=False):
+  """One program per (row tile, K split). ``x16``: x is the f16 operand (``x16_operand``) and
+  ``refs`` starts with its row factor inv [1] f32."""
+  xinv_ref, o_ref = refs if x16 else (None, *refs)
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   bbase = pl.program_id(1) * (n_iter * nb) if split_k > 1 else 0
 
@@ -856,7 +859,8 @@ def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, o_ref, *, m, mp, bn, nb, n_i
                           layout=layout, method=method, acc=acc)
 
   acc = lax.fori_loop(0, n_iter, body, C.acc_zeros(mp, bn, method, lanes_shape(nb * 64)))
-  acc = C.finish_acc(acc, method) * (s2_ref[0] * decode_factor(decode))
+  factor = F16_DECODE_FACTOR * xinv_ref[0] if x16 else decode_factor(decode)
+  acc = C.finish_acc(acc, method) * (s2_ref[0] * factor)
   lead = (pl.program_id(1),) if split_k > 1 else ()
   C.store_tile(o_ref, lead, acc, n0, bn, m, mp, method)
 
@@ -907,8 +911,14 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
                split_k: int | None = None, decode: str = "asm", layout: str = "tile",
                method: str | None = None, num_warps: int | None = None, num_stages: int = 3,
                interpret: bool = False, sum_splits: bool = True, programs: int | None = None,
-               preload: bool = True):
+               preload: bool = True, x_inv=None):
   """y[M, N] = out_dtype((x @ dequant(qweight, weight_scale)^T) * weight_scale_2).
+
+  ``x_inv`` (M = 1): x is then the f16 operand of ``x16_operand`` (x16 [1, K] f16, values scaled
+  by 2^c and stored in groups of four as x0, x2, x1, x3) and ``x_inv`` its factor 2^-c, [1] f32:
+  the ``blocks`` K step multiplies in f16x2 (``blocks_fma_f16``, the sums of a 16-value block
+  in f16 per ``f16_sums``) instead of decoding to f32, ~2 instead of ~4.8 instructions per
+  weight. The products are exact; each f16 sum rounds (relative error ~2^-11 per block).
 
   ``programs`` (no split-K): that many persistent programs stream the row tiles one after
   another (``_nvfp4_gemv_stream_kernel``) instead of one program per tile; ``preload`` (tile
@@ -934,6 +944,7 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   w = (qweight, weight_scale, weight_scale_2)
   m, n, k = _validate(x, [w], block_n, block_k, split_k)
   C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
+  x16 = _check_x16(x, x_inv, method, layout, programs)
   decode = resolve_decode(decode, interpret)
   C.check_method(method, m)
   mp = C.pad_rows(m, method)
@@ -942,7 +953,8 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   s2 = C.scalar_f32(weight_scale_2)
   kernel = functools.partial(_nvfp4_gemv_kernel, m=m, mp=mp, bn=block_n, nb=nb,
                              n_iter=k // block_k // split_k, split_k=split_k, decode=decode,
-                             layout=layout, method=method)
+                             layout=layout, method=method, x16=x16)
+  xinv = (x_inv.reshape(1).astype(jnp.float32),) if x16 else ()
   if programs is not None:
     C.check(split_k == 1, f"programs= streams whole rows: split_k must be 1, got {split_k=}")
     C.check(programs >= 1, f"programs must be >= 1, got {programs=}")
@@ -963,26 +975,54 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   y = C.pallas_call(
       kernel, out_shape=out_shape, grid=grid,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_nvfp4_gemv_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}",
-  )(x_view(x), q4, s4, s2)
+      name=(f"flint_nvfp4_gemv_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}"
+            f"{'_x16' if x16 else ''}"),
+  )(x_view(x), q4, s4, s2, *xinv)
   if split_k > 1 and sum_splits:
     y = jnp.sum(y, axis=0).astype(out_dtype)
   return y
 
 
 def nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat16,
-                         split_k: int | None = None, sum_splits: bool = True, **unused_tuning):
+                         split_k: int | None = None, sum_splits: bool = True, x_inv=None,
+                         **unused_tuning):
   """Plain jnp: exact bf16 dequantisation, fp32 dot, tensor scale on the fp32 result.
 
   ``sum_splits=False`` with ``split_k`` > 1: ``nvfp4_gemv``'s fp32 partials [split_k, M, N] (one
   dot per contiguous K range). The reference picks no tiles, so ``split_k`` must be given then.
+  ``x_inv``: x is an ``x16_operand``, taken back to the bf16 values it holds (exactly).
   """
   del unused_tuning
+  if x_inv is not None:
+    x = from_x16(x, x_inv)
   if sum_splits or split_k == 1:
     split_k = 1
   C.check(split_k is not None, "sum_splits=False needs an explicit split_k in the reference")
   return _nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, out_dtype=out_dtype,
                                split_k=split_k)
+
+
+def _check_x16(x, x_inv, method, layout, programs) -> bool:
+  """Whether x is an f16 ``x16_operand`` (then checked against ``x_inv`` and the tiles)."""
+  if x.dtype != jnp.float16 and x_inv is None:
+    return False
+  C.check(x.dtype == jnp.float16 and x_inv is not None,
+          f"an f16 x is the x16_operand and needs its x_inv (and x_inv an f16 x), got "
+          f"{x.dtype=} x_inv={'None' if x_inv is None else 'given'}")
+  C.check(x.shape[0] == 1 and jnp.size(x_inv) == 1,
+          f"the f16 operand is for one row: x [1, K] and x_inv [1], got {x.shape=} "
+          f"{jnp.shape(x_inv)=}")
+  C.check(method == "blocks" and layout == "tile" and programs is None,
+          f"the f16 operand runs the 'blocks' tiles (tile layout, no programs=), got "
+          f"{method=} {layout=} {programs=}")
+  return True
+
+
+def from_x16(x16, inv, dtype=jnp.bfloat16):
+  """The inverse of ``x16_operand``: x16 [..., K] f16 (x16 order), inv [...] f32 -> [..., K]
+  ``dtype`` (exact for what ``x16_operand`` produced from bf16 values)."""
+  v = _x16_order(x16).astype(jnp.float32) * jnp.asarray(inv, jnp.float32)[..., None]
+  return v.astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "split_k"))

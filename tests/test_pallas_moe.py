@@ -988,7 +988,7 @@ def test_moe_decode_routed_shared_with_topk(fmt, m, e, f16, ties):
                                   (3, dict(slot_rows="token")),
                                   (2, dict(slot_rows="all")),
                                   (1, dict(slot_rows="token", shared_rows="token",
-                                           gate_up_f16=True))])
+                                           gate_up_f16=True, num_warps=4))])
 def test_moe_decode_routed_codes_ahead(m, kw):
   """``codes_ahead``: the gate_up kernel's K loop unrolled with each step's weight tiles loaded
   before the previous step's decode: y bit-identical to the looped kernel's (the same products

@@ -322,7 +322,8 @@ def test_store_x16_blocks(n):
 
 @pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("n,k,scale,sums,kw", [
-    (48, 320, 1.0, "block", dict(block_n=16, block_k=64)),       # odd K steps (5 of 64)
+    (48, 384, 1.0, "block", dict(block_n=16, block_k=128, num_warps=4)),   # 3 K steps; 8
+    # bytes of codes per thread: the pair sums (f16_sums_for_tile)
     (64, 512, 1e-3, "pair", dict(block_k=128, split_k=2)),       # split-K, small values
     (96, 2048, 37.0, "block", {}),                               # the default (LM head) tiles
     (2048, 2048, 1.0, "block", dict(out_dtype=jnp.bfloat16)),   # Flint size, bf16 out
@@ -339,6 +340,10 @@ def test_nvfp4_gemv_x16(decode, n, k, scale, sums, kw):
   w = random_nvfp4(g, (n, k))
   kw = dict(dict(out_dtype=jnp.float32), **kw)
   x16, inv = x16_operand(x)
+  if decode == "fp8" and not INTERPRET:   # the f16 K step's jnp form is for interpret mode
+    with pytest.raises(ValueError, match="needs decode='asm'"):
+      nvfp4_gemv(x16, *w, x_inv=inv, decode=decode, **kw)
+    return
   np.testing.assert_array_equal(np.asarray(from_x16(x16, inv), np.float32),
                                 np.asarray(x, np.float32))
   with f16_sums(sums):
@@ -376,3 +381,21 @@ def test_nvfp4_gemv_x16_rejects():
     nvfp4_gemv(x16, *w, x_inv=inv, interpret=True)
   with pytest.raises(ValueError, match="'blocks' tiles"):
     nvfp4_gemv(x16[:1], *w, x_inv=inv[:1], method="reduce", interpret=True)
+  with pytest.raises(ValueError, match="too small for 8 warps"):   # 2 code bytes per thread
+    nvfp4_gemv(x16[:1], *w, x_inv=inv[:1], block_n=16, block_k=64, num_warps=8, interpret=True)
+  with pytest.raises(ValueError, match="needs decode='asm'"):
+    nvfp4_gemv(x16[:1], *w, x_inv=inv[:1], decode="fp8")
+
+
+def test_f16_sums_for_tile():
+  """The f16 K step's sums by code bytes per thread: "block" from 16, "pair" from 4 (the
+  asm's packs of four), an error below; "pair" asked for stays "pair"."""
+  from flint_jax.pallas.nvfp4_gemv import f16_sums, f16_sums_for_tile
+  for bn, bk, warps, want in [(16, 512, 4, "block"), (16, 256, 8, "pair"), (16, 128, 8, "pair"),
+                              (32, 1024, 16, "block")]:
+    with f16_sums_for_tile(bn, bk, warps):
+      assert f16_sums.value == want, (bn, bk, warps)
+  with f16_sums("pair"), f16_sums_for_tile(16, 512, 4):
+    assert f16_sums.value == "pair"
+  with pytest.raises(ValueError, match="too small"):
+    f16_sums_for_tile(16, 64, 8)

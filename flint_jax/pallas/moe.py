@@ -850,15 +850,11 @@ _TUNING = ("block_n", "block_k", "block_n_down", "block_k_down", "decode", "layo
            "num_stages_down", "gate_up_split_k", "down_shared_cols", "codes_ahead", "interpret")
 
 
-def _f16_sums_for(bn, bk, num_warps):
-  """``nvfp4_gemv.f16_sums`` for a kernel with [bn, bk / 64, 2, 16]-byte code tiles: "block"
-  needs each thread to hold whole 16-byte groups (the four words it splits them into), i.e. at
-  least 16 bytes of the tile per thread; smaller tiles (e.g. D = 256 at 8 warps: 8 bytes per
-  thread) take the "pair" sums, whose asm reads one word at a time (on the H200 the block form
-  computed NaNs there, run 160). Every Flint tile holds 32-64 bytes per thread."""
-  if NV.f16_sums.value == "block" and bn * bk // 2 < 16 * 32 * num_warps:
-    return NV.f16_sums("pair")
-  return contextlib.nullcontext()
+def _f16_sums_for(bn, bk, num_warps, f16=True):
+  """``nvfp4_gemv.f16_sums_for_tile``: the f16 K step's sums for [bn, bk / 64, 2, 16]-byte code
+  tiles on ``num_warps`` warps ("pair" below 16 bytes per thread; an error below 4); nothing
+  unless the kernel runs that step (``f16``)."""
+  return NV.f16_sums_for_tile(bn, bk, num_warps) if f16 else contextlib.nullcontext()
 
 
 def _launch_topk_shared_then_routed(in_names, in_args, h_out, hs_out, gu_kw, *, m, u, n_i,
@@ -874,7 +870,7 @@ def _launch_topk_shared_then_routed(in_names, in_args, h_out, hs_out, gu_kw, *, 
   route_shapes = [jax.ShapeDtypeStruct((m, top_k), jnp.int32),
                   jax.ShapeDtypeStruct((m, top_k), jnp.float32)]
   names_a = in_names + [*hs_out, "route_ids", "route_logits"]
-  with _f16_sums_for(gu_kw["bn"], gu_kw["bk"], num_warps):
+  with _f16_sums_for(gu_kw["bn"], gu_kw["bk"], num_warps, gu_kw["x16"]):
     res_a = C.pallas_call(
         functools.partial(_gate_up_kernel, names=names_a, part="topk_shared", **gu_kw),
         grid=(m + n_shared,), out_shape=(*hs_out.values(), *route_shapes),
@@ -995,6 +991,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             f"gate_up_f16 needs NVFP4 experts on per-token slots (slot_rows='token') with "
             f"token_method 'blocks' in the tile layout and shared_tokens 1, got {fe=}, "
             f"{token=}, {token_method=}, {layout=}, shared_tokens={n_tok}")
+  C.check(not x16 or interpret or decode == "asm",
+          f"gate_up_f16 compiled for the GPU needs decode='asm' (the f16 K step's jnp form is "
+          f"for interpret mode), got {decode=}")
   h16 = bool(down_f16)
   C.check(not h16 or (x16 and shared_token and inter % 64 == 0 and inter_s % 64 == 0),
           "down_f16 needs gate_up_f16 and shared_rows='token' (the per-token shared expert)")
@@ -1097,7 +1096,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
         tag=tag, suffix=suffix, interpret=interpret)
     counter_out = None
   else:
-    with _f16_sums_for(bn, bk, num_warps):    # the kernel body is traced inside this call
+    with _f16_sums_for(bn, bk, num_warps, x16):   # the kernel body is traced inside the call
       res = C.pallas_call(
           functools.partial(_gate_up_kernel, names=names, **gu_kw),
           grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
@@ -1203,7 +1202,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       aliases = {len(args) - 1: 3}     # the counter, in place
     # the down kernel's body is traced inside this call: ``asm_down`` picks its decode sequence
     with NV.asm_decode(asm_down or NV.asm_decode.value), \
-        _f16_sums_for(bn_dn, min(bk_dn, bk_s_dn), num_warps_down):
+        _f16_sums_for(bn_dn, min(bk_dn, bk_s_dn), num_warps_down, h16):
       res = C.pallas_call(
           kernel, grid=(d // bn_dn, u + (m if shared_token else down_shared_cols)),
           out_shape=tuple(out_shape),

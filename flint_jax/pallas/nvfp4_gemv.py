@@ -54,6 +54,7 @@ f32 for a logits head).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -487,6 +488,23 @@ f16_sums = config.enum_state(
     "flint_jax_nvfp4_f16_sums", ["pair", "block"], default="block",
     include_in_trace_context=True, include_in_jit_key=True,
     help="how the NVFP4 f16 blocks K step sums its products")
+
+
+def f16_sums_for_tile(bn: int, bk: int, num_warps: int):
+  """The ``f16_sums`` context for an f16 K step on [bn, bk / 64, 2, 16]-byte code tiles and
+  ``num_warps`` warps. The asm runs on packs of 4 elements that each thread must hold: "block"
+  splits a thread's whole 16-byte groups into four words, so it needs >= 16 code bytes per
+  thread, else the "pair" sums (one word at a time) are taken; below 4 bytes per thread neither
+  fits and this raises (on the H200 both computed NaNs there: runs 160 and 164). Every Flint tile
+  holds 32-64 bytes per thread."""
+  nbytes, threads = bn * bk // 2, 32 * num_warps
+  C.check(nbytes >= 4 * threads,
+          f"the f16 K step's {bn} x {bk} NVFP4 tile ({nbytes} code bytes) is too small for "
+          f"{num_warps} warps: each thread needs >= 4 bytes; use a larger block_n / block_k or "
+          f"fewer warps")
+  if f16_sums.value == "block" and nbytes < 16 * threads:
+    return f16_sums("pair")
+  return contextlib.nullcontext()
 
 
 def x16_exponent(amax):
@@ -945,6 +963,9 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   m, n, k = _validate(x, [w], block_n, block_k, split_k)
   C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
   x16 = _check_x16(x, x_inv, method, layout, programs)
+  C.check(not x16 or interpret or decode == "asm",
+          f"the f16 operand compiled for the GPU needs decode='asm' (the f16 K step's jnp form "
+          f"is for interpret mode), got {decode=}")
   decode = resolve_decode(decode, interpret)
   C.check_method(method, m)
   mp = C.pad_rows(m, method)
@@ -972,12 +993,14 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
     out_shape, grid = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32), (n // block_n, split_k)
   else:
     out_shape, grid = jax.ShapeDtypeStruct((m, n), out_dtype), (n // block_n,)
-  y = C.pallas_call(
-      kernel, out_shape=out_shape, grid=grid,
-      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=(f"flint_nvfp4_gemv_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}"
-            f"{'_x16' if x16 else ''}"),
-  )(x_view(x), q4, s4, s2, *xinv)
+  # the f16 K step's sums as its tiles allow (the kernel body is traced inside the call)
+  with f16_sums_for_tile(block_n, block_k, num_warps) if x16 else contextlib.nullcontext():
+    y = C.pallas_call(
+        kernel, out_shape=out_shape, grid=grid,
+        compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+        name=(f"flint_nvfp4_gemv_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}"
+              f"{'_x16' if x16 else ''}"),
+    )(x_view(x), q4, s4, s2, *xinv)
   if split_k > 1 and sum_splits:
     y = jnp.sum(y, axis=0).astype(out_dtype)
   return y

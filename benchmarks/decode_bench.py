@@ -349,8 +349,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     by the attention kernel), "pallas_qfin" (`qkv_finish`: the q|k|v kernel's last K slice of
     each tile sums the partials itself), "pallas_osk8" (`o_proj_split_k`), "pallas_mt-bnd32-wd8" /
     "pallas_lm-bn64-w4" (`moe_tiling` / `lm_head_tiling` at batch > 1, `tiling_options`),
-    "pallas_lm-x16" / "pallas_lm-x16-bk512-w4" (`lm_head_f16`: the batch-1 NVFP4 LM head on
-    f16x2 products, with its tiles),
+    "pallas_lm-x16" / "pallas_lm-x16-bk512-w4" (`lm_head_f16` forced on: the batch-1 NVFP4 LM
+    head on f16x2 products, the default since run 164, with its tiles), "pallas_nolm16" (off:
+    the f32 blocks tiles),
     "pallas_sht2" / "pallas_sht4" / "pallas_sht8" (`moe_shared_tokens`: the shared expert's
     gate_up programs each decode their tile once for 2 / 4 / 8 tokens), "pallas_mt-f16"
     (`moe_gate_up_f16` forced on: the MoE gate_up's f16x2 products, the default at batch > 1;
@@ -420,6 +421,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "b1f16": DecodeOptions(moe_gate_up_f16=True),
                "b1gu16": DecodeOptions(moe_gate_up_f16=True, moe_down_f16=False),
                "shtopk": DecodeOptions(moe_shared_with_topk=True),
+               "nolm16": DecodeOptions(lm_head_f16=False),
                "nonq": DecodeOptions(norm_in_qkv=False),
                "sp": DecodeOptions(attention="split"),
                "fa": DecodeOptions(attention="fused"),

@@ -285,8 +285,12 @@ class DecodeOptions:
       norm's output scaled into f16 (`nvfp4_gemv(x16, ..., x_inv=)`, the ``blocks`` tiles'
       f16 K step, sums per ``moe_f16_sums``), the operand written by the last MoE layer's
       down kernel where it does the combine (`moe_decode_routed_combine(x16_next=True)`),
-      else by one XLA op (`x16_operand`). SASS of the 150144 x 2048 head (bk512, 4 warps):
-      211 against 325 instructions per thread and K step. False (default) = off until timed.
+      else by one XLA op (`x16_operand`), on bk512 tiles with 4 warps (SASS of the 150144 x
+      2048 head: 211 against 325 instructions per thread and K step). None (default) = on at
+      batch 1 with the NVFP4 GEMVs on the ``blocks`` tiles (`nvfp4_m1_method` None /
+      "blocks"): H200 run 164, the LM head 73.6 -> 58.9 us, the step 1.732 -> 1.723 ms (busy
+      1735 -> 1726 us), logits rel-L2 3.9e-4 against the f32 tiles; False = off; True = on
+      (batch 1 only).
     moe_shared_tokens: at batch > 1 with the shared expert per token (``moe_shared_rows``
       "token", the NVFP4 default), each shared-expert gate_up program takes this many tokens
       and decodes its weight tile once for them (`moe_decode_routed(shared_tokens=)`); None
@@ -370,7 +374,7 @@ class DecodeOptions:
     moe_down_f16: bool | None = None
     moe_f16_sums: str = "block"
     moe_shared_with_topk: bool = False
-    lm_head_f16: bool = False
+    lm_head_f16: bool | None = None
 
     MOE_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
                        "block_k_down", "num_warps_down", "num_stages_down", "codes_ahead")
@@ -395,6 +399,12 @@ class DecodeOptions:
         return bool(self.moe_gate_up_f16) or (
             self.moe == "routed" and self.moe_slot_rows != "all"
             and self.moe_shared_tokens in (None, 1))
+
+    def lm_head_f16_at(self, batch: int) -> bool:
+        """Whether an NVFP4 LM head at this batch size runs on the f16 operand."""
+        if batch != 1 or self.lm_head_f16 is False:
+            return False
+        return bool(self.lm_head_f16) or self.nvfp4_m1_method in (None, "blocks")
 
     def down_f16_at(self, batch: int, shared_same_format: bool) -> bool:
         """Whether the NVFP4 MoE down kernel at this batch size multiplies in f16 (caller
@@ -867,7 +877,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # the others (SASS: the sincos were ~30% of a ring program's instructions)
         rope_cs = None
         # lm_head_f16: the LM head on the f16 operand, which the last combine may write
-        lm16 = opts.lm_head_f16 and b == 1 and m.lm_head.quant
+        lm16 = opts.lm_head_f16_at(b) and m.lm_head.quant
         x16_head = None
         if not fold:
             x = rms_norm(h, layers[0].input_layernorm.weight[...], eps=eps, interpret=interpret)

@@ -132,6 +132,7 @@ def test_make_handle_path_variants():
             "pallas_lm-x16": DecodeOptions(lm_head_f16=True),
             "pallas_lm-x16-bk512-w4": DecodeOptions(lm_head_f16=True, lm_head_tiling=(
                 ("block_k", 512), ("num_warps", 4))),
+            "pallas_nolm16": DecodeOptions(lm_head_f16=False),
             "pallas_rs8": DecodeOptions(ring_splits=8)}
     for path, opts in want.items():
         assert decode_bench.make_handle(cfg, graphdef, state, False, path).decode_options == opts

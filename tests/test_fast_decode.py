@@ -393,10 +393,14 @@ TILE_OVERRIDES = DecodeOptions(
 
 @pytest.mark.parametrize("quant,rows", [(True, 3), (False, 2), (True, 1)])
 def test_tile_overrides_equal_the_default_step(quant, rows):
-    """`o_proj_split_k`, `moe_tiling` and `lm_head_tiling` (at batch > 1; batch 1 ignores them)
-    change only how the kernels tile the same sums: the logits agree with the default step's
-    to fp32 summation order (bit for bit at batch 1)."""
-    for l1, _, l2 in paired_steps(quant, 22, TILE_OVERRIDES, DecodeOptions(), rows, (5, 17)):
+    """`o_proj_split_k`, `moe_tiling` and `lm_head_tiling` (at batch > 1; batch 1 ignores them
+    unless the LM head runs on the f16 operand: here off at batch 1, `test_lm_head_f16_step`
+    times its tiles) change only how the kernels tile the same sums: the logits agree with the
+    default step's to fp32 summation order (bit for bit at batch 1)."""
+    import dataclasses
+    off = dict(lm_head_f16=False) if rows == 1 else {}
+    for l1, _, l2 in paired_steps(quant, 22, dataclasses.replace(TILE_OVERRIDES, **off),
+                                  DecodeOptions(**off), rows, (5, 17)):
         if rows == 1:
             np.testing.assert_array_equal(l1, l2)
         else:
@@ -676,7 +680,9 @@ def test_rms_in_qkv_kernels(on):
     the last ends in the down kernel's residual mode and the next q|k|v kernel normalises
     (the last MoE layer keeps the full combine for the LM head); 350-kernel structure kept."""
     names = nvfp4_step_kernels(DecodeOptions(rms_in_qkv=on), 1)
-    assert any(n.startswith("flint_moe_down") and n.endswith("_combine") for n in names), names
+    # (the last one also writing the LM head's f16 operand, `lm_head_f16`'s default)
+    assert any(n.startswith("flint_moe_down") and n.endswith(("_combine", "_combine_x16"))
+               for n in names), names
     assert any("_residual" in n for n in names) == (on is None), names
     assert any(n.startswith("flint_multi_gemv") and "_rms" in n for n in names) == (on is None)
 
@@ -814,7 +820,10 @@ def test_lm_head_f16_step(extra):
     at batch 2 it changes nothing; lowered for an H200, the LM head reads the combine's f16
     operand."""
     from flint_jax.pallas.testing import rel_l2
-    on, off = DecodeOptions(lm_head_f16=True, **extra), DecodeOptions(**extra)
+    on, off = DecodeOptions(lm_head_f16=True, **extra), DecodeOptions(lm_head_f16=False, **extra)
+    assert DecodeOptions().lm_head_f16_at(1) and not DecodeOptions().lm_head_f16_at(2)
+    assert not DecodeOptions(nvfp4_m1_method="lanes").lm_head_f16_at(1)
+    assert DecodeOptions(lm_head_f16=True, nvfp4_m1_method="lanes").lm_head_f16_at(1)
     for l1, _, l2 in paired_steps(True, 41, on, off, 1, (5, 17)):
         assert 0 < rel_l2(l1, l2) < 5e-3, rel_l2(l1, l2)
         assert (l1.argmax(-1) == l2.argmax(-1)).all()

@@ -95,6 +95,8 @@ def test_default_tiles_at_batch_one():
   from flint_jax.pallas.nvfp4_gemv import default_method, default_nvfp4_blocks
   assert default_method(1, 150144) == "blocks" and default_method(1, 2048, "chunk") == "reduce"
   assert default_nvfp4_blocks(150144, 2048, method="blocks") == (16, 256, 1, 4)
+  # the f16 operand (run 164): bk512 on 4 warps for the LM head
+  assert default_nvfp4_blocks(150144, 2048, method="blocks", x16=True) == (16, 512, 1, 4)
   assert default_nvfp4_blocks(150144, 2048, method="reduce") == (32, 256, 1, 4)
   assert default_nvfp4_blocks(2048, 4096, method="blocks") == (16, 512, 4, 8)
   assert default_nvfp4_blocks(2048, 4096, method="reduce") == (16, 1024, 4, 8)
@@ -370,6 +372,7 @@ def test_nvfp4_gemv_x16(decode, n, k, scale, sums, kw):
 def test_nvfp4_gemv_x16_rejects():
   """The f16 operand needs its factor, one row and the blocks tiles; errors say so."""
   from flint_jax.pallas.nvfp4_gemv import x16_operand
+  from flint_jax.pallas.testing import triton_modules
   w = random_nvfp4(rng("x16rej"), (32, 128))
   x = randn(rng("x16rej", 1), (2, 128))
   x16, inv = x16_operand(x)
@@ -385,6 +388,9 @@ def test_nvfp4_gemv_x16_rejects():
     nvfp4_gemv(x16[:1], *w, x_inv=inv[:1], block_n=16, block_k=64, num_warps=8, interpret=True)
   with pytest.raises(ValueError, match="needs decode='asm'"):
     nvfp4_gemv(x16[:1], *w, x_inv=inv[:1], decode="fp8")
+  # default warps shrink to fit small tiles (32 x 128: bn16 bk64, 8 warps by default -> 4)
+  mods = triton_modules(lambda a, b: nvfp4_gemv(a, *w, x_inv=b, block_k=64), x16[:1], inv[:1])
+  assert [m["num_warps"] for m in mods] == [4], mods
 
 
 def test_f16_sums_for_tile():

@@ -785,9 +785,12 @@ def resolve_decode(decode: str, interpret: bool) -> str:
 
 
 def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1,
-                         method: str | None = None):
+                         method: str | None = None, x16: bool = False):
   """(block_n, block_k, split_k, num_warps) for an [n, k] NVFP4 weight on an H200. ``rows``
-  (M row sums per decoded tile) takes the M = 1 tiles at any M.
+  (M row sums per decoded tile) takes the M = 1 tiles at any M. ``x16`` (the f16 operand, M =
+  1): N >= 16384 (the LM head) on bk512 with 4 warps (H200 run 164, in the step: 58.9 us
+  against 73.2 on the f32 tiles' bk256 and 61.3 on bk1024 with 8 warps); otherwise as the f32
+  ``blocks`` tiles (not timed).
 
   From the H200 sweeps (docs/kernels.md, GPU run 2, device time per call):
   M = 1 (``reduce``): q_proj 4096x2048 bn32 bk512 w4 10.1 us (XLA 16.7); o_proj 2048x4096 bn64
@@ -804,6 +807,8 @@ def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1,
   """
   if method == "rows":
     m = 1
+  if x16 and n >= 16384 and n_mats == 1:
+    return 16, C.pow2_divisor(k, 512), 1, 4
   blocks = method == "blocks"
   if m == 1 and n <= 2048 and n_mats == 1:
     # blocks: K steps of 512 (run 85: o_proj split-K 4 4.83 against 4.98 us at bk1024, dense
@@ -951,13 +956,17 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   """
   n, kh = qweight.shape
   method = method or default_method(x.shape[0], n, layout)
-  dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], method=method)
+  dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], method=method,
+                                                  x16=x.dtype == jnp.float16)
   if split_k is None:
     same_tiles = (block_n or dbn, block_k or dbk) == (dbn, dbk)
     split_k = dsplit if same_tiles and programs is None else 1
   elif block_k is None and (kh * 2) % split_k == 0:   # a given split: K steps that fit it
     dbk = C.pow2_divisor(kh * 2 // split_k, dbk)
   block_n, block_k = block_n or dbn, block_k or dbk
+  if num_warps is None and x.dtype == jnp.float16:   # the f16 K step: >= 4 code bytes per
+    while dwarps > 1 and block_n * block_k // 2 < 4 * 32 * dwarps:   # thread (small models)
+      dwarps //= 2
   num_warps = num_warps or dwarps
   w = (qweight, weight_scale, weight_scale_2)
   m, n, k = _validate(x, [w], block_n, block_k, split_k)

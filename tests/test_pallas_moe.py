@@ -316,6 +316,24 @@ def test_moe_decode_routed_prerouted_shared_first(fmt, m, slot_rows, prerouted, 
   assert_routed_close(y, ref, 6, mode, f"prerouted={prerouted} shared_first={shared_first}")
 
 
+def assert_combine_as_prerouted(x, logits, experts, shared, kw, seed, **option):
+  """``moe_decode_routed_combine`` with ``option`` against the prerouted call on the same
+  random (h, w_next): s and x_next bit for bit; returns the option's routing."""
+  m = x.shape[0]
+  gen = rng(seed, m)
+  h = randn(gen, (m, 256))
+  w_next = randn(gen, (256,)) + 1.0
+  counter = jnp.zeros((64,), jnp.int32)
+  ckw = dict(kw, block_n_down=32)
+  s1, x1, r1, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
+                                                  counter_base=20, **option, **ckw)
+  s0, x0, _, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
+                                                 counter_base=20, prerouted=True, **ckw)
+  np.testing.assert_array_equal(np.asarray(s1, np.float32), np.asarray(s0, np.float32))
+  np.testing.assert_array_equal(np.asarray(x1, np.float32), np.asarray(x0, np.float32))
+  return r1
+
+
 @pytest.mark.parametrize("fmt,m,slot_rows", [("nvfp4", 8, None), ("nvfp4", 1, None),
                                               ("bf16", 3, "all"), ("mixed", 2, "token")])
 def test_moe_decode_routed_route_given(fmt, m, slot_rows):
@@ -332,17 +350,7 @@ def test_moe_decode_routed_route_given(fmt, m, slot_rows):
   np.testing.assert_array_equal(np.asarray(route0.ids), np.asarray(given.ids))
   np.testing.assert_array_equal(np.asarray(used_rows(y, 6), np.float32),
                                 np.asarray(used_rows(y0, 6), np.float32))
-  gen = rng("rg-h", fmt, m)
-  h = randn(gen, (m, 256))
-  w_next = randn(gen, (256,)) + 1.0
-  counter = jnp.zeros((64,), jnp.int32)
-  ckw = dict(kw, block_n_down=32)
-  s1, x1, r1, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
-                                                  counter_base=20, route=given, **ckw)
-  s0, x0, _, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
-                                                 counter_base=20, prerouted=True, **ckw)
-  np.testing.assert_array_equal(np.asarray(s1, np.float32), np.asarray(s0, np.float32))
-  np.testing.assert_array_equal(np.asarray(x1, np.float32), np.asarray(x0, np.float32))
+  r1 = assert_combine_as_prerouted(x, logits, experts, shared, kw, f"rg-h{fmt}", route=given)
   np.testing.assert_array_equal(np.asarray(r1.ids), np.asarray(given.ids))
   with pytest.raises(ValueError, match="prerouted=False"):
     moe_decode_routed(x, logits, experts, shared, route=given, prerouted=False, **kw)
@@ -958,17 +966,8 @@ def test_moe_decode_routed_shared_with_topk(fmt, m, e, f16, ties):
                                 np.asarray(used_rows(y0, 6), np.float32))
   ref, _ = moe_decode_routed_reference(x, logits, experts, shared, top_k=6)
   assert_routed_close(y, ref, 6, "token", f"shared_with_topk {fmt} M={m}")
-  gen = rng("shtopk-h", fmt, m)
-  h = randn(gen, (m, 256))
-  w_next = randn(gen, (256,)) + 1.0
-  counter = jnp.zeros((64,), jnp.int32)
-  ckw = dict(kw, block_n_down=32)
-  s1, x1, r1, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
-                                                  counter_base=20, shared_with_topk=True, **ckw)
-  s0, x0, _, counter = moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter,
-                                                 counter_base=20, prerouted=True, **ckw)
-  np.testing.assert_array_equal(np.asarray(s1, np.float32), np.asarray(s0, np.float32))
-  np.testing.assert_array_equal(np.asarray(x1, np.float32), np.asarray(x0, np.float32))
+  r1 = assert_combine_as_prerouted(x, logits, experts, shared, kw, f"shtopk-h{fmt}",
+                                   shared_with_topk=True)
   np.testing.assert_array_equal(np.asarray(r1.ids), np.asarray(route0.ids))
   from flint_jax.pallas.testing import triton_modules
   gpu_kw = dict(kw, decode="asm", interpret=False)

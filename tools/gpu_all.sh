@@ -3,8 +3,9 @@
 #
 #   bash tools/gpu_all.sh STAGE...
 #
-#   kernels       each Pallas kernel against its reference (compiled), then per-kernel timings
-#                 (tools/gpu_kernels.sh; docs/kernels.md)
+#   tests         each Pallas kernel against its reference and the decode steps against XLA,
+#                 compiled (tools/gpu_kernels.sh tests; ~400 s)
+#   kernels       per-kernel timings (tools/gpu_kernels.sh bench; docs/kernels.md)
 #   suite_bf16    full-size model, BF16: Pallas vs XLA parity (32 greedy steps) and the decode
 #                 benchmark (ms/step, tokens/s, % of HBM floor, kernels/step) (benchmarks/gpu_suite.py)
 #   suite_nvfp4   the same with NVFP4 weights
@@ -26,7 +27,7 @@ set -uo pipefail
 source tools/gpu_env.sh
 
 stages=("$@")
-[ "${stages[0]:-all}" = all ] && stages=(kernels suite_bf16 suite_nvfp4 checkpoints)
+[ "${stages[0]:-all}" = all ] && stages=(tests kernels suite_bf16 suite_nvfp4 checkpoints)
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
@@ -36,7 +37,8 @@ stages=("$@")
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date -u +%T))"
   case $stage in
-    kernels)     OUT=$OUT bash tools/gpu_kernels.sh all ;;
+    tests)       OUT=$OUT bash tools/gpu_kernels.sh tests ;;
+    kernels)     OUT=$OUT bash tools/gpu_kernels.sh bench ;;
     suite_bf16)  python3 benchmarks/gpu_suite.py --format bf16 --trace --out "$OUT/suite_bf16.json" \
                    2>&1 | grep -v "DeprecationWarning\|warnings.warn" | tee "$OUT/suite_bf16.log" ;;
     suite_nvfp4) python3 benchmarks/gpu_suite.py --format nvfp4 --trace --out "$OUT/suite_nvfp4.json" \

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The one script run on the GPU machine (device `run`, repository root) for the Pallas kernels:
 #   1. the kernel tests in compiled mode (tests/test_pallas_*.py; INTERPRET is False on a GPU,
-#      so the same tests compare compiled kernels with their references, Flint-sized cases on),
+#      so the same tests compare compiled kernels with their references, Flint-sized cases on)
+#      and the decode-step tests (tests/test_fast_decode.py: compiled steps against XLA and
+#      against each other); ~400 s on 8 workers (H200 run 166),
 #   2. benchmarks/kernels.py: device time of each kernel and its XLA reference at Flint sizes.
 # Usage: tools/gpu_kernels.sh [all|tests|bench]   (env: BENCH_BUDGET, BENCH_ARGS, TEST_TIMEOUT)
+# "all" does not fit one 10-minute device call: run "tests" and "bench" as two calls.
 # Logs and bench.jsonl go to $OUT (the device tool brings them back).
 set -u
 OUT=${OUT:-/tmp/flint_kernels_out}
@@ -19,8 +22,9 @@ BUDGET=${BENCH_BUDGET:-300}
 
 if [[ "$MODE" == all || "$MODE" == tests ]]; then
   echo "=== tests (compiled) ==="
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "${TEST_TIMEOUT:-240}" \
-    python3 -m pytest tests/test_pallas_*.py -q -n 4 -p no:cacheprovider --durations=10 \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout "${TEST_TIMEOUT:-540}" \
+    python3 -m pytest tests/test_pallas_*.py tests/test_fast_decode.py -q -n 8 \
+    -p no:cacheprovider --durations=10 \
     > "$OUT/tests.log" 2>&1
   echo "pytest exit $?"
   grep -E "passed|failed|error" "$OUT/tests.log" | tail -3

@@ -860,3 +860,24 @@ def test_lm_head_f16_step(extra):
                                                jax.ShapeDtypeStruct((1,), jnp.int32))]
     assert any(n.startswith("flint_nvfp4_gemv_blocks") and n.endswith("_x16") for n in names), names
     assert any(n.startswith("flint_moe_down") and n.endswith("_combine_x16") for n in names), names
+
+
+def test_decode_compiles_once():
+    """In a fresh process, generate() on the Pallas path traces and compiles its decode call
+    once: jax 0.11.2's Pallas lowering defined a jit-keyed config state during the first trace,
+    so the second decode call missed the cache and compiled the step again (flint_jax.pallas
+    now defines it at import). Fresh process: in this one an earlier test has defined it."""
+    import subprocess
+    import sys
+    code = """if True:
+        import flint_jax
+        from flax import nnx
+        from flint_jax.model import FlintForCausalLM
+        cfg = flint_jax.preset("tiny", num_hidden_layers=1)
+        h = flint_jax.from_module(FlintForCausalLM(cfg, rngs=nnx.Rngs(0)), kernels="pallas")
+        flint_jax.generate(h, [[1, 2, 3]], max_new_tokens=4, temperature=0, stop_token_ids=[])
+        print(sorted((k[0], f._cache_size()) for k, f in h._jit_cache.items()))"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[('chunk', 1), ('decode', 1), ('sample', 1)]"

@@ -33,11 +33,12 @@ Every wrapper is jitted with its tuning knobs static and takes ``interpret=True`
 Measurements and the tuning log live in ``docs/kernels.md``.
 """
 
-# jax 0.11.2's Pallas lowering imports its fuser lazily, in the middle of the first kernel's
-# trace, and that import defines a jit-keyed config state (`pallas_fuser_disable_nested_fuse`):
-# the trace context grows by one value after the first jitted decode call was traced, so its
-# second call misses the cache and traces and compiles the whole step again. Defining the state
-# here, before any trace, keeps one compile (tests/test_fast_decode.py::test_decode_compiles_once).
+# In interpret mode jax 0.11.2's Pallas lowering imports its fuser lazily, in the middle of the
+# first kernel's trace, and that import defines a jit-keyed config state
+# (`pallas_fuser_disable_nested_fuse`): the trace context grows by one value after the first
+# jitted decode call was traced, so its second call misses the cache and traces and compiles the
+# whole step again (on CPU; the GPU lowering does not reach that import, H200 run 170). Defining
+# the state here, before any trace, keeps one compile (test_fast_decode::test_decode_compiles_once).
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 
 from flint_jax.pallas.add_rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference

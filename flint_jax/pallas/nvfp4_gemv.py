@@ -490,6 +490,17 @@ f16_sums = config.enum_state(
     help="how the NVFP4 f16 blocks K step sums its products")
 
 
+_F16_MIN_BYTES = 4   # code bytes per thread the f16 K step's asm needs (one pack of 4)
+
+
+def f16_warps_that_fit(bn: int, bk: int, num_warps: int) -> int:
+  """``num_warps`` halved until each thread holds the f16 K step's minimum of code bytes of a
+  [bn, bk] tile (small models; every Flint tile fits its default warps)."""
+  while num_warps > 1 and bn * bk // 2 < _F16_MIN_BYTES * 32 * num_warps:
+    num_warps //= 2
+  return num_warps
+
+
 def f16_sums_for_tile(bn: int, bk: int, num_warps: int):
   """The ``f16_sums`` context for an f16 K step on [bn, bk / 64, 2, 16]-byte code tiles and
   ``num_warps`` warps. The asm runs on packs of 4 elements that each thread must hold: "block"
@@ -498,7 +509,7 @@ def f16_sums_for_tile(bn: int, bk: int, num_warps: int):
   fits and this raises (on the H200 both computed NaNs there: runs 160 and 164). Every Flint tile
   holds 32-64 bytes per thread."""
   nbytes, threads = bn * bk // 2, 32 * num_warps
-  C.check(nbytes >= 4 * threads,
+  C.check(nbytes >= _F16_MIN_BYTES * threads,
           f"the f16 K step's {bn} x {bk} NVFP4 tile ({nbytes} code bytes) is too small for "
           f"{num_warps} warps: each thread needs >= 4 bytes; use a larger block_n / block_k or "
           f"fewer warps")
@@ -964,9 +975,8 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   elif block_k is None and (kh * 2) % split_k == 0:   # a given split: K steps that fit it
     dbk = C.pow2_divisor(kh * 2 // split_k, dbk)
   block_n, block_k = block_n or dbn, block_k or dbk
-  if num_warps is None and x.dtype == jnp.float16:   # the f16 K step: >= 4 code bytes per
-    while dwarps > 1 and block_n * block_k // 2 < 4 * 32 * dwarps:   # thread (small models)
-      dwarps //= 2
+  if num_warps is None and x.dtype == jnp.float16:
+    dwarps = f16_warps_that_fit(block_n, block_k, dwarps)
   num_warps = num_warps or dwarps
   w = (qweight, weight_scale, weight_scale_2)
   m, n, k = _validate(x, [w], block_n, block_k, split_k)

@@ -18,6 +18,7 @@ import gzip
 import glob
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -352,6 +353,9 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "pallas_lm-x16" / "pallas_lm-x16-bk512-w4" (`lm_head_f16` forced on: the batch-1 NVFP4 LM
     head on f16x2 products, the default since run 164, with its tiles), "pallas_nolm16" (off:
     the f32 blocks tiles),
+    "pallas_ls3" / "pallas_ls3-moe" / "pallas_ls2-gemv" (`load_stages` / `load_stage_kernels`:
+    the dot-free K loops software-pipelined in that many stages, in all / the MoE / the dense
+    NVFP4 GEMV kernels),
     "pallas_sht2" / "pallas_sht4" / "pallas_sht8" (`moe_shared_tokens`: the shared expert's
     gate_up programs each decode their tile once for 2 / 4 / 8 tokens), "pallas_mt-f16"
     (`moe_gate_up_f16` forced on: the MoE gate_up's f16x2 products, the default at batch > 1;
@@ -403,6 +407,11 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     if variant.startswith("rs"):
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(ring_splits=int(variant[2:])))
+    if re.fullmatch(r"ls\d+(-(all|moe|gemv))?", variant):   # load_stages[-kernels]
+        n, _, kinds = variant[2:].partition("-")
+        return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
+                     decode_options=DecodeOptions(load_stages=int(n),
+                                                  load_stage_kernels=kinds or "all"))
     if variant.startswith("sht") and variant[3:].isdigit():
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(moe_shared_tokens=int(variant[3:])))

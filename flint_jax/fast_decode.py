@@ -37,6 +37,7 @@ from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, de
                               nvfp4_gemv, nvfp4_gemv_silu_mul, pdl, qk_norm_rope,
                               qk_norm_rope_attention, rms_norm, router_logits,
                               router_logits_topk)
+from flint_jax.pallas import load_stages
 from flint_jax.pallas.gemv import gemv
 from flint_jax.pallas.moe import moe_decode_routed_combine
 from flint_jax.pallas.nvfp4_gemv import asm_decode as nvfp4_asm_decode
@@ -291,6 +292,12 @@ class DecodeOptions:
       "blocks"): H200 run 164, the LM head 73.6 -> 58.9 us, the step 1.732 -> 1.723 ms (busy
       1735 -> 1726 us), logits rel-L2 3.9e-4 against the f32 tiles; False = off; True = on
       (batch 1 only).
+    load_stages: Triton's software pipelining for the kernels' dot-free K loops
+      (`pallas.load_stages`: ``tt.num_stages`` on their ``scf.for``, so that the CUDA-core
+      NVFP4 kernels' weight loads go through cp.async ``load_stages - 1`` K steps ahead
+      instead of each K step waiting for its own). 0 (default) = off; >= 2 = that many stages.
+    load_stage_kernels: which kernels ``load_stages`` applies to: "all" (default), "moe" (the
+      MoE gate_up and down kernels) or "gemv" (the dense NVFP4 GEMVs).
     moe_shared_tokens: at batch > 1 with the shared expert per token (``moe_shared_rows``
       "token", the NVFP4 default), each shared-expert gate_up program takes this many tokens
       and decodes its weight tile once for them (`moe_decode_routed(shared_tokens=)`); None
@@ -375,6 +382,8 @@ class DecodeOptions:
     moe_f16_sums: str = "block"
     moe_shared_with_topk: bool = False
     lm_head_f16: bool | None = None
+    load_stages: int = 0
+    load_stage_kernels: str = "all"
 
     MOE_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
                        "block_k_down", "num_warps_down", "num_stages_down", "codes_ahead")
@@ -542,6 +551,10 @@ class DecodeOptions:
         if self.moe_f16_sums not in ("pair", "block"):
             raise ValueError("DecodeOptions.moe_f16_sums must be 'pair' or 'block', got "
                              f"{self.moe_f16_sums!r}")
+        if self.load_stages < 0 or self.load_stage_kernels not in ("all", "moe", "gemv"):
+            raise ValueError("DecodeOptions.load_stages must be >= 0 and load_stage_kernels "
+                             "one of 'all', 'moe', 'gemv', got "
+                             f"{self.load_stages!r}, {self.load_stage_kernels!r}")
         if self.moe_shared_tokens is not None and self.moe_shared_tokens < 1:
             raise ValueError("DecodeOptions.moe_shared_tokens must be >= 1, got "
                              f"{self.moe_shared_tokens!r}")
@@ -800,7 +813,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         trigger, kinds = opts.early_trigger_for(quant)
         with pdl.early_trigger(trigger), pdl.early_trigger_kernels(kinds), \
                 ffi_launch.enabled(opts.launch == "ffi"), \
-                nvfp4_asm_decode(opts.nvfp4_asm_at("step")), nvfp4_f16_sums(opts.moe_f16_sums):
+                nvfp4_asm_decode(opts.nvfp4_asm_at("step")), nvfp4_f16_sums(opts.moe_f16_sums), \
+                load_stages.stages(opts.load_stages), load_stages.kinds(opts.load_stage_kernels):
             return pallas_step(m, cache, tokens, quant)
 
     def pallas_step(m, cache: KVCache, tokens, quant: bool):

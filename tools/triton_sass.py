@@ -15,7 +15,8 @@ into the same one). Example::
 
   JAX_PLATFORMS=cpu PYTHONPATH=. python tools/triton_sass.py --out /tmp/sass \\
       --kernel nvfp4_gemv --m 1 --n 4096 --k 2048 --kw method=lanes block_n=16 block_k=1024
-  (``--kw x16=1``: the GEMV on the f16 operand, ``nvfp4_gemv(x16, ..., x_inv=)``)
+  (``--kw x16=1``: the GEMV on the f16 operand, ``nvfp4_gemv(x16, ..., x_inv=)``;
+  ``--load-stages 3``: the dot-free K loops software-pipelined, ``pallas.load_stages``)
   JAX_PLATFORMS=cpu PYTHONPATH=. python tools/triton_sass.py --kernel moe --m 8
 
 Kernels: nvfp4_gemv, multi_gemv (NVFP4 q|k|v), moe / moe_bf16 (routed, NVFP4 / BF16 experts,
@@ -164,6 +165,10 @@ def main():
                        "mul_bf16 | shift | post")
   ap.add_argument("--f16-sums", default="block",
                   help="how the f16 blocks K step sums (nvfp4_gemv.f16_sums): pair | block")
+  ap.add_argument("--load-stages", type=int, default=0,
+                  help="tt.num_stages on the dot-free K loops (pallas.load_stages; 0: off)")
+  ap.add_argument("--load-stage-kernels", default="all",
+                  help="which kernels --load-stages applies to: all | moe | gemv")
   ap.add_argument("--out", default="/tmp/flint_sass", help="directory for TTIR/TTGIR/PTX/SASS")
   ap.add_argument("--triton-python", default=sys.executable,
                   help="a Python with the triton package (default: this one)")
@@ -172,7 +177,9 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   bases = []
   nv = importlib.import_module("flint_jax.pallas.nvfp4_gemv")
-  with nv.asm_decode(args.asm), nv.f16_sums(args.f16_sums):
+  ls = importlib.import_module("flint_jax.pallas.load_stages")
+  with nv.asm_decode(args.asm), nv.f16_sums(args.f16_sums), ls.stages(args.load_stages), \
+      ls.kinds(args.load_stage_kernels):
     modules = capture_triton_modules(fn, *fargs)
   for i, c in enumerate(modules):
     base = os.path.join(args.out, f"{i}_{c['name']}")

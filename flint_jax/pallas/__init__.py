@@ -26,6 +26,8 @@ numerical contract of the kernel and the XLA fallback):
 | | measured no gain, off: docs/performance.md perf log 44) |
 | ``pdl`` | ``launch_dependents``, ``grid_dependency_wait``: programmatic dependent launch |
 | | from inside a kernel; ``early_trigger``: every kernel lets the next one launch first |
+| ``load_stages`` | ``stages(n)``: ``tt.num_stages`` on the dot-free K loops (cp.async for the |
+| | CUDA-core kernels' weight loads) |
 | ``mosaic_gemv`` | ``mosaic_gemv``: bf16 GEMV on Mosaic GPU (TMA + wgmma) with an optional |
 | | programmatic-dependent-launch wait; a probe, not used by the decode step (docs/kernels.md) |
 
@@ -40,6 +42,10 @@ Measurements and the tuning log live in ``docs/kernels.md``.
 # whole step again (on CPU; the GPU lowering does not reach that import, H200 run 170). Defining
 # the state here, before any trace, keeps one compile (test_fast_decode::test_decode_compiles_once).
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401
+
+from flint_jax.pallas import load_stages as _load_stages
+
+_load_stages.install()   # kernels named "..._ls<n>" get their dot-free loops pipelined
 
 from flint_jax.pallas.add_rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from flint_jax.pallas.add_rms_norm_router import (add_rms_norm_router,

@@ -227,9 +227,14 @@ def pallas_call(kernel, *, prefetch: int = 0, touch: int = 0, touch_page: int | 
   share of them (``l2_prefetch.touch_pages``), so that their pages' address translations are
   cached before that kernel runs.
 
+  Under ``load_stages.stages(n)`` the kernels ``load_stages.kinds`` selects are named
+  ``..._ls<n>`` and their dot-free K loops software-pipelined (``load_stages``).
+
   Under ``ffi_launch.enabled`` (not in interpret mode, no prefetch) the kernel is compiled by the
   triton package and launched by flint_jax's FFI call instead of XLA (``ffi_launch``)."""
-  from flint_jax.pallas import ffi_launch, pdl   # pylint: disable=g-import-not-at-top
+  from flint_jax.pallas import ffi_launch, load_stages, pdl   # pylint: disable=g-import-not-at-top
+  if kw.get("name"):   # under load_stages.stages(n): "_ls<n>" asks the lowering to pipeline
+    kw["name"] = load_stages.tagged_name(kw["name"])
   early = pdl.triggers(kw.get("name") or "")
   if ffi_launch.enabled.value and not kw.get("interpret") and not (prefetch or touch):
     return ffi_launch.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)

@@ -296,6 +296,8 @@ class DecodeOptions:
       (`pallas.load_stages`: ``tt.num_stages`` on their ``scf.for``, so that the CUDA-core
       NVFP4 kernels' weight loads go through cp.async ``load_stages - 1`` K steps ahead
       instead of each K step waiting for its own). 0 (default) = off; >= 2 = that many stages.
+      Slower in every NVFP4 kernel (H200 run 171: 1x1K 1.707 -> 2.090 ms at 2 stages, 8x1K
+      4.219 -> 5.932); an option for measurements.
     load_stage_kernels: which kernels ``load_stages`` applies to: "all" (default), "moe" (the
       MoE gate_up and down kernels) or "gemv" (the dense NVFP4 GEMVs).
     moe_shared_tokens: at batch > 1 with the shared expert per token (``moe_shared_rows``

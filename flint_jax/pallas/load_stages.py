@@ -18,6 +18,13 @@ pipelined already, at the kernel's ``num_stages``). Nothing changes in interpret
 Checked without a GPU with the triton package (3.6.0, sm_90): the batch-8 f16 MoE gate_up's
 weight loads become ``LDGSTS`` (cp.async) + ``LDS``, registers 127 -> 119
 (``tests/test_pallas_load_stages.py``; ``tools/triton_sass.py --load-stages``).
+
+**Measured slower, so off** (H200 run 171, perf log 99): XLA's Triton honours the attribute (the
+pipelined steps give the same logits bit for bit), but every NVFP4 kernel slows down, more with
+more stages: NVFP4 1x1K 1.707 -> 2.090 / 2.164 / 2.253 ms at 2 / 3 / 4 stages, 8x1K 4.219 ->
+5.932 / 6.455 / 7.340 (the 8x gate_up 29.5 -> 60.8 us per layer at 2 stages). The staged form
+synchronises the CTA and reads the codes back from shared memory at every K step, and its
+buffers take programs off the SM, where the register form lets each warp run its loop alone.
 """
 
 from __future__ import annotations

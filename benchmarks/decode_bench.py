@@ -353,6 +353,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     "pallas_lm-x16" / "pallas_lm-x16-bk512-w4" (`lm_head_f16` forced on: the batch-1 NVFP4 LM
     head on f16x2 products, the default since run 164, with its tiles), "pallas_nolm16" (off:
     the f32 blocks tiles),
+    "pallas_x16w" (`x16_loads="words"`: the f16 K step's operand loaded per code word),
     "pallas_ls3" / "pallas_ls3-moe" / "pallas_ls2-gemv" (`load_stages` / `load_stage_kernels`:
     the dot-free K loops software-pipelined in that many stages, in all / the MoE / the dense
     NVFP4 GEMV kernels),
@@ -431,6 +432,7 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "b1gu16": DecodeOptions(moe_gate_up_f16=True, moe_down_f16=False),
                "shtopk": DecodeOptions(moe_shared_with_topk=True),
                "nolm16": DecodeOptions(lm_head_f16=False),
+               "x16w": DecodeOptions(x16_loads="words"),
                "nonq": DecodeOptions(norm_in_qkv=False),
                "sp": DecodeOptions(attention="split"),
                "fa": DecodeOptions(attention="fused"),

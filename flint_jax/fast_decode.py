@@ -43,6 +43,7 @@ from flint_jax.pallas.moe import moe_decode_routed_combine
 from flint_jax.pallas.nvfp4_gemv import asm_decode as nvfp4_asm_decode
 from flint_jax.pallas.nvfp4_gemv import f16_sums as nvfp4_f16_sums
 from flint_jax.pallas.nvfp4_gemv import x16_operand
+from flint_jax.pallas.nvfp4_gemv import x16_loads as nvfp4_x16_loads
 
 # KVCache.counters entries of the MoE down kernel's combine (`moe_decode_routed_combine`): one
 # for the column blocks and one per block (<= 129 at D = 2048), or in the residual mode at
@@ -300,6 +301,10 @@ class DecodeOptions:
       4.219 -> 5.932); an option for measurements.
     load_stage_kernels: which kernels ``load_stages`` applies to: "all" (default), "moe" (the
       MoE gate_up and down kernels) or "gemv" (the dense NVFP4 GEMVs).
+    x16_loads: how the NVFP4 f16 K step (the MoE kernels, the batch-1 LM head) loads its f16
+      operand (`nvfp4_gemv.x16_loads`): "tile" (default: one [nb, 2, 16] load per half, split
+      in registers) or "words" (one [nb, 2, 4] load per code word, small enough for Triton to
+      load it in the layout the decode reads instead of converting it through shared memory).
     moe_shared_tokens: at batch > 1 with the shared expert per token (``moe_shared_rows``
       "token", the NVFP4 default), each shared-expert gate_up program takes this many tokens
       and decodes its weight tile once for them (`moe_decode_routed(shared_tokens=)`); None
@@ -386,6 +391,7 @@ class DecodeOptions:
     lm_head_f16: bool | None = None
     load_stages: int = 0
     load_stage_kernels: str = "all"
+    x16_loads: str = "tile"
 
     MOE_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
                        "block_k_down", "num_warps_down", "num_stages_down", "codes_ahead")
@@ -553,6 +559,9 @@ class DecodeOptions:
         if self.moe_f16_sums not in ("pair", "block"):
             raise ValueError("DecodeOptions.moe_f16_sums must be 'pair' or 'block', got "
                              f"{self.moe_f16_sums!r}")
+        if self.x16_loads not in ("tile", "words"):
+            raise ValueError("DecodeOptions.x16_loads must be 'tile' or 'words', got "
+                             f"{self.x16_loads!r}")
         if self.load_stages < 0 or self.load_stage_kernels not in ("all", "moe", "gemv"):
             raise ValueError("DecodeOptions.load_stages must be >= 0 and load_stage_kernels "
                              "one of 'all', 'moe', 'gemv', got "
@@ -816,7 +825,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         with pdl.early_trigger(trigger), pdl.early_trigger_kernels(kinds), \
                 ffi_launch.enabled(opts.launch == "ffi"), \
                 nvfp4_asm_decode(opts.nvfp4_asm_at("step")), nvfp4_f16_sums(opts.moe_f16_sums), \
-                load_stages.stages(opts.load_stages), load_stages.kinds(opts.load_stage_kernels):
+                load_stages.stages(opts.load_stages), load_stages.kinds(opts.load_stage_kernels), \
+                nvfp4_x16_loads(opts.x16_loads):
             return pallas_step(m, cache, tokens, quant)
 
     def pallas_step(m, cache: KVCache, tokens, quant: bool):

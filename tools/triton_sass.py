@@ -165,6 +165,8 @@ def main():
                        "mul_bf16 | shift | post")
   ap.add_argument("--f16-sums", default="block",
                   help="how the f16 blocks K step sums (nvfp4_gemv.f16_sums): pair | block")
+  ap.add_argument("--x16-loads", default="tile",
+                  help="how the f16 K step loads its operand (nvfp4_gemv.x16_loads): tile | words")
   ap.add_argument("--load-stages", type=int, default=0,
                   help="tt.num_stages on the dot-free K loops (pallas.load_stages; 0: off)")
   ap.add_argument("--load-stage-kernels", default="all",
@@ -179,7 +181,7 @@ def main():
   nv = importlib.import_module("flint_jax.pallas.nvfp4_gemv")
   ls = importlib.import_module("flint_jax.pallas.load_stages")
   with nv.asm_decode(args.asm), nv.f16_sums(args.f16_sums), ls.stages(args.load_stages), \
-      ls.kinds(args.load_stage_kernels):
+      ls.kinds(args.load_stage_kernels), nv.x16_loads(args.x16_loads):
     modules = capture_triton_modules(fn, *fargs)
   for i, c in enumerate(modules):
     base = os.path.join(args.out, f"{i}_{c['name']}")

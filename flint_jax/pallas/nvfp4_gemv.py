@@ -490,6 +490,31 @@ f16_sums = config.enum_state(
     help="how the NVFP4 f16 blocks K step sums its products")
 
 
+#: How the f16 ``blocks`` K step loads its x16 operand: "tile" (default: one load per half,
+#: [nb, 2, 16], split into the four code words' pieces in registers) or "words" (one load per
+#: word and half, [nb, 2, 4]). Triton lays a load out for coalescing and converts it to the
+#: layout its consumer needs through shared memory (a store, a CTA barrier, loads); a load of
+#: fewer elements than the CTA has threads it instead places straight in the consumer's layout
+#: (``isExpensiveLoadOrStore``), here every lane of a warp reading the same x. Nsight Compute
+#: on the 8x f16 MoE gate_up (H200 run 173): 12 CTA barriers per K step, 12% of its warps'
+#: stall samples at them. Read when a kernel is traced (as ``f16_sums``); the decode step sets
+#: it from ``DecodeOptions.x16_loads``.
+x16_loads = config.enum_state(
+    "flint_jax_nvfp4_x16_loads", ["tile", "words"], default="tile",
+    include_in_trace_context=True, include_in_jit_key=True,
+    help="how the NVFP4 f16 blocks K step loads its x16 operand")
+
+
+def _x16_words(v):
+  """An x16 half as the four code words' pieces: a loaded [nb, 2, 16] tile split in registers,
+  or the pieces loaded one by one (``x16_loads`` "words")."""
+  return list(v) if isinstance(v, (list, tuple)) else jnp.split(v, 4, axis=-1)
+
+
+def _x16_whole(v):
+  return jnp.concatenate(list(v), axis=-1) if isinstance(v, (list, tuple)) else v
+
+
 _F16_MIN_BYTES = 4   # code bytes per thread the f16 K step's asm needs (one pack of 4)
 
 
@@ -638,10 +663,10 @@ def f16_block_lane_sums(q, xl, xh, decode):
   bytes 0 and 1 of each word, lane 1 bytes 2 and 3). GPU: inline PTX, the four words split off
   the loaded tile (``jnp.split``: register moves); interpret: jnp."""
   if decode != "asm":
-    return _f16_block_lane_sums(q, xl, xh)
+    return _f16_block_lane_sums(q, _x16_whole(xl), _x16_whole(xh))
   words = q.shape[:-1] + (4,)
   qs = jnp.split(q, 4, axis=-1)
-  xls, xhs = (jnp.split(v, 4, axis=-1) for v in (xl, xh))
+  xls, xhs = _x16_words(xl), _x16_words(xh)
   acc = None
   for i in range(4):
     args = [qs[i]] + [jnp.broadcast_to(v[i], words) for v in (xls, xhs)]
@@ -657,6 +682,7 @@ def f16_lane_sums(q, xl, xh, decode):
   """Per code word of q uint8 [BN, nb, 2, 16] (``load_codes``) and the f16 x halves xl / xh
   [nb, 2, 16]: f32 [BN, nb, 2, 16] = (lo lane 0, lo lane 1, hi lane 0, hi lane 1) sums of
   E2M1 x 2^-14 times x16 (see ``_f16_block_asm``). GPU: inline PTX; interpret: jnp."""
+  xl, xh = _x16_whole(xl), _x16_whole(xh)
   if decode != "asm":
     return _f16_lane_sums(q, xl, xh)
   xl, xh = (jnp.broadcast_to(v, q.shape) for v in (xl, xh))
@@ -684,7 +710,8 @@ def _scale_x128(s, decode="asm"):
 
 def blocks_fma_f16(acc, codes, x_half, decode, x_scales=None):
   """The ``blocks`` K step on f16 products: acc [BN, nb, 2] + per 16-value block, s x 2^7 times
-  the sum of its ``f16_lane_sums`` (x_half(h): the ``x16_operand`` half h, f16 [nb, 2, 16]).
+  the sum of its ``f16_lane_sums`` (x_half(h): the ``x16_operand`` half h, f16 [nb, 2, 16], or
+  its four code words' pieces [nb, 2, 4] as loaded under ``x16_loads`` "words").
   The result carries ``F16_DECODE_FACTOR`` times x16's row scale; or, with ``x_scales`` (the
   low and high nibbles' x block factors, f32 [nb, 2] each: ``store_x16_blocks``' inv), the
   factor only."""
@@ -710,7 +737,11 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
       C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
       if codes is None:
         codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
-      x_half = lambda h: x_ref[(*x_idx, 0, blk, h, ds, ds)]               # noqa: E731
+      if x16_loads.value == "words":   # [nb, 2, 4] per code word: see x16_loads
+        x_half = lambda h: [x_ref[(*x_idx, 0, blk, h, ds, pl.ds(4 * i, 4))]  # noqa: E731
+                            for i in range(4)]
+      else:
+        x_half = lambda h: x_ref[(*x_idx, 0, blk, h, ds, ds)]             # noqa: E731
       x_scales = (None if x_scale_ref is None else
                   tuple(x_scale_ref[(*x_idx, 0, blk, half, ds)] for half in (0, 1)))
       return blocks_fma_f16(acc, codes, x_half, decode, x_scales)

@@ -1,0 +1,86 @@
+"""nvfp4_gemv.x16_loads "words": the f16 K step's operand loaded per code word.
+
+The same products in the same order as the "tile" loads, so the same bits: checked for the
+dense GEMV (the LM head's f16 path) and the MoE kernels (gate_up on x16, down on h16 with its
+block factors) -- compiled on a GPU, interpreted on the CPU -- and in the Triton IR, where the
+x loads are [nb, 2, 4] pieces.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax.fast_decode import DecodeOptions
+from flint_jax.pallas import moe_decode_routed, nvfp4_gemv
+from flint_jax.pallas.nvfp4_gemv import x16_loads, x16_operand
+from flint_jax.pallas.testing import randn, random_moe_weights, random_nvfp4, rng, triton_modules
+from test_fast_decode import paired_steps
+from test_pallas_moe import used_rows
+
+INTERPRET = jax.default_backend() == "cpu"
+
+
+@pytest.mark.parametrize("n,k,kw", [(48, 384, dict(block_n=16, block_k=128, num_warps=4)),
+                                    (96, 2048, {})])
+def test_gemv_words_equal_tile(n, k, kw):
+  g = rng("x16w", n, k)
+  x = randn(g, (1, k)).astype(jnp.bfloat16)
+  w = random_nvfp4(g, (n, k))
+  x16, inv = x16_operand(x)
+  outs = {}
+  for mode in ("tile", "words"):
+    with x16_loads(mode):
+      outs[mode] = np.asarray(nvfp4_gemv(x16, *w, x_inv=inv, out_dtype=jnp.float32,
+                                         interpret=INTERPRET, **kw))
+  np.testing.assert_array_equal(outs["words"], outs["tile"])
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_moe_words_equal_tile(m):
+  """The f16 gate_up and down kernels (per-token slots; at M = 1 the one-token slots)."""
+  g = rng("x16wmoe", m)
+  experts, shared = random_moe_weights("nvfp4", 16, 128, 64, 128, g)
+  x = randn(g, (m, 128)).astype(jnp.bfloat16)
+  logits = randn(g, (m, 16)).astype(jnp.float32)
+  ys = {}
+  for mode in ("tile", "words"):
+    with x16_loads(mode):
+      y, _ = moe_decode_routed(x, logits, experts, shared, top_k=4, slot_rows="token",
+                               shared_rows="token", gate_up_f16=True, down_f16=True,
+                               interpret=INTERPRET)
+    ys[mode] = np.asarray(used_rows(y, 4))   # the rows per-token slots define
+  np.testing.assert_array_equal(ys["words"], ys["tile"])
+
+
+def test_words_load_pieces_in_the_triton_ir():
+  """Lowered for an H200: the GEMV's x loads are [nb, 2, 4] f16 pieces under "words" (eight per
+  K step), one [nb, 2, 16] tile per half otherwise."""
+  w = random_nvfp4(rng("x16wir"), (64, 1024))
+  x16, inv = x16_operand(randn(rng("x16wir", 1), (1, 1024)).astype(jnp.bfloat16))
+  shapes = {}
+  for mode in ("tile", "words"):
+    with x16_loads(mode):
+      (mod,) = triton_modules(lambda a, b: nvfp4_gemv(a, *w, x_inv=b, block_n=16,
+                                                      block_k=512, num_warps=4), x16, inv)
+    shapes[mode] = re.findall(r"tt.load %\S+ : tensor<([0-9x]+)x!tt.ptr<f16>>", mod["asm"])
+  assert shapes["tile"].count("8x2x16") == 2 and "8x2x4" not in shapes["tile"], shapes
+  assert shapes["words"].count("8x2x4") == 8 and "8x2x16" not in shapes["words"], shapes
+
+
+def test_option_is_checked():
+  with pytest.raises(ValueError, match="x16_loads"):
+    DecodeOptions(x16_loads="rows")
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_words_step_equals_the_default_step(rows):
+  """The NVFP4 decode step with the per-word loads gives the default step's logits bit for bit
+  (compiled on a GPU; interpreted on the CPU, where batch 1 covers it)."""
+  if INTERPRET and rows != 1:
+    pytest.skip("interpret mode: the kernels' jnp forms are the same either way; batch 1 runs")
+  for l1, _, l2 in paired_steps(True, 19, DecodeOptions(x16_loads="words"), DecodeOptions(),
+                                rows, (7, 33, 2)):
+    np.testing.assert_array_equal(l1, l2)

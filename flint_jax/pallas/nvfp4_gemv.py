@@ -498,7 +498,10 @@ f16_sums = config.enum_state(
 #: (``isExpensiveLoadOrStore``), here every lane of a warp reading the same x. Nsight Compute
 #: on the 8x f16 MoE gate_up (H200 run 173): 12 CTA barriers per K step, 12% of its warps'
 #: stall samples at them. Read when a kernel is traced (as ``f16_sums``); the decode step sets
-#: it from ``DecodeOptions.x16_loads``.
+#: it from ``DecodeOptions.x16_loads``. With the "pair" sums (small tiles) the tile is loaded.
+#: **Measured slower** (H200 run 176): the per-lane broadcast loads (8 per K step instead of 2)
+#: cost more than the barriers they remove: the 8x1K gate_up 29.8 -> 37.0 us per layer, the
+#: batch-1 LM head 58.8 -> 101; 8x1K 4.254 -> 4.688 ms, 1x1K 1.714 -> 1.905. For measurements.
 x16_loads = config.enum_state(
     "flint_jax_nvfp4_x16_loads", ["tile", "words"], default="tile",
     include_in_trace_context=True, include_in_jit_key=True,
@@ -737,7 +740,9 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
       C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
       if codes is None:
         codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
-      if x16_loads.value == "words":   # [nb, 2, 4] per code word: see x16_loads
+      # [nb, 2, 4] per code word (x16_loads); the block sums only: the pair sums take the x
+      # halves whole, and Triton cannot join four pieces back (2-argument concatenate only)
+      if x16_loads.value == "words" and f16_sums.value == "block":
         x_half = lambda h: [x_ref[(*x_idx, 0, blk, h, ds, pl.ds(4 * i, 4))]  # noqa: E731
                             for i in range(4)]
       else:

@@ -40,19 +40,26 @@ def test_gemv_words_equal_tile(n, k, kw):
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_moe_words_equal_tile(m):
-  """The f16 gate_up and down kernels (per-token slots; at M = 1 the one-token slots)."""
+  """The f16 gate_up and down kernels (per-token slots; at M = 1 the one-token slots), at
+  sizes whose tiles take the block sums (so "words" applies: checked in their Triton IR)."""
   g = rng("x16wmoe", m)
-  experts, shared = random_moe_weights("nvfp4", 16, 128, 64, 128, g)
-  x = randn(g, (m, 128)).astype(jnp.bfloat16)
+  d, inter, inter_s = 512, 128, 256
+  experts, shared = random_moe_weights("nvfp4", 16, d, inter, inter_s, g)
+  x = randn(g, (m, d)).astype(jnp.bfloat16)
   logits = randn(g, (m, 16)).astype(jnp.float32)
+  kw = dict(top_k=4, slot_rows="token", shared_rows="token", gate_up_f16=True, down_f16=True)
   ys = {}
   for mode in ("tile", "words"):
     with x16_loads(mode):
-      y, _ = moe_decode_routed(x, logits, experts, shared, top_k=4, slot_rows="token",
-                               shared_rows="token", gate_up_f16=True, down_f16=True,
-                               interpret=INTERPRET)
+      y, _ = moe_decode_routed(x, logits, experts, shared, interpret=INTERPRET, **kw)
     ys[mode] = np.asarray(used_rows(y, 4))   # the rows per-token slots define
   np.testing.assert_array_equal(ys["words"], ys["tile"])
+  with x16_loads("words"):
+    mods = triton_modules(lambda a, b: moe_decode_routed(a, b, experts, shared, **kw)[0],
+                          x, logits)
+  gate_up = [mod for mod in mods if mod["name"].startswith("flint_moe_gate_up")]
+  assert gate_up and all(re.search(r"tt.load %\S+ : tensor<\d+x2x4x!tt.ptr<f16>>", mod["asm"])
+                         for mod in gate_up), [mod["name"] for mod in mods]
 
 
 def test_words_load_pieces_in_the_triton_ir():

@@ -82,12 +82,36 @@ def test_option_is_checked():
     DecodeOptions(x16_loads="rows")
 
 
+def test_decode_step_loads_words():
+  """DecodeOptions(x16_loads="words") reaches the step's kernels: lowered for an H200 at batch
+  1, the MoE gate_up kernel loads x16 in [nb, 2, 4] pieces (the default step in whole tiles)."""
+  from flax import nnx
+
+  from flint_jax import fast_decode
+  from flint_jax.cache import cache_shapes
+  import flint_jax
+  from flint_jax.model import FlintForCausalLM
+  # hidden 512: the gate_up's tiles take the block sums (the tiny preset's 128 takes the pair
+  # sums, where "words" does not apply)
+  cfg = flint_jax.preset("tiny", hidden_size=512, num_hidden_layers=2, mlp_only_layers=(0,))
+  graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
+  found = {}
+  for mode in ("tile", "words"):
+    step = fast_decode.make_decode_step(graphdef, cfg, options=DecodeOptions(x16_loads=mode))
+    mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
+                          jax.ShapeDtypeStruct((1,), jnp.int32))
+    found[mode] = [bool(re.search(r"tt.load %\S+ : tensor<\d+x2x4x!tt.ptr<f16>>", m["asm"]))
+                   for m in mods if m["name"].startswith("flint_moe_gate_up")]
+  assert found["words"] and all(found["words"]) and not any(found["tile"]), found
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_words_step_equals_the_default_step(rows):
   """The NVFP4 decode step with the per-word loads gives the default step's logits bit for bit
-  (compiled on a GPU; interpreted on the CPU, where batch 1 covers it)."""
-  if INTERPRET and rows != 1:
-    pytest.skip("interpret mode: the kernels' jnp forms are the same either way; batch 1 runs")
+  (compiled: H200 run 177)."""
+  if INTERPRET:
+    pytest.skip("compiled only: interpreted, both loads feed the same jnp form "
+                "(test_decode_step_loads_words checks that the option reaches the kernels)")
   for l1, _, l2 in paired_steps(True, 19, DecodeOptions(x16_loads="words"), DecodeOptions(),
                                 rows, (7, 33, 2)):
     np.testing.assert_array_equal(l1, l2)

@@ -21,6 +21,8 @@ from test_fast_decode import paired_steps
 from test_pallas_moe import used_rows
 
 INTERPRET = jax.default_backend() == "cpu"
+# a kernel's f16 load of x16 pieces [nb, 2, 4] in its Triton IR ("words")
+WORD_LOAD = re.compile(r"tt.load %\S+ : tensor<\d+x2x4x!tt.ptr<f16>>")
 
 
 @pytest.mark.parametrize("n,k,kw", [(48, 384, dict(block_n=16, block_k=128, num_warps=4)),
@@ -58,7 +60,7 @@ def test_moe_words_equal_tile(m):
     mods = triton_modules(lambda a, b: moe_decode_routed(a, b, experts, shared, **kw)[0],
                           x, logits)
   gate_up = [mod for mod in mods if mod["name"].startswith("flint_moe_gate_up")]
-  assert gate_up and all(re.search(r"tt.load %\S+ : tensor<\d+x2x4x!tt.ptr<f16>>", mod["asm"])
+  assert gate_up and all(WORD_LOAD.search(mod["asm"])
                          for mod in gate_up), [mod["name"] for mod in mods]
 
 
@@ -100,7 +102,7 @@ def test_decode_step_loads_words():
     step = fast_decode.make_decode_step(graphdef, cfg, options=DecodeOptions(x16_loads=mode))
     mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
                           jax.ShapeDtypeStruct((1,), jnp.int32))
-    found[mode] = [bool(re.search(r"tt.load %\S+ : tensor<\d+x2x4x!tt.ptr<f16>>", m["asm"]))
+    found[mode] = [bool(WORD_LOAD.search(m["asm"]))
                    for m in mods if m["name"].startswith("flint_moe_gate_up")]
   assert found["words"] and all(found["words"]) and not any(found["tile"]), found
 

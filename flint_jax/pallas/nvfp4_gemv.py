@@ -685,7 +685,6 @@ def f16_lane_sums(q, xl, xh, decode):
   """Per code word of q uint8 [BN, nb, 2, 16] (``load_codes``) and the f16 x halves xl / xh
   [nb, 2, 16]: f32 [BN, nb, 2, 16] = (lo lane 0, lo lane 1, hi lane 0, hi lane 1) sums of
   E2M1 x 2^-14 times x16 (see ``_f16_block_asm``). GPU: inline PTX; interpret: jnp."""
-  xl, xh = _x16_whole(xl), _x16_whole(xh)
   if decode != "asm":
     return _f16_lane_sums(q, xl, xh)
   xl, xh = (jnp.broadcast_to(v, q.shape) for v in (xl, xh))

@@ -136,3 +136,28 @@ def test_make_handle_path_variants():
             "pallas_rs8": DecodeOptions(ring_splits=8)}
     for path, opts in want.items():
         assert decode_bench.make_handle(cfg, graphdef, state, False, path).decode_options == opts
+
+
+def test_step_kernel_bytes_add_up_to_the_step_floor():
+    """tools/step_kernel_tbps.py's per-kernel byte model, summed over a step's kernels, is the
+    floor's byte count (decode_bench.step_bytes) less the embedding rows, for BF16 where both
+    count 2 B per weight; kernels without a model (merge, top-k) count nothing."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    import step_kernel_tbps  # noqa: E402
+
+    cfg = preset("flint")
+    step = [("flint_moe_gate_up_routed_bf16", 47), ("flint_moe_down_split_routed_bf16", 47),
+            ("flint_norm_qkv3_moe_bf16", 49), ("input_reduce_fusion_48", 49),
+            ("flint_gemv_silu_mul_swap", 2), ("gemm_fusion_dot_55", 2), ("gemm_fusion_dot_54", 1),
+            ("flint_add_rms_norm_router_d2048", 47), ("flint_qk_norm_rope_attn_ring_bk64", 35),
+            ("flint_qk_norm_attn_full_bk128", 14), ("flint_decode_attn_merge_ns16", 49),
+            ("flint_moe_topk_e256_k6", 47)]
+    for batch, context in [(1, 1024), (8, 100_000), (3, 300)]:
+        total = sum(calls * (step_kernel_tbps.kernel_bytes(name, calls, cfg, "bf16", batch, context)
+                             or 0.0) for name, calls in step)
+        want = decode_bench.step_bytes(cfg, batch, context, quant=False) - batch * cfg.hidden_size * 2
+        assert total == pytest.approx(want, rel=1e-12), (batch, context)
+    assert step_kernel_tbps.kernel_bytes("flint_decode_attn_merge_ns16", 49, cfg, "bf16", 1, 1024) is None
+    # NVFP4 weights as held on the device: 4-bit codes and a bf16 block scale per 16 values.
+    o_proj = step_kernel_tbps.kernel_bytes("flint_nvfp4_gemv_blocks", 49, cfg, "nvfp4", 1, 1024)
+    assert o_proj == cfg.hidden_size * cfg.num_attention_heads * cfg.head_dim * (0.5 + 2 / 16)

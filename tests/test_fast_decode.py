@@ -71,12 +71,17 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            "qkvdot": DecodeOptions(nvfp4_qkv_method="dot"),
            # the NVFP4 batch > 1 MoE mode on BF16 experts (bench path pallas_tokshtok)
            "tokshtok": DecodeOptions(moe_slot_rows="token", moe_shared_rows="token")}
-CASES = [("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
-         ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
-         ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"), ("nvfp4", "qkv_wait"),
-         ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"), ("bf16", "allrows"), ("nvfp4", "rows"),
-         ("nvfp4", "tokpresf"), ("nvfp4", "shall"), ("nvfp4", "rtopk"), ("bf16", "rtopk"),
-         ("nvfp4", "qkvdot"), ("bf16", "tokshtok")]
+# Off by default and measured no faster: compiled on a GPU, interpreted on the CPU only with
+# FLINT_TEST_KNOBS=1 (tests/conftest.py).
+KNOB_CASES = {"ring1", "ring2_split", "qkv_wait", "qkv_wait_pre0", "tokpresf", "shall", "rtopk"}
+CASES = [pytest.param(fmt, name, marks=[pytest.mark.knob] if name in KNOB_CASES else [])
+         for fmt, name in [
+             ("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
+             ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
+             ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"),
+             ("nvfp4", "qkv_wait"), ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"),
+             ("bf16", "allrows"), ("nvfp4", "rows"), ("nvfp4", "tokpresf"), ("nvfp4", "shall"),
+             ("nvfp4", "rtopk"), ("bf16", "rtopk"), ("nvfp4", "qkvdot"), ("bf16", "tokshtok")]]
 
 
 _XLA_TOKENS = {}   # the XLA path's greedy tokens of `small_cfg` models, shared by the cases
@@ -242,6 +247,7 @@ def test_qkv_split_k_reaches_the_multi_gemv(quant, batch):
                            else "_splitk" not in n for n in qkv), (tail, names)
 
 
+@pytest.mark.knob
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_qkv_wait_batch_one_equals_xla(fmt):
     """The default qkv_wait limit (batch 1): one row runs layer_end_qkv, and equals XLA."""
@@ -389,6 +395,7 @@ def test_cache_counters_stay_zero_between_steps(split_k):
         assert l1.argmax() == l2.argmax()
 
 
+@pytest.mark.knob
 @pytest.mark.parametrize("quant,rows,split", [(True, 5, None), (True, 1, 2), (False, 8, None)])
 def test_qkv_finish_equals_partials_in_the_attention(quant, rows, split):
     """`qkv_finish`: the q|k|v kernel's last K slice of each tile sums the partials in slice
@@ -428,6 +435,7 @@ def test_tile_overrides_equal_the_default_step(quant, rows):
             assert (l1.argmax(-1) == l2.argmax(-1)).all()
 
 
+@pytest.mark.knob
 def test_moe_shared_tokens_equals_the_default_step():
     """`moe_shared_tokens=4` at batch 4 (NVFP4: the shared expert per token): its gate_up
     programs decode each tile once for 4 tokens, the same products and sums: logits bit for
@@ -473,6 +481,7 @@ def test_moe_gate_up_f16_step():
     assert downs and all("_h16_" in n for n in downs), names
 
 
+@pytest.mark.knob
 @pytest.mark.parametrize("quant,rows", [(True, 3), (True, 1), (False, 2)])
 def test_moe_shared_with_topk_step(quant, rows):
     """`moe_shared_with_topk`: at batch > 1 on NVFP4 experts the shared expert's gate_up in the
@@ -621,6 +630,7 @@ def test_router_topk_kernels(router_topk):
     assert (fused, separate) == ((True, False) if router_topk else (False, True)), names
 
 
+@pytest.mark.knob
 def test_router_topk_counter_stays_zero_between_steps():
     """The router kernel's arrival counter lives in the cache: every NVFP4 batch-2 step hands
     the counters back as zeros, its logits equal to the step with the separate top-k kernel."""
@@ -647,6 +657,7 @@ def test_rms_in_qkv_batch_one():
         np.testing.assert_allclose(l1, l2, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.knob
 def test_rms_in_qkv_batch_above_one():
     """`rms_in_qkv=True` at batch > 1: the combine moves into the down kernel (residual mode)
     and the next q|k|v (tensor-core or rows tiles) normalises each row as it loads it. Greedy
@@ -707,6 +718,7 @@ def test_rms_in_qkv_kernels(on):
     assert any(n.startswith("flint_multi_gemv") and "_rms" in n for n in names) == (on is None)
 
 
+@pytest.mark.knob
 @pytest.mark.parametrize("fmt,rows", [("bf16", 1), ("nvfp4", 1), ("bf16", 2)])
 def test_l2_prefetch_step_equals_xla(fmt, rows):
     """Every L2 prefetch site on (attention -> o_proj, router kernel -> shared expert, MoE down
@@ -750,6 +762,7 @@ def test_l2_prefetch_sites_in_triton_ir(quant):
         assert kinds == {"qk_norm", "add_rms", "moe_down"}, with_pf
 
 
+@pytest.mark.knob
 @pytest.mark.parametrize("fmt,rows", [("nvfp4", 1), ("bf16", 1), ("nvfp4", 2)])
 def test_tlb_touch_step_equals_default_step(fmt, rows):
     """Every page-touch site on (attention and router kernels, MoE gate_up): the touches change

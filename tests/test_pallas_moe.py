@@ -19,8 +19,8 @@ from flint_jax.pallas import (MoERoute, add_rms_norm_reference, moe_block,
 from flint_jax.pallas import _common as C
 from flint_jax.pallas.moe import moe_decode_routed_combine, moe_route, moe_slots
 from flint_jax.pallas.moe import default_slot_rows, moe_topk_route_pallas
-from flint_jax.pallas.testing import (assert_close, lower_for_h200, randn, random_moe_weights, rng,
-                                     tie_logits)
+from flint_jax.pallas.testing import (abstract_moe_weights, assert_close, lower_for_h200, randn,
+                                     random_moe_weights, rng, tie_logits)
 
 INTERPRET = jax.default_backend() == "cpu"
 DECODE = "fp8" if INTERPRET else "asm"
@@ -792,11 +792,10 @@ def test_moe_decode_routed_combine_lowers_for_h200(fmt, m, norm):
   """At Flint sizes: the down kernel with the combine (or, norm=False, the residual mode)
   lowers for an H200."""
   s = jax.ShapeDtypeStruct
-  experts, shared = random_moe_weights(fmt, 256, 2048, 512, 1024, np.random.default_rng(0))
-  abstract = lambda t: jax.tree.map(lambda a: s(a.shape, a.dtype), t)  # noqa: E731
+  experts, shared = abstract_moe_weights(fmt, 256, 2048, 512, 1024)
   text = lower_for_h200(
       functools.partial(moe_decode_routed_combine, top_k=6, counter_base=2048, norm=norm),
-      s((m, 2048), jnp.bfloat16), s((m, 256), jnp.float32), abstract(experts), abstract(shared),
+      s((m, 2048), jnp.bfloat16), s((m, 256), jnp.float32), experts, shared,
       s((m, 2048), jnp.bfloat16), s((2048,), jnp.bfloat16), s((4096,), jnp.int32)).as_text()
   assert ("_combine" if norm else "_residual") in text
 

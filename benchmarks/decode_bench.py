@@ -36,6 +36,12 @@ from flint_jax.model import FlintForCausalLM
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (spec section 9)
 
 
+def rel_l2(a, b) -> float:
+    """Relative L2 error of logits b against reference logits a (both taken as f32)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(a))
+
+
 def step_bytes(cfg: FlintConfig, batch: int, context: int, quant: bool) -> float:
     """Bytes one decode step must read at least: active weights and the KV cache in use.
 
@@ -565,14 +571,14 @@ def run_case(cfg, graphdef, state, quant, batch, context, paths, steps, trace, l
                 continue
             b = np.asarray(lg, np.float32)
             tag = "" if p == "pallas" else f"_{p}"
-            row[f"rel_l2_pallas_vs_xla{tag}"] = float(np.linalg.norm(a - b) / np.linalg.norm(a))
+            row[f"rel_l2_pallas_vs_xla{tag}"] = rel_l2(a, b)
             row[f"argmax_equal{tag}"] = float(np.mean(a.argmax(-1) == b.argmax(-1)))
     elif "pallas" in logits_by_path:  # a run without the XLA path: compare with the default step
         a = np.asarray(logits_by_path["pallas"], np.float32)
         for p, lg in logits_by_path.items():
             if p != "pallas":
                 b = np.asarray(lg, np.float32)
-                row[f"rel_l2_{p}_vs_pallas"] = float(np.linalg.norm(a - b) / np.linalg.norm(a))
+                row[f"rel_l2_{p}_vs_pallas"] = rel_l2(a, b)
     return row
 
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import decode_bench
+from decode_bench import rel_l2
 from gpu_suite import copy_tree
 from flint_jax.config import preset
 from flint_jax.decode import prefill
@@ -43,11 +44,6 @@ def tree_diff(a, b) -> dict:
     worst = max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
                 for x, y in zip(la, lb))
     return {"bit_identical": bool(same), "max_abs_diff": worst}
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(a))
 
 
 def greedy(fx, fp, xla, pal, cache_x, cache_p, first, steps) -> dict:

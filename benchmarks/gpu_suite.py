@@ -72,7 +72,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
         a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
         ref_logits_x.append(a)
         if np.array_equal(np.asarray(tx), np.asarray(tp)):
-            errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(a)))
+            errs.append(decode_bench.rel_l2(a, b))
             near_tie = near_tie or choice_gap(a, b)
         tx, tp = jnp.argmax(lx, -1).astype(jnp.int32), jnp.argmax(lp, -1).astype(jnp.int32)
         toks_x.append(np.asarray(tx))
@@ -91,7 +91,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
             a1 = np.asarray(l1, np.float32)
             if np.array_equal(np.asarray(t1), tx0[i]):
                 ref_row = ref_logits_x[i][:1]
-                errs_1.append(float(np.linalg.norm(a1 - ref_row) / np.linalg.norm(ref_row)))
+                errs_1.append(decode_bench.rel_l2(ref_row, a1))
                 tie_1 = tie_1 or choice_gap(ref_row, a1)
             t1 = jnp.argmax(l1, -1).astype(jnp.int32)
             toks_1.append(np.asarray(t1))
@@ -108,7 +108,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
         lx, cache_x = fx(xla.leaves, cache_x, t)
         lp, cache_p = fp(pal.leaves, cache_p, t)
         a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
-        tf_errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(a)))
+        tf_errs.append(decode_bench.rel_l2(a, b))
         tf_agree.append(float(np.mean(a.argmax(-1) == b.argmax(-1))))
         gap = choice_gap(a, b)
         if gap is not None:   # how close the reference's own choice was where they differ

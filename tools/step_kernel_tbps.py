@@ -63,7 +63,7 @@ def kernel_bytes(name: str, calls: int, cfg: FlintConfig, fmt: str, batch: int,
     if gemv and calls == dense_layers:
         return d * cfg.intermediate_size * wb  # the dense MLP's down
     if gemv and calls == 1:
-        return cfg.vocab_size * d * (wb if fmt == "nvfp4" else 2.0)  # the LM head
+        return cfg.vocab_size * d * wb  # the LM head
     return None
 
 

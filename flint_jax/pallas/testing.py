@@ -127,9 +127,8 @@ def abstract_moe_weights(fmt: str, e: int, d: int, inter: int, inter_s: int):
   """``random_moe_weights``' (experts, shared) as shapes and dtypes only (ShapeDtypeStruct),
   for lowering at Flint sizes without building gigabytes of random weights on the host."""
   experts, shared = random_moe_weights(fmt, 1, d, inter, inter_s, np.random.default_rng(0))
-  spec = lambda a, lead=(): jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype)  # noqa: E731
-  experts = {k: jax.ShapeDtypeStruct((e,) + tuple(a.shape[1:]), a.dtype) for k, a in experts.items()}
-  return experts, jax.tree.map(spec, shared)
+  experts = {k: jax.ShapeDtypeStruct((e, *a.shape[1:]), a.dtype) for k, a in experts.items()}
+  return experts, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shared)
 
 
 def tie_logits(gen: np.random.Generator, m: int, e: int):

@@ -4,6 +4,14 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# On the CPU the tests' time goes to XLA compiling interpret-mode kernels, and a third of that is
+# LLVM optimising code that runs for milliseconds: compile it unoptimised (the HLO, its reduction
+# orders and the float semantics do not change; XLA's CPU backend does no fast-math either way).
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get(
+        "XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
+
 import pathlib
 
 import numpy as np

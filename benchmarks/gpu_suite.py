@@ -84,6 +84,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
     self_check = None
     if batch > 1:
         _, cache_1 = prefill(xla, rows[:1], cache_length=1024)
+        cache_1tf = copy_tree(cache_1)
         t1, toks_1, errs_1, tie_1 = first[:1], [np.asarray(first[:1])], [], None
         tx0 = [t[:1] for t in toks_x]
         for i in range(steps):
@@ -96,7 +97,16 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
             t1 = jnp.argmax(l1, -1).astype(jnp.int32)
             toks_1.append(np.asarray(t1))
         same_1 = [bool(np.array_equal(x, y)) for x, y in zip(tx0, toks_1)]
+        # Teacher-forced as well (fed the batch's greedy tokens of row 0): how often two
+        # correct implementations pick the same token, the yardstick for the Pallas path's
+        # teacher-forced agreement below.
+        agree_1 = []
+        for i in range(steps):
+            l1, cache_1tf = fx(xla.leaves, cache_1tf, jnp.asarray(tx0[i]))
+            agree_1.append(float(np.asarray(l1, np.float32)[0].argmax()
+                                 == ref_logits_x[i][0].argmax()))
         self_check = {"tokens_identical": all(same_1),
+                      "teacher_forced_argmax_agreement": float(np.mean(agree_1)),
                       "first_divergence": None if all(same_1) else same_1.index(False),
                       "first_divergence_near_tie": tie_1,
                       "rel_l2_median": float(np.median(errs_1)) if errs_1 else None}

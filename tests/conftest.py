@@ -28,7 +28,7 @@ def golden(name: str):
 def pytest_collection_modifyitems(config, items):
     """Tests marked `knob` (step options that are off by default and measured no faster, each
     step comparison costing 15-90 s of interpret-mode compiles) run compiled on a GPU, and on
-    the CPU only with FLINT_TEST_KNOBS=1: the README's CPU command stays near 25 minutes."""
+    the CPU only with FLINT_TEST_KNOBS=1: the README's CPU command stays near 15 minutes."""
     on_cpu = os.environ.get("JAX_PLATFORMS", "cpu") == "cpu"
     if not on_cpu or os.environ.get("FLINT_TEST_KNOBS") == "1":
         return

@@ -3,12 +3,12 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ON_CPU = os.environ["JAX_PLATFORMS"] == "cpu"
 
 # On the CPU the tests' time goes to XLA compiling interpret-mode kernels, and a third of that is
 # LLVM optimising code that runs for milliseconds: compile it unoptimised (the HLO, its reduction
 # orders and the float semantics do not change; XLA's CPU backend does no fast-math either way).
-if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get(
-        "XLA_FLAGS", ""):
+if ON_CPU and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
                                " --xla_llvm_disable_expensive_passes=true").strip()
 
@@ -29,8 +29,7 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `knob` (step options that are off by default and measured no faster, each
     step comparison costing 15-90 s of interpret-mode compiles) run compiled on a GPU, and on
     the CPU only with FLINT_TEST_KNOBS=1: the README's CPU command stays near 15 minutes."""
-    on_cpu = os.environ.get("JAX_PLATFORMS", "cpu") == "cpu"
-    if not on_cpu or os.environ.get("FLINT_TEST_KNOBS") == "1":
+    if not ON_CPU or os.environ.get("FLINT_TEST_KNOBS") == "1":
         return
     skip = pytest.mark.skip(reason="off-by-default step option: FLINT_TEST_KNOBS=1 runs it on "
                                    "the CPU (it always runs on a GPU)")

@@ -16,10 +16,12 @@ than the boundary. This probe measures both on the same work:
 - ``barrier``: R stages in one kernel of G programs, each stage ended by a grid barrier
   (CTA barrier, one ``atom.add.acq_rel`` arrival on a counter, volatile polls until it reaches
   G x (stage + 1), an acquiring atomic; the next stage's loads are volatile and addressed
-  through the acquire's result, so they cannot move above it).
+  through the acquire's result, so they cannot move above it); ``barrier_fence``: the acquire
+  a ``fence.acq_rel.gpu`` instead of the atomic; ``nosync``: the same kernel without any
+  barrier (what the stages cost alone; the programs race, so no result check).
 
 Per variant it reports us per stage as the slope between R = ``--rounds`` lo and hi (fixed
-costs of a call cancel), and checks the result (every element of the last vector equals R: a
+costs of a call cancel; of the median and of the fastest window), and checks the result (every element of the last vector equals R: a
 stage that read a stale vector would leave a smaller value). G must fit the GPU at once (every
 program resident), or the barrier deadlocks: G <= 2 x 132 here.
 
@@ -79,9 +81,18 @@ def chain(rounds: int, g: int, d: int = D, *, trigger: bool = False, interpret: 
   return run
 
 
-def _grid_barrier(cnt_ref, target, interpret):
+# ``fence.acq_rel.gpu`` (the "fence" acquire): 0, effectful (pallas/pdl.py's inline-asm helper)
+_fence_p = pdl._asm_primitive(   # pylint: disable=protected-access
+    "flint_probe_fence_acq_rel_gpu", "fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,~{memory}")
+
+SYNCS = ("atomic", "fence", "none")
+
+
+def _grid_barrier(cnt_ref, target, interpret, sync="atomic"):
   """Arrive on the counter, wait until it reaches ``target``; -> 0, data-dependent on the
-  acquire (add it to the next loads' addresses)."""
+  acquire (add it to the next loads' addresses). ``sync``: the acquire after the polls, an
+  atomic read ("atomic", what layer_end_qkv does) or ``fence.acq_rel.gpu`` ("fence"). (The
+  kernel's sync "none" skips the barrier: the stages' own cost; the programs then race.)"""
   if not interpret:        # every thread's stores precede the arrival (no CPU lowering)
     plgpu.debug_barrier()
   zero_idx = (jnp.int32(0),)
@@ -89,11 +100,13 @@ def _grid_barrier(cnt_ref, target, interpret):
   seen = lax.while_loop(lambda v: v < target,
                         lambda v: plgpu.load(cnt_ref.at[zero_idx], volatile=True),
                         plgpu.load(cnt_ref.at[zero_idx], volatile=True))
+  if sync == "fence":
+    return jnp.minimum(seen, target) - target + _fence_p.bind()
   acquired = plgpu.atomic_add(cnt_ref, (jnp.minimum(seen, target) - target,), jnp.int32(0))
   return jnp.minimum(acquired, target) - target
 
 
-def _persistent_kernel(buf_in, cnt_in, buf_ref, cnt_ref, *, rounds, g, d, interpret):
+def _persistent_kernel(buf_in, cnt_in, buf_ref, cnt_ref, *, rounds, g, d, interpret, sync):
   del buf_in, cnt_in      # aliased to the outputs
   p = pl.program_id(0)
 
@@ -102,23 +115,27 @@ def _persistent_kernel(buf_in, cnt_in, buf_ref, cnt_ref, *, rounds, g, d, interp
     src = (1 - odd) * d + zero            # stage r reads the vector of stage r - 1
     x = plgpu.load(buf_ref.at[pl.ds(src, d)], volatile=True)
     _stage(x, p, buf_ref, odd * d, g=g, d=d)
-    return _grid_barrier(cnt_ref, g * (r + 1), interpret)
+    if sync == "none":       # the carry itself (a fresh constant does not lower as a yield)
+      return zero
+    return _grid_barrier(cnt_ref, g * (r + 1), interpret, sync)
 
   lax.fori_loop(0, rounds, body, jnp.int32(0))
 
 
-def persistent(rounds: int, g: int, d: int = D, *, interpret: bool = False):
-  """-> jitted f(): R stages in one kernel with a grid barrier after each; returns the last
-  vector [D] f32 (all R if right)."""
+def persistent(rounds: int, g: int, d: int = D, *, interpret: bool = False, sync: str = "atomic"):
+  """-> jitted f(): R stages in one kernel with a grid barrier after each (its acquire:
+  ``sync``, see ``_grid_barrier``); returns the last vector [D] f32 (all R if right)."""
+  C.check(sync in SYNCS, f"sync must be one of {SYNCS}, got {sync!r}")
   C.check(d % g == 0, f"D={d} must be a multiple of G={g}")
   C.check(interpret is False or g == 1,
           "interpret mode runs the programs one after another: the barrier needs G = 1 there")
   call = pl.pallas_call(
-      functools.partial(_persistent_kernel, rounds=rounds, g=g, d=d, interpret=interpret),
+      functools.partial(_persistent_kernel, rounds=rounds, g=g, d=d, interpret=interpret,
+                        sync=sync),
       out_shape=(jax.ShapeDtypeStruct((2 * d,), jnp.float32),
                  jax.ShapeDtypeStruct((1,), jnp.int32)),
       grid=(g,), input_output_aliases={0: 0, 1: 1}, compiler_params=C.compiler_params(4, 1),
-      interpret=interpret, name=f"barrier_probe_persistent_g{g}")
+      interpret=interpret, name=f"barrier_probe_persistent_{sync}_g{g}")
 
   @jax.jit
   def run():
@@ -129,8 +146,9 @@ def persistent(rounds: int, g: int, d: int = D, *, interpret: bool = False):
   return run
 
 
-def time_call(fn, windows: int = 7, calls: int = 10) -> float:
-  """Median seconds per call of a jitted no-argument fn (back-to-back calls, GPU-bound)."""
+def time_call(fn, windows: int = 9, calls: int = 10) -> tuple[float, float]:
+  """(median, min) seconds per call of a jitted no-argument fn over windows of back-to-back
+  calls (GPU-bound)."""
   fn().block_until_ready()
   per = []
   for _ in range(windows):
@@ -139,13 +157,15 @@ def time_call(fn, windows: int = 7, calls: int = 10) -> float:
       out = fn()
     out.block_until_ready()
     per.append((time.perf_counter() - t) / calls)
-  return statistics.median(per)
+  return statistics.median(per), min(per)
 
 
 VARIANTS = {
     "chain": lambda r, g: chain(r, g),
     "chain_trigger": lambda r, g: chain(r, g, trigger=True),
     "barrier": lambda r, g: persistent(r, g),
+    "barrier_fence": lambda r, g: persistent(r, g, sync="fence"),
+    "nosync": lambda r, g: persistent(r, g, sync="none"),
 }
 
 
@@ -157,16 +177,18 @@ def measure(variant: str, g: int, lo: int, hi: int) -> dict:
     out = jax.device_get(fn())
     ok = ok and bool((out == r).all())
     times[r] = time_call(fn)
+  slope = lambda i: 1e6 * (times[hi][i] - times[lo][i]) / (hi - lo)  # noqa: E731
   return {"variant": variant, "programs": g, "rounds": [lo, hi],
-          "us_per_stage": 1e6 * (times[hi] - times[lo]) / (hi - lo),
-          "ms_per_call": {str(r): 1e3 * t for r, t in times.items()}, "correct": ok}
+          "us_per_stage": slope(0), "us_per_stage_of_mins": slope(1),
+          "ms_per_call": {str(r): 1e3 * t[0] for r, t in times.items()},
+          "correct": None if variant == "nosync" else ok}
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default=None, help="directory for grid_barrier.jsonl")
   p.add_argument("--programs", default="64,128,256", help="G values (each divides 2048)")
-  p.add_argument("--variants", default="chain,chain_trigger,barrier")
+  p.add_argument("--variants", default="chain,chain_trigger,barrier,barrier_fence,nosync")
   p.add_argument("--rounds", default="64,320", help="lo,hi stages per call (the slope's ends)")
   a = p.parse_args(argv)
   from pdl_probe import jsonl_emitter   # benchmarks/pdl_probe.py

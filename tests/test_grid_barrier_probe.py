@@ -23,14 +23,17 @@ def test_chain_stages(rounds, g):
 
 
 @pytest.mark.parametrize("rounds", [1, 2, 5])
-def test_barrier_kernel_stages_one_program(rounds):
-  out = np.asarray(P.persistent(rounds, 1, d=64, interpret=not ON_GPU)())
+@pytest.mark.parametrize("sync", ["atomic", "fence", "none"])
+def test_barrier_kernel_stages_one_program(rounds, sync):
+  out = np.asarray(P.persistent(rounds, 1, d=64, interpret=not ON_GPU, sync=sync)())
   assert out.shape == (64,) and (out == rounds).all()
 
 
 def test_barrier_needs_one_program_in_interpret_mode():
   with pytest.raises(ValueError, match="G = 1"):
     P.persistent(2, 4, d=64, interpret=True)
+  with pytest.raises(ValueError, match="sync must be"):
+    P.persistent(2, 1, d=64, sync="spin")
 
 
 def test_stage_count_must_divide():
@@ -38,16 +41,22 @@ def test_stage_count_must_divide():
     P.chain(2, 3, d=64)
 
 
-def test_barrier_kernel_lowers_for_h200():
-  (mod,) = triton_modules(P.persistent(4, 128, d=2048).__wrapped__)
+@pytest.mark.parametrize("sync,atomics,fence", [("atomic", 2, False), ("fence", 1, True),
+                                                ("none", 0, False)])
+def test_barrier_kernel_lowers_for_h200(sync, atomics, fence):
+  (mod,) = triton_modules(P.persistent(4, 128, d=2048, sync=sync).__wrapped__)
   ir = mod["asm"]
   assert mod["grid"][0] == 128
-  assert ir.count("tt.atomic_rmw") >= 2, "no arrival / acquire"
+  assert ir.count("tt.atomic_rmw") == atomics, "arrival / acquire"
+  assert ("fence.acq_rel.gpu" in ir) == fence
+  if sync == "none":
+    return
   assert "scf.while" in ir, "the poll loop was removed"
   assert "isVolatile = true" in ir, "the polls and the gathered loads must be volatile"
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the barrier with many programs needs them all resident")
-def test_barrier_kernel_on_gpu():
-  out = np.asarray(P.persistent(16, 128)())
+@pytest.mark.parametrize("sync", ["atomic", "fence"])
+def test_barrier_kernel_on_gpu(sync):
+  out = np.asarray(P.persistent(16, 128, sync=sync)())
   assert (out == 16).all()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 import statistics
 import warnings
 
@@ -146,20 +145,6 @@ def persistent(rounds: int, g: int, d: int = D, *, interpret: bool = False, sync
   return run
 
 
-def time_call(fn, windows: int = 9, calls: int = 10) -> tuple[float, float]:
-  """(median, min) seconds per call of a jitted no-argument fn over windows of back-to-back
-  calls (GPU-bound)."""
-  fn().block_until_ready()
-  per = []
-  for _ in range(windows):
-    t = time.perf_counter()
-    for _ in range(calls):
-      out = fn()
-    out.block_until_ready()
-    per.append((time.perf_counter() - t) / calls)
-  return statistics.median(per), min(per)
-
-
 VARIANTS = {
     "chain": lambda r, g: chain(r, g),
     "chain_trigger": lambda r, g: chain(r, g, trigger=True),
@@ -171,12 +156,12 @@ VARIANTS = {
 
 def measure(variant: str, g: int, lo: int, hi: int) -> dict:
   """us per stage (slope between lo and hi stages) and whether both results were right."""
+  from pdl_probe import window_times   # benchmarks/pdl_probe.py
   times, ok = {}, True
   for r in (lo, hi):
-    fn = VARIANTS[variant](r, g)
-    out = jax.device_get(fn())
-    ok = ok and bool((out == r).all())
-    times[r] = time_call(fn)
+    per, out = window_times(VARIANTS[variant](r, g), windows=9, calls=10)
+    ok = ok and bool((jax.device_get(out) == r).all())
+    times[r] = (statistics.median(per), min(per))   # (median, fastest window)
   slope = lambda i: 1e6 * (times[hi][i] - times[lo][i]) / (hi - lo)  # noqa: E731
   return {"variant": variant, "programs": g, "rounds": [lo, hi],
           "us_per_stage": slope(0), "us_per_stage_of_mins": slope(1),

@@ -104,15 +104,23 @@ def make_chain(variant: str, n: int, split_k: int, stages: int, interpret: bool 
   return jax.jit(chain)
 
 
-def time_chain(fn, ws, y0, windows: int = 5, calls: int = 20):
-  out = fn(ws, y0).block_until_ready()
+def window_times(fn, *args, windows: int = 5, calls: int = 20):
+  """-> ([seconds per call in each window of back-to-back calls of fn(*args)], the warm-up
+  call's output). The calls are GPU-bound: only each window's last result is waited for."""
+  out = fn(*args).block_until_ready()
   per = []
   for _ in range(windows):
     t = time.perf_counter()
     for _ in range(calls):
-      o = fn(ws, y0)
+      o = fn(*args)
     o.block_until_ready()
     per.append((time.perf_counter() - t) / calls)
+  return per, out
+
+
+def time_chain(fn, ws, y0, windows: int = 5, calls: int = 20):
+  """-> (median seconds per call of fn(ws, y0), its output)."""
+  per, out = window_times(fn, ws, y0, windows=windows, calls=calls)
   return statistics.median(per), out
 
 

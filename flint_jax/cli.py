@@ -254,6 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warnings(command: str):
+    """Warnings as one line each on stderr (`flint-jax CMD: warning: ...`), without the source
+    line Python prints after them."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"flint-jax {command}: warning: {message}", file=file or sys.stderr)
+    warnings.showwarning = show
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -261,6 +271,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     debug = a.debug or os.environ.get("FLINT_JAX_DEBUG")
+    if not debug:
+        _one_line_warnings(a.command)
     try:
         return a.func(a) or 0
     except KeyboardInterrupt:

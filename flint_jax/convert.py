@@ -16,7 +16,7 @@ Sources:
   `"f32"`); the router, sinks and NVFP4 tensor scales are always fp32 in memory (spec section 3).
 * **NVFP4 GGUF** (`gguf_io`), with `hf_config=` naming the BF16 repo directory (config.json,
   generation_config.json and tokenizer files are copied along). NVFP4 blocks are repacked
-  losslessly into the flint_jax layout (`nvfp4.gguf_to_kernel`); tensor scales (`<name>.scale`,
+  losslessly into the flint_jax layout (`nvfp4.gguf_to_kernel`); tensor scales (`X.scale` of `X.weight`,
   missing = 1.0) stay fp32: `[]` per linear layer, `[E]` for `down_proj`, `[E, 2]` (gate, up)
   for the fused `gate_up`. BF16 and F32 tensors are carried as they are. A GGUF whose linear
   layers are all NVFP4 gives a `quant=True` checkpoint (every linear layer NVFP4, lm_head
@@ -161,7 +161,7 @@ def _param_of(hf_name: str) -> str:
 
 
 def gguf_expected(cfg: FlintConfig) -> dict[str, tuple[int, ...]]:
-    """GGUF weight names of `cfg` (file order, `.scale` companions excluded) -> numpy element
+    """GGUF weight names of `cfg` (file order, scale companions excluded) -> numpy element
     shapes (`[E, out, in]` for the `*_exps` stacks)."""
     from flint_jax import gguf_io
     params = hf_io.expected_params(cfg)
@@ -209,7 +209,7 @@ def _validate_gguf(ck, cfg: FlintConfig, path: str) -> dict[str, Any]:
     """Names, shapes and types of a Flint GGUF file against `cfg`. Returns {name: tensor}."""
     from flint_jax import gguf_io
     expected = gguf_expected(cfg)
-    weights = {n: t for n, t in ck.tensors.items() if not n.endswith(gguf_io.SCALE_SUFFIX)}
+    weights = ck.weights
     for name in weights:
         if name not in expected:
             hint = ""

@@ -23,8 +23,13 @@ GGUF                                  HF
 
 plus ``token_embd.weight`` / ``output_norm.weight`` / ``output.weight`` <->
 ``model.embed_tokens.weight`` / ``model.norm.weight`` / ``lm_head.weight``.
-The F32 tensor scale of an NVFP4 tensor ``X.weight`` is ``X.weight.scale`` (``[1]``, or
-``[E]`` per expert for ``*_exps``; absent means 1.0) <-> HF ``Y.weight_scale_2`` (ModelOpt's name).
+The F32 tensor scale of an NVFP4 tensor ``X.weight`` is ``X.scale``: the weight's name without
+``.weight`` (``blk.3.attn_q.scale``, ``output.scale``; ``[1]``, or ``[E]`` per expert for
+``*_exps``; absent means 1.0) <-> HF ``Y.weight_scale_2`` (ModelOpt's name). This is the name
+llama.cpp's loader and vLLM's GGUF adapter look up. An activation scale ``X.input_scale`` (same
+shapes) <-> HF ``Y.input_scale`` is read and checked; W4A16 does not use it. Files written by
+flint_jax 0.1 name the tensor scale ``X.weight.scale`` (``LEGACY_SCALE_SUFFIX``): they are still
+read, with a warning; a file holding both names for one weight is refused.
 
 Data as numpy (``FlintGGUF.array``; numpy shapes, i.e. ggml ``tensor.shape`` reversed):
 F32 float32 ``[...]``; BF16 ml_dtypes.bfloat16 ``[..., K]``; NVFP4 raw blocks uint8
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -58,7 +64,9 @@ BF16 = GGMLQuantizationType.BF16
 NVFP4 = GGMLQuantizationType.NVFP4
 ALLOWED_TYPES = (F32, BF16, NVFP4)
 PREC_A4_KEY = "general.tensor_extra.prec_a4"
-SCALE_SUFFIX = ".scale"
+SCALE_SUFFIX = ".scale"                  # X.weight -> X.scale (llama.cpp, vLLM)
+INPUT_SCALE_SUFFIX = ".input_scale"      # X.weight -> X.input_scale
+LEGACY_SCALE_SUFFIX = ".weight.scale"    # X.weight -> X.weight.scale (flint_jax 0.1 wrote these)
 DEFAULT_ARCH = "flint"
 
 _GLOBAL_NAMES = {
@@ -87,7 +95,8 @@ _MOE_NAMES = {
 _LAYER_NAMES = {**_ATTN_NAMES, **_DENSE_NAMES, **_MOE_NAMES}
 _LAYER_NAMES_INV = {v: k for k, v in _LAYER_NAMES.items()}
 _HF_ALIASES = {"self_attn.sinks": "self_attn.softmax_offset", "mlp.experts.down_proj": "mlp.experts.down_proj.weight"}
-# Weights that may be NVFP4 (and so may have a ".scale"): the linear layers.
+# Weights that may be NVFP4 (and so may have ".scale" / ".input_scale" companions): the linear
+# layers.
 _NOT_NVFP4 = {"token_embd.weight", "ffn_gate_inp.weight", "attn_sinks.weight"}
 
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
@@ -105,6 +114,47 @@ def _split_scale(name: str, suffix: str) -> tuple[str, bool]:
     return (name[: -len(suffix)], True) if name.endswith(suffix) else (name, False)
 
 
+def _weight_base(weight_name: str) -> str:
+    if not weight_name.endswith(".weight"):
+        raise ValueError(f"{weight_name!r} is not a GGUF weight name (X.weight)")
+    return weight_name[: -len(".weight")]
+
+
+def scale_name(weight_name: str) -> str:
+    """The tensor scale's name of an NVFP4 weight: ``blk.3.attn_q.weight`` -> ``blk.3.attn_q.scale``."""
+    return _weight_base(weight_name) + SCALE_SUFFIX
+
+
+def input_scale_name(weight_name: str) -> str:
+    """The activation scale's name: ``blk.3.attn_q.weight`` -> ``blk.3.attn_q.input_scale``."""
+    return _weight_base(weight_name) + INPUT_SCALE_SUFFIX
+
+
+def legacy_scale_name(weight_name: str) -> str:
+    """The tensor scale's name in files of flint_jax 0.1: ``X.weight`` -> ``X.weight.scale``."""
+    return weight_name + SCALE_SUFFIX
+
+
+def companion_of(gguf_name: str) -> tuple[str, str] | None:
+    """``(weight name, kind)`` if ``gguf_name`` is a companion of an NVFP4 weight, else None.
+
+    kind: ``"scale"`` (``X.scale``), ``"legacy_scale"`` (``X.weight.scale``) or
+    ``"input_scale"`` (``X.input_scale``).
+    """
+    if gguf_name.endswith(LEGACY_SCALE_SUFFIX):
+        return gguf_name[: -len(SCALE_SUFFIX)], "legacy_scale"
+    if gguf_name.endswith(INPUT_SCALE_SUFFIX):
+        return gguf_name[: -len(INPUT_SCALE_SUFFIX)] + ".weight", "input_scale"
+    if gguf_name.endswith(SCALE_SUFFIX):
+        return gguf_name[: -len(SCALE_SUFFIX)] + ".weight", "scale"
+    return None
+
+
+def is_companion(gguf_name: str) -> bool:
+    """Whether a GGUF tensor is a scale companion (not a weight of the model)."""
+    return companion_of(gguf_name) is not None
+
+
 def may_be_nvfp4(gguf_name: str) -> bool:
     """Whether a GGUF weight name is a linear layer (NVFP4 allowed, ``.scale`` allowed)."""
     m = _GGUF_LAYER_RE.fullmatch(gguf_name)
@@ -113,12 +163,14 @@ def may_be_nvfp4(gguf_name: str) -> bool:
 
 
 def gguf_to_hf_name(gguf_name: str) -> str:
-    """GGUF tensor name -> HF name; ``X.weight.scale`` -> ``Y.weight_scale_2``.
+    """GGUF tensor name -> HF name; ``X.scale`` (and the legacy ``X.weight.scale``) ->
+    ``Y.weight_scale_2``, ``X.input_scale`` -> ``Y.input_scale``.
 
     Raises ValueError for a name that is not part of a Flint GGUF file.
     """
-    base, is_scale = _split_scale(gguf_name, SCALE_SUFFIX)
-    if is_scale and not may_be_nvfp4(base):
+    companion = companion_of(gguf_name)
+    base = companion[0] if companion else gguf_name
+    if companion and not may_be_nvfp4(base):
         raise ValueError(f"{gguf_name!r}: only NVFP4 linear weights have a tensor scale")
     if base in _GLOBAL_NAMES:
         hf = _GLOBAL_NAMES[base]
@@ -127,16 +179,22 @@ def gguf_to_hf_name(gguf_name: str) -> str:
         if not m or m.group(2) not in _LAYER_NAMES:
             raise ValueError(f"{gguf_name!r} is not a Flint GGUF tensor name")
         hf = f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
-    return hf + "_scale_2" if is_scale else hf
+    if companion is None:
+        return hf
+    return hf + "_scale_2" if companion[1] != "input_scale" else hf[: -len("weight")] + "input_scale"
 
 
 def hf_to_gguf_name(hf_name: str) -> str:
-    """HF name -> GGUF tensor name; ``Y.weight_scale_2`` -> ``X.weight.scale``.
+    """HF name -> GGUF tensor name; ``Y.weight_scale_2`` -> ``X.scale``, ``Y.input_scale`` ->
+    ``X.input_scale``.
 
     Accepts the aliases ``self_attn.sinks`` and the fused ``mlp.experts.down_proj``. Per-expert
     names and the fused ``gate_up_proj`` have no single GGUF tensor: ValueError.
     """
     base, is_scale = _split_scale(hf_name, "_scale_2")
+    is_input = not is_scale and hf_name.endswith(".input_scale")
+    if is_input:
+        base = hf_name[: -len("input_scale")] + "weight"
     if base in _GLOBAL_NAMES.values():
         gguf = {v: k for k, v in _GLOBAL_NAMES.items()}[base]
     else:
@@ -148,15 +206,15 @@ def hf_to_gguf_name(hf_name: str) -> str:
                 hint = " (GGUF stores experts stacked: blk.N.ffn_{gate,up,down}_exps.weight [E, out, in])"
             raise ValueError(f"{hf_name!r} has no Flint GGUF tensor name{hint}")
         gguf = f"blk.{int(m.group(1))}.{_LAYER_NAMES_INV[suffix]}"
-    if is_scale:
+    if is_scale or is_input:
         if not may_be_nvfp4(gguf):
             raise ValueError(f"{hf_name!r}: only NVFP4 linear weights have a tensor scale")
-        return gguf + SCALE_SUFFIX
+        return scale_name(gguf) if is_scale else input_scale_name(gguf)
     return gguf
 
 
 def flint_gguf_names(num_layers: int, dense_layers: Iterable[int]) -> list[str]:
-    """The GGUF weight names of a Flint model (``.scale`` companions excluded), in file order."""
+    """The GGUF weight names of a Flint model (scale companions excluded), in file order."""
     dense = set(dense_layers)
     names = ["token_embd.weight"]
     for i in range(num_layers):
@@ -227,7 +285,8 @@ class FlintGGUF:
     def __iter__(self) -> Iterator[tuple[str, ReaderTensor]]:
         """Yield ``(hf_name, tensor)`` in file order, lazily (no tensor data is read).
 
-        ``.scale`` companions come as ``*.weight_scale_2``; see ``gguf_to_hf_name``.
+        Scale companions come as ``*.weight_scale_2`` / ``*.input_scale``; see
+        ``gguf_to_hf_name``.
         """
         for name, t in self.tensors.items():
             yield gguf_to_hf_name(name), t
@@ -250,38 +309,80 @@ class FlintGGUF:
             return t.data.view(ml_dtypes.bfloat16)
         return t.data
 
+    @property
+    def weights(self) -> dict[str, ReaderTensor]:
+        """``{gguf_name: tensor}`` of the model's weights, scale companions left out."""
+        return {n: t for n, t in self.tensors.items() if not is_companion(n)}
+
+    def scale_tensor_name(self, gguf_name: str) -> str | None:
+        """The name under which this file stores the tensor scale of ``gguf_name`` (``X.scale``,
+        or ``X.weight.scale`` in files of flint_jax 0.1), or None when it has none."""
+        for name in (scale_name(gguf_name), legacy_scale_name(gguf_name)):
+            if name in self.tensors:
+                return name
+        return None
+
     def tensor_scale(self, gguf_name: str) -> np.ndarray:
-        """float32 ``[1]`` or ``[E]``: the ``.scale`` companion of an NVFP4 tensor, else ``[1.0]``."""
+        """float32 ``[1]`` or ``[E]``: the tensor scale of an NVFP4 tensor (``X.scale``), else ``[1.0]``."""
         self._tensor(gguf_name)
-        scale = self.tensors.get(gguf_name + SCALE_SUFFIX)
-        return np.ones(1, np.float32) if scale is None else np.array(scale.data, np.float32).reshape(-1)
+        name = self.scale_tensor_name(gguf_name)
+        if name is None:
+            return np.ones(1, np.float32)
+        return np.array(self.tensors[name].data, np.float32).reshape(-1)
+
+    def input_scale(self, gguf_name: str) -> np.ndarray | None:
+        """float32 ``[1]`` or ``[E]``: the activation scale ``X.input_scale``, or None. flint_jax
+        runs NVFP4 weight-only (W4A16, activations in BF16), so nothing applies it."""
+        self._tensor(gguf_name)
+        t = self.tensors.get(input_scale_name(gguf_name))
+        return None if t is None else np.array(t.data, np.float32).reshape(-1)
+
+
+class LegacyScaleNameWarning(UserWarning):
+    """A GGUF file names its tensor scales ``X.weight.scale`` (flint_jax 0.1), not ``X.scale``."""
 
 
 def _check_file(path: Path, ck: FlintGGUF) -> None:
-    """Flint-level checks: FP4-activation flag, names, ``.scale`` companions."""
+    """Flint-level checks: FP4-activation flag, names, scale companions."""
     flag = ck.metadata.get(PREC_A4_KEY)
     if flag:
         raise GGUFError(
             f"{path}: {PREC_A4_KEY} is set (FP4 activations, W4A4); flint_jax runs NVFP4 "
             "weight-only (W4A16) and refuses this file"
         )
+    legacy = []
     for name, t in ck.tensors.items():
         try:
             gguf_to_hf_name(name)
         except ValueError as e:
             raise GGUFError(f"{path}: {e}") from None
-        base, is_scale = _split_scale(name, SCALE_SUFFIX)
-        if not is_scale:
+        companion = companion_of(name)
+        if companion is None:
             continue
+        base, kind = companion
+        what = "activation scale" if kind == "input_scale" else "tensor scale"
         owner = ck.tensors.get(base)
         if owner is None or owner.tensor_type != NVFP4:
-            raise GGUFError(f"{path}: tensor scale {name!r} has no NVFP4 tensor {base!r}")
+            raise GGUFError(f"{path}: {what} {name!r} has no NVFP4 tensor {base!r}")
         n_exp = owner.data.shape[0] if owner.data.ndim == 3 else 1
         if t.tensor_type != F32 or t.n_elements not in (1, n_exp):
             raise GGUFError(
-                f"{path}: tensor scale {name!r} must be F32 with 1 or {n_exp} elements, "
+                f"{path}: {what} {name!r} must be F32 with 1 or {n_exp} elements, "
                 f"got {t.tensor_type.name} shape {tuple(int(d) for d in t.shape)}"
             )
+        if kind == "legacy_scale":
+            if scale_name(base) in ck.tensors:
+                raise GGUFError(
+                    f"{path}: {base!r} has two tensor scales, {scale_name(base)!r} and {name!r}; "
+                    "keep one (the standard name is X.scale)"
+                )
+            legacy.append(name)
+    if legacy:
+        warnings.warn(
+            f"{path}: {len(legacy)} tensor scales use flint_jax 0.1's names (e.g. {legacy[0]!r}); "
+            "flint_jax reads them, but llama.cpp and vLLM look for X.scale and would use 1.0 "
+            "(re-export with `flint-jax quantize` from the BF16 checkpoint)",
+            LegacyScaleNameWarning, stacklevel=3)
 
 
 def open_gguf(path: str | Path) -> FlintGGUF:
@@ -289,7 +390,8 @@ def open_gguf(path: str | Path) -> FlintGGUF:
 
     Raises FileNotFoundError, or ``GGUFError`` (a ValueError) naming the file (and tensor)
     for: a corrupt or truncated header, truncated tensor data, an unknown or non-Flint tensor
-    type or name, an NVFP4 row length not a multiple of 64, a bad ``.scale`` companion, or the
+    type or name, an NVFP4 row length not a multiple of 64, a bad scale companion (or two
+    names for one tensor scale), or the
     ``general.tensor_extra.prec_a4`` flag. 0xFF block scales are found when a tensor is decoded
     (``flint_jax.nvfp4.gguf_to_kernel`` / ``validate_gguf_blocks``).
     """
@@ -340,12 +442,12 @@ def _prepare(name: str, array: np.ndarray, qtype: GGMLQuantizationType) -> np.nd
         if array.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)):
             raise ValueError(f"tensor {name!r}: BF16 needs a bfloat16 (or uint16 bits) array, got {array.dtype}")
     elif qtype == NVFP4:
-        if not may_be_nvfp4(name) or name.endswith(SCALE_SUFFIX):
+        if not may_be_nvfp4(name) or is_companion(name):
             raise ValueError(f"tensor {name!r} cannot be NVFP4 in a Flint file")
         nvfp4.validate_gguf_blocks(array, name)
     else:
         raise ValueError(f"tensor {name!r}: GGML type {qtype.name} is not F32, BF16 or NVFP4")
-    if name.endswith(SCALE_SUFFIX) and (qtype != F32 or array.ndim != 1):
+    if is_companion(name) and (qtype != F32 or array.ndim != 1):
         raise ValueError(f"tensor scale {name!r} must be a 1-D F32 array, got {qtype.name} {array.shape}")
     return array
 
@@ -403,18 +505,21 @@ def write_gguf(
 def nvfp4_tensors(
     gguf_name: str, raw: np.ndarray, tensor_scale: np.ndarray | float | None = None
 ) -> list[tuple[str, np.ndarray, GGMLQuantizationType]]:
-    """``write_gguf`` entries of one NVFP4 weight: the blocks and (if given) its ``.scale``.
+    """``write_gguf`` entries of one NVFP4 weight: the blocks and (if given) its tensor scale
+    ``X.scale``.
 
     ``tensor_scale`` is reshaped to float32 ``[1]`` or ``[E]``.
     """
     out = [(gguf_name, raw, NVFP4)]
     if tensor_scale is not None:
-        out.append((gguf_name + SCALE_SUFFIX, np.asarray(tensor_scale, np.float32).reshape(-1), F32))
+        out.append((scale_name(gguf_name), np.asarray(tensor_scale, np.float32).reshape(-1), F32))
     return out
 
 
 __all__ = [
     "GGUFError", "FlintGGUF", "open_gguf", "write_gguf", "nvfp4_tensors",
     "gguf_to_hf_name", "hf_to_gguf_name", "flint_gguf_names", "may_be_nvfp4",
+    "scale_name", "input_scale_name", "legacy_scale_name", "companion_of", "is_companion",
+    "LegacyScaleNameWarning",
     "F32", "BF16", "NVFP4", "PREC_A4_KEY",
 ]

@@ -203,13 +203,20 @@ def _inspect_gguf(path: str, config: str | None, check_blocks: bool) -> Report:
     for t in ck.tensors.values():
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
     notes.append("tensor types: " + ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))
+    kinds = [c[1] for c in map(gguf_io.companion_of, ck.tensors) if c]
+    if kinds:
+        notes.append(f"NVFP4 tensor scales: {kinds.count('scale')} named X.scale"
+                     + (f", {kinds.count('legacy_scale')} with flint_jax 0.1's names X.weight.scale"
+                        if "legacy_scale" in kinds else "")
+                     + (f"; {kinds.count('input_scale')} activation scales X.input_scale (unused: "
+                        "W4A16)" if "input_scale" in kinds else ""))
     cfg, src = _load_cfg(config, None, notes)
     problems: list[str] = []
     if cfg is None:
         notes.append("no config given: pass --config DIR (the BF16 repo with config.json) to check "
                      "names and shapes")
     else:
-        weights = {n: t for n, t in ck.tensors.items() if not n.endswith(gguf_io.SCALE_SUFFIX)}
+        weights = ck.weights
         present = {n: (tuple(int(d) for d in reversed(list(t.shape))), t.tensor_type.name)
                    for n, t in weights.items()}
 

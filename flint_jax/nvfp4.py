@@ -355,7 +355,7 @@ def prescale_block_scales(weight_scale: jax.Array) -> jax.Array:
 def dequantize_gguf_np(raw: np.ndarray, name: str = "<tensor>", tensor_scale=None) -> np.ndarray:
     """GGUF NVFP4 blocks -> float32 ``[..., N, K]``, as ``gguf.quants.dequantize`` (+0 aside).
 
-    ``tensor_scale`` (the ``<name>.scale`` companion: ``[1]`` or ``[E]`` for an ``[E, N, ...]``
+    ``tensor_scale`` (the ``X.scale`` companion of ``X.weight``: ``[1]`` or ``[E]`` for an ``[E, N, ...]``
     stack), when given, multiplies the result in float32.
     """
     out = dequantize_kernel_np(*gguf_to_kernel(raw, name))
@@ -462,7 +462,7 @@ def quantize_to_gguf(
 
     Returns:
       raw: uint8 ``[..., N, K/64*36]`` GGUF NVFP4 blocks.
-      scale: float32 ``<name>.scale`` companion: ``[1]`` for one tensor scale, else the
+      scale: float32 ``X.scale`` companion of ``X.weight``: ``[1]`` for one tensor scale, else the
         flattened ``weight_scale_2`` (``[E]`` for an ``[E, N, K]`` stack).
     """
     q, s, ts = quantize_nvfp4(w, tensor_amax_axes, tensor_scale)

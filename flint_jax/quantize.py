@@ -5,7 +5,7 @@
 Every linear layer (attention, dense MLP, shared and routed experts, lm_head) becomes NVFP4 with
 the ModelOpt recipe (`nvfp4.quantize_nvfp4`: fp32 tensor scale `amax / (6 * 448)` per tensor and
 per expert, one E4M3 block scale per 16 values, nearest E2M1 with ties to even); the tensor scale
-is the F32 companion `<name>.scale` (`[1]`, or `[E]` for `*_exps`). Embeddings, norms and sinks
+is the F32 companion `X.scale` of `X.weight` (`[1]`, or `[E]` for `*_exps`). Embeddings, norms and sinks
 keep their dtype (BF16, or F32 from an fp32 source); the router is F32.
 
 Streaming: the GGUF header (names, types, shapes) is known from the config before any data is
@@ -219,7 +219,7 @@ def _source_loader(ckpt: hf_io.HFCheckpoint, cfg: FlintConfig, sources: dict):
 
 
 def plan_specs(cfg: FlintConfig, src_dtype: Callable[[str], np.dtype]) -> list[GGUFTensorSpec]:
-    """The NVFP4 file's tensor list: linear layers NVFP4 + `.scale`, router F32, others keep a
+    """The NVFP4 file's tensor list: linear layers NVFP4 + their `X.scale`, router F32, others keep a
     BF16 / F32 type from `src_dtype(gguf_name)`."""
     from flint_jax import gguf_io
     from flint_jax.convert import gguf_expected
@@ -231,7 +231,7 @@ def plan_specs(cfg: FlintConfig, src_dtype: Callable[[str], np.dtype]) -> list[G
                                     "NVFP4 needs K % 64 == 0")
             specs.append(GGUFTensorSpec(g, gguf_io.NVFP4, tuple(shape)))
             n_scale = shape[0] if len(shape) == 3 else 1
-            specs.append(GGUFTensorSpec(g + gguf_io.SCALE_SUFFIX, gguf_io.F32, (n_scale,)))
+            specs.append(GGUFTensorSpec(gguf_io.scale_name(g), gguf_io.F32, (n_scale,)))
         elif g.endswith(("ffn_gate_inp.weight", "attn_sinks.weight")):
             specs.append(GGUFTensorSpec(g, gguf_io.F32, tuple(shape)))
         else:
@@ -269,7 +269,7 @@ def quantize(hf_dir: str, out: str, *, overwrite: bool = False, workers: int | N
 
     specs = plan_specs(cfg, src_dtype)
     by_name = {s.name: s for s in specs}
-    weights = [s.name for s in specs if not s.name.endswith(gguf_io.SCALE_SUFFIX)]
+    weights = [s.name for s in specs if not gguf_io.is_companion(s.name)]
     workers = workers or min(4, os.cpu_count() or 1)
     rows: list[dict] = []
 
@@ -286,7 +286,7 @@ def quantize(hf_dir: str, out: str, *, overwrite: bool = False, workers: int | N
             row.update(nvfp4.quantization_error(w32, q, s, ts))
             del w32
             return [(g, nvfp4.kernel_to_gguf(q, s, g)),
-                    (g + gguf_io.SCALE_SUFFIX, ts.reshape(-1).astype(np.float32))], row
+                    (gguf_io.scale_name(g), ts.reshape(-1).astype(np.float32))], row
         if w.dtype == spec.data_dtype:
             arr = w
         elif spec.data_dtype == BF16:

@@ -8,7 +8,7 @@
   embeddings and the head, with `model.safetensors.index.json`), transformers' names: per-expert
   tensors (or `--fused`), sinks as `self_attn.softmax_offset`, bf16 weights, fp32 router/sinks.
 * `--format gguf`: OUT/model.gguf, an NVFP4 GGUF file in Flint's naming (every linear layer NVFP4
-  with a `.scale`, BF16 embeddings, F32 norms / router / sinks), plus OUT/config.json and the
+  with an `X.scale` tensor scale, BF16 embeddings, F32 norms / router / sinks), plus OUT/config.json and the
   tokenizer, so that `flint-jax convert OUT/model.gguf DST --hf-config OUT` works.
 
 Values are realistic and never zero: bf16 weights come from a 65,536-entry table of Gaussian
@@ -315,7 +315,7 @@ def write_gguf(cfg: FlintConfig, path: str, *, seed: int = 0, workers: int = 2,
         return BF16 if g == "token_embd.weight" else F32
 
     specs = plan_specs(cfg, src_dtype)
-    weights = [s for s in specs if not s.name.endswith(gguf_io.SCALE_SUFFIX)]
+    weights = [s for s in specs if not gguf_io.is_companion(s.name)]
     total = sum(s.nbytes for s in specs)
     bar = _bar(total, f"synth {os.path.basename(path)}", progress)
     d = cfg.hidden_size
@@ -326,7 +326,7 @@ def write_gguf(cfg: FlintConfig, path: str, *, seed: int = 0, workers: int = 2,
         if s.qtype == gguf_io.NVFP4:
             n_exp = s.shape[0] if len(s.shape) == 3 else None
             return [(s.name, nvfp4_blocks(rng, s.shape)),
-                    (s.name + gguf_io.SCALE_SUFFIX, nvfp4_tensor_scale(rng, n_exp))], None
+                    (gguf_io.scale_name(s.name), nvfp4_tensor_scale(rng, n_exp))], None
         hf = gguf_io.gguf_to_hf_name(s.name)
         return [(s.name, _value(hf, s.shape, s.data_dtype, rng, d))], None
 

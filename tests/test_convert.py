@@ -118,9 +118,7 @@ def dequantized_reference(gguf_path, cfg_dir, out_dir):
     tensor scale folded in fp32) for every NVFP4 tensor, other tensors as they are."""
     ck = gguf_io.open_gguf(gguf_path)
     tensors, experts = {}, {}
-    for name, t in ck.tensors.items():
-        if name.endswith(".scale"):
-            continue
+    for name, t in ck.weights.items():
         if t.tensor_type == gguf_io.NVFP4:
             w = gguf_dequantize(np.asarray(t.data), t.tensor_type)
             s = ck.tensor_scale(name)
@@ -144,10 +142,19 @@ def dequantized_reference(gguf_path, cfg_dir, out_dir):
     return tensors
 
 
-def check_decoded_equals_gguf(gguf_path, conv_dir):
+def raw_tensor_scale(reader: gguf.GGUFReader, weight_name: str, legacy=False) -> np.ndarray:
+    """A weight's tensor scale read with gguf's own reader by the name the file uses: `X.scale`
+    for `X.weight` (llama.cpp, vLLM), or `X.weight.scale` in a flint_jax 0.1 file; 1.0 when absent."""
+    name = weight_name + ".scale" if legacy else weight_name[: -len(".weight")] + ".scale"
+    t = {t.name: t for t in reader.tensors}.get(name)
+    return np.ones(1, np.float32) if t is None else np.array(t.data, np.float32).reshape(-1)
+
+
+def check_decoded_equals_gguf(gguf_path, conv_dir, legacy=False):
     """Every NVFP4 tensor: flint_jax leaves decode to gguf's dequantize * scale, bit for bit
-    (+0/-0 aside), and repack to the file's blocks."""
-    ck = gguf_io.open_gguf(gguf_path)
+    (+0/-0 aside), and repack to the file's blocks. The reference reads the file and its scales
+    with gguf's own GGUFReader, not with flint_jax."""
+    ck = gguf.GGUFReader(str(gguf_path))
     cfg = FlintConfig.from_json(conv_dir)
     stored = checkpoint.params_metadata(os.path.join(conv_dir, "params"))
     import jax
@@ -157,13 +164,14 @@ def check_decoded_equals_gguf(gguf_path, conv_dir):
     leaves = {n: np.asarray(a) for n, a in leaves.items()}
     mi = cfg.moe_intermediate_size
     n_checked = 0
-    for name, t in ck.tensors.items():
+    for t in ck.tensors:
+        name = t.name
         if t.tensor_type != gguf_io.NVFP4:
             continue
         hf = gguf_io.gguf_to_hf_name(name)
         raw = np.asarray(t.data)
         ref = gguf_dequantize(raw, t.tensor_type)
-        s = ck.tensor_scale(name)
+        s = raw_tensor_scale(ck, name, legacy)
         ref = ref * (s.reshape(-1, 1, 1) if ref.ndim == 3 and s.size > 1 else s.reshape(()))
         if ".mlp.experts." in hf:
             stem, part = hf.rsplit(".", 2)[0], hf.rsplit(".", 2)[1]
@@ -204,8 +212,9 @@ def test_quantize_file_and_stats(quantized):
     assert types["blk.0.attn_sinks.weight"] == gguf_io.F32
     assert types["blk.0.attn_norm.weight"] == gguf_io.BF16
     assert types["output.weight"] == gguf_io.NVFP4 and types["blk.2.ffn_down_exps.weight"] == gguf_io.NVFP4
-    assert ck.tensors["blk.2.ffn_down_exps.weight.scale"].n_elements == 8  # per expert
-    assert ck.tensors["blk.0.attn_q.weight.scale"].n_elements == 1
+    assert ck.tensors["blk.2.ffn_down_exps.scale"].n_elements == 8  # per expert
+    assert ck.tensors["blk.0.attn_q.scale"].n_elements == 1 and ck.tensors["output.scale"].n_elements == 1
+    assert not [n for n in ck.tensors if n.endswith(".weight.scale")]  # the names llama.cpp reads
     nv = [r for r in rows if r["type"] == "NVFP4"]
     assert len(nv) == sum(t == gguf_io.NVFP4 for t in types.values())
     assert all(0 < r["rel_rms_err"] < 0.15 and r["max_abs_err"] > 0 for r in nv)
@@ -258,10 +267,20 @@ def test_nvfp4_logits_match_dequantized_reference(quantized, work):
     assert rel_err(got, ref) <= 1e-4
 
 
-def hand_packed_gguf(path, cfg: FlintConfig, seed=0):
+# Weights whose tensor scale hand_packed_gguf always writes: dense, shared expert, routed experts
+# (one scale per expert) and the LM head; a third of the others have none (= 1.0).
+ALWAYS_SCALED = {"blk.0.ffn_down.weight": 1, "blk.2.ffn_up_shexp.weight": 1,
+                 "blk.2.ffn_down_exps.weight": 8, "blk.3.ffn_gate_exps.weight": 8,
+                 "output.weight": 1}
+
+
+def hand_packed_gguf(path, cfg: FlintConfig, seed=0, scale_names="standard"):
     """A Flint NVFP4 GGUF written with gguf's own GGUFWriter from random blocks: scale bytes
-    0x00..0x7E plus 0x7F (decodes as 0) and bit-7 bytes; some `.scale` companions missing (1.0),
-    expert scales [E] or [1]."""
+    0x00..0x7E plus 0x7F (decodes as 0) and bit-7 bytes; some tensor scales missing (1.0),
+    expert scales [E] or [1]. `scale_names`: "standard" names them as llama.cpp and vLLM do
+    (`blk.N.attn_q.scale` for `blk.N.attn_q.weight`, `output.scale`) and adds some
+    `X.input_scale` sidecars; "legacy" as flint_jax 0.1 did (`X.weight.scale`); "both" writes
+    both names for one weight."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch="flint")
     scale_choices = np.array([0x00, 0x7F, 0xB0] + list(range(0x30, 0x48)), np.uint8)
@@ -271,9 +290,16 @@ def hand_packed_gguf(path, cfg: FlintConfig, seed=0):
             blocks = rng.integers(0, 256, size=(*lead, k // 64, 36), dtype=np.uint8)
             blocks[..., :4] = rng.choice(scale_choices, size=(*lead, k // 64, 4))
             w.add_tensor(name, blocks.reshape(*lead, k // 64 * 36), raw_dtype=gguf_io.NVFP4)
-            if i % 3:  # a third of the tensors have no .scale (= 1.0)
-                n = shape[0] if len(shape) == 3 and i % 2 else 1
-                w.add_tensor(name + ".scale", rng.uniform(0.005, 0.02, n).astype(np.float32))
+            if i % 3 or name in ALWAYS_SCALED:
+                n = ALWAYS_SCALED.get(name, shape[0] if len(shape) == 3 and i % 2 else 1)
+                scale = rng.uniform(0.005, 0.02, n).astype(np.float32)
+                base = name[: -len(".weight")]
+                if scale_names in ("standard", "both"):
+                    w.add_tensor(base + ".scale", scale)
+                if scale_names in ("legacy", "both"):
+                    w.add_tensor(name + ".scale", scale)
+                if scale_names == "standard" and i % 2:
+                    w.add_tensor(base + ".input_scale", rng.uniform(1, 2, n).astype(np.float32))
         elif name == "token_embd.weight":
             w.add_tensor(name, rng.standard_normal(shape).astype(BF), raw_dtype=gguf_io.BF16)
         elif name.endswith("norm.weight"):
@@ -301,6 +327,49 @@ def test_hand_packed_gguf_convert_exact(work):
     assert len(out[0]) == 3 and all(0 <= int(t) < cfg.vocab_size for t in out[0])
 
 
+def test_standard_scale_names_convert(work):
+    """The names llama.cpp writes and vLLM reads (`X.scale`, `X.input_scale`): a file with a
+    dense layer's, a shared expert's, routed experts' (one per expert) and the LM head's scale
+    converts, and every decoded weight equals gguf's dequantize times the scale gguf reads."""
+    path = work / "standard.gguf"
+    cfg = FlintConfig.from_json(GOLDEN / "tiny_a")
+    hand_packed_gguf(path, cfg, seed=3)
+    names = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for weight, n in ALWAYS_SCALED.items():
+        base = weight[: -len(".weight")]
+        assert names[base + ".scale"].n_elements == n and weight + ".scale" not in names
+    assert any(n.endswith(".input_scale") for n in names)
+    ck = gguf_io.open_gguf(path)
+    np.testing.assert_array_equal(ck.tensor_scale("output.weight"), np.asarray(names["output.scale"].data))
+    inputs = [n for n in names if n.endswith(".input_scale")]
+    np.testing.assert_array_equal(ck.input_scale(inputs[0][: -len(".input_scale")] + ".weight"),
+                                  np.asarray(names[inputs[0]].data))
+    conv = work / "standard-conv"
+    convert.convert(path, conv, hf_config=GOLDEN / "tiny_a", progress=False)
+    _, n = check_decoded_equals_gguf(path, str(conv))
+    assert n == 55
+    rows = inspect_ckpt.inspect(str(path), config=str(GOLDEN / "tiny_a")).tensors
+    assert {"output.scale", "blk.2.ffn_down_exps.scale"} <= {r.name for r in rows}
+
+
+def test_legacy_scale_names(work):
+    """Files of flint_jax 0.1 (`X.weight.scale`) still convert, with a one-line warning; a file
+    with both names for one weight is refused."""
+    cfg = FlintConfig.from_json(GOLDEN / "tiny_a")
+    path = work / "legacy.gguf"
+    hand_packed_gguf(path, cfg, seed=4, scale_names="legacy")
+    conv = work / "legacy-conv"
+    with pytest.warns(gguf_io.LegacyScaleNameWarning, match=r"legacy\.gguf.*'.*\.weight\.scale'.*look for X\.scale"):
+        convert.convert(path, conv, hf_config=GOLDEN / "tiny_a", progress=False)
+    _, n = check_decoded_equals_gguf(path, str(conv), legacy=True)
+    assert n == 55
+    both = work / "both.gguf"
+    hand_packed_gguf(both, cfg, seed=4, scale_names="both")
+    with pytest.raises(gguf_io.GGUFError, match=r"both\.gguf.*has two tensor scales.*X\.scale"):
+        convert.convert(both, work / "both-conv", hf_config=GOLDEN / "tiny_a", progress=False)
+    assert not (work / "both-conv").exists()
+
+
 def test_mixed_gguf(work):
     """A BF16 output.weight among NVFP4 layers: refused by default, or quantize / dequantize."""
     cfg = FlintConfig.from_json(GOLDEN / "tiny_a")
@@ -311,7 +380,7 @@ def test_mixed_gguf(work):
     head = np.asarray(hf_io.HFCheckpoint(str(GOLDEN / "tiny_a")).get("lm_head.weight"))
     entries = []
     for name, t in src.tensors.items():
-        if name.startswith("output.weight"):
+        if name in ("output.weight", "output.scale"):
             continue
         entries.append((name, np.array(src.array(name)), t.tensor_type))
     entries.append(("output.weight", head, gguf_io.BF16))

@@ -31,13 +31,23 @@ def test_name_table_examples():
         "blk.48.ffn_up_shexp.weight": "model.layers.48.mlp.shared_expert.up_proj.weight",
         "blk.48.ffn_gate_inp.weight": "model.layers.48.mlp.gate.weight",
         "blk.48.ffn_gate_exps.weight": "model.layers.48.mlp.experts.gate_proj.weight",
-        "blk.48.ffn_down_exps.weight.scale": "model.layers.48.mlp.experts.down_proj.weight_scale_2",
-        "blk.2.attn_v.weight.scale": "model.layers.2.self_attn.v_proj.weight_scale_2",
-        "output.weight.scale": "lm_head.weight_scale_2",
+        # Tensor scales are named after the weight without ".weight" (llama.cpp, vLLM).
+        "blk.48.ffn_down_exps.scale": "model.layers.48.mlp.experts.down_proj.weight_scale_2",
+        "blk.2.attn_v.scale": "model.layers.2.self_attn.v_proj.weight_scale_2",
+        "output.scale": "lm_head.weight_scale_2",
+        "blk.2.attn_v.input_scale": "model.layers.2.self_attn.v_proj.input_scale",
+        "blk.7.ffn_gate_exps.input_scale": "model.layers.7.mlp.experts.gate_proj.input_scale",
     }
     for g, h in pairs.items():
         assert gguf_io.gguf_to_hf_name(g) == h
         assert gguf_io.hf_to_gguf_name(h) == g
+    # flint_jax 0.1's names are still read (never written).
+    assert gguf_io.gguf_to_hf_name("blk.2.attn_v.weight.scale") == "model.layers.2.self_attn.v_proj.weight_scale_2"
+    assert gguf_io.gguf_to_hf_name("output.weight.scale") == "lm_head.weight_scale_2"
+    assert gguf_io.companion_of("output.scale") == ("output.weight", "scale")
+    assert gguf_io.companion_of("output.weight.scale") == ("output.weight", "legacy_scale")
+    assert gguf_io.companion_of("blk.1.attn_q.input_scale") == ("blk.1.attn_q.weight", "input_scale")
+    assert gguf_io.companion_of("blk.1.attn_q.weight") is None
     # HF aliases in: the in-memory sink name and the fused expert down_proj.
     assert gguf_io.hf_to_gguf_name("model.layers.5.self_attn.sinks") == "blk.5.attn_sinks.weight"
     assert gguf_io.hf_to_gguf_name("model.layers.5.mlp.experts.down_proj") == "blk.5.ffn_down_exps.weight"
@@ -51,7 +61,8 @@ def test_all_flint_names_roundtrip():
     for g in names:
         assert gguf_io.hf_to_gguf_name(gguf_io.gguf_to_hf_name(g)) == g
         if gguf_io.may_be_nvfp4(g):
-            assert gguf_io.hf_to_gguf_name(gguf_io.gguf_to_hf_name(g + ".scale")) == g + ".scale"
+            for companion in (gguf_io.scale_name(g), gguf_io.input_scale_name(g)):
+                assert gguf_io.hf_to_gguf_name(gguf_io.gguf_to_hf_name(companion)) == companion
     nv = {g.split(".", 2)[-1] for g in names if gguf_io.may_be_nvfp4(g)}
     assert "ffn_gate_inp.weight" not in nv and "attn_sinks.weight" not in nv
     assert "attn_norm.weight" not in nv and "attn_q.weight" in nv and "ffn_down_exps.weight" in nv
@@ -59,7 +70,9 @@ def test_all_flint_names_roundtrip():
 
 def test_bad_names():
     for bad in ("blk.1.ffn_foo.weight", "blk.x.attn_q.weight", "token_embd.weight.scale",
-                "blk.3.attn_norm.weight.scale", "blk.3.ffn_gate_inp.weight.scale"):
+                "token_embd.scale", "blk.3.attn_norm.scale", "blk.3.ffn_gate_inp.scale",
+                "blk.3.attn_norm.weight.scale", "blk.3.ffn_gate_inp.weight.scale",
+                "blk.3.attn_sinks.input_scale", "blk.3.ffn_foo.scale"):
         with pytest.raises(ValueError, match="tensor"):
             gguf_io.gguf_to_hf_name(bad)
     with pytest.raises(ValueError, match="stacked"):
@@ -86,7 +99,7 @@ def tiny_tensors(rng):
         w = rng.standard_normal(shape).astype(np.float32)
         raw, scale = nvfp4.quantize_to_gguf(w)
         out[name] = (raw, NVFP4, w)
-        out[name + ".scale"] = (scale, F32, None)
+        out[gguf_io.scale_name(name)] = (scale, F32, None)
     out["blk.0.attn_k.weight"] = (nvfp4.quantize_to_gguf(rng.standard_normal((32, d)))[0], NVFP4, None)  # no .scale
     out["output.weight"] = (rng.standard_normal((10, d)).astype(BF), BF16, None)
     return out
@@ -142,7 +155,7 @@ def test_nvfp4_tensors_helper(tmp_path):
     rng = np.random.default_rng(21)
     raw, scale = nvfp4.quantize_to_gguf(rng.standard_normal((16, 64)))
     entries = gguf_io.nvfp4_tensors("blk.0.attn_q.weight", raw, scale)
-    assert [(n, t) for n, _, t in entries] == [("blk.0.attn_q.weight", NVFP4), ("blk.0.attn_q.weight.scale", F32)]
+    assert [(n, t) for n, _, t in entries] == [("blk.0.attn_q.weight", NVFP4), ("blk.0.attn_q.scale", F32)]
     gguf_io.write_gguf(tmp_path / "a.gguf", entries)
     ck = gguf_io.open_gguf(tmp_path / "a.gguf")
     np.testing.assert_array_equal(ck.tensor_scale("blk.0.attn_q.weight"), scale)
@@ -244,11 +257,18 @@ def test_bad_tensors_in_file(tmp_path):
         "name.gguf": ([("blk.0.attn_qq.weight", raw, NVFP4, None)], r"'blk\.0\.attn_qq\.weight'.*not a Flint"),
         "f16.gguf": ([("blk.0.attn_norm.weight", f16, gguf.GGMLQuantizationType.F16, None)],
                      r"'blk\.0\.attn_norm\.weight'.*F16"),
-        "orphan.gguf": ([("blk.0.attn_q.weight.scale", np.ones(1, np.float32), F32, None)],
-                        r"'blk\.0\.attn_q\.weight\.scale'.*no NVFP4 tensor"),
+        "orphan.gguf": ([("blk.0.attn_q.scale", np.ones(1, np.float32), F32, None)],
+                        r"'blk\.0\.attn_q\.scale'.*no NVFP4 tensor"),
         "scale.gguf": ([("blk.0.attn_q.weight", raw, NVFP4, None),
-                        ("blk.0.attn_q.weight.scale", np.ones(3, np.float32), F32, None)],
-                       r"'blk\.0\.attn_q\.weight\.scale'.*1 or 1 elements"),
+                        ("blk.0.attn_q.scale", np.ones(3, np.float32), F32, None)],
+                       r"'blk\.0\.attn_q\.scale'.*1 or 1 elements"),
+        "input.gguf": ([("blk.0.attn_q.weight", raw, NVFP4, None),
+                        ("blk.0.attn_q.input_scale", np.ones(2, np.float32), F32, None)],
+                       r"activation scale 'blk\.0\.attn_q\.input_scale'.*1 or 1 elements"),
+        "two.gguf": ([("blk.0.attn_q.weight", raw, NVFP4, None),
+                      ("blk.0.attn_q.scale", np.ones(1, np.float32), F32, None),
+                      ("blk.0.attn_q.weight.scale", np.ones(1, np.float32), F32, None)],
+                     r"'blk\.0\.attn_q\.weight' has two tensor scales"),
     }
     for fname, (tensors, msg) in cases.items():
         path = raw_writer_file(tmp_path / fname, tensors)
@@ -276,7 +296,7 @@ def test_write_refuses_bad_tensors(tmp_path):
         (("blk.0.attn_norm.weight", np.ones(4, np.float32), BF16), "bfloat16"),
         (("blk.0.attn_norm.weight", np.zeros((1, 36), np.uint8), NVFP4), "cannot be NVFP4"),
         (("blk.0.attn_q.weight", np.zeros((1, 40), np.uint8), NVFP4), "multiple of 36"),
-        (("blk.0.attn_q.weight.scale", np.ones((1, 1), np.float32), F32), "1-D F32"),
+        (("blk.0.attn_q.scale", np.ones((1, 1), np.float32), F32), "1-D F32"),
         (("blk.0.attn_q.weight", np.ones(4, np.float16), gguf.GGMLQuantizationType.F16), "not F32, BF16 or NVFP4"),
     ]
     for entry, msg in bad:

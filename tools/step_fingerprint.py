@@ -1,0 +1,109 @@
+"""Logits, kernel count and ms/token of the default Pallas decode step, for comparing two trees.
+
+Run once per source tree (PYTHONPATH=TREE:TREE/benchmarks), each writing an .npz of the step's
+fp32 logits for fixed inputs and a .json of its kernels per step and median ms per step; then
+`--compare A.npz B.npz` says whether the logits are bit-identical. Used to check that a refactor
+leaves the default step unchanged (docs/performance.md, "How the redesign was checked"):
+
+    PYTHONPATH=old:old/benchmarks python3 tools/step_fingerprint.py --out $OUT/old
+    PYTHONPATH=.:benchmarks       python3 tools/step_fingerprint.py --out $OUT/new
+    python3 tools/step_fingerprint.py --compare $OUT/old $OUT/new
+
+Inputs: full-size random weights (`decode_bench.build_state`, the same on every run), a random
+cache of `--context` tokens, and `--steps` steps fed fixed random tokens; BF16 and NVFP4 at batch
+1 and 8. `--config tiny` runs a small model (interpret mode on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def pallas_step(cfg, graphdef, state, quant):
+    """(jitted step (leaves, cache, tokens) -> (logits, cache), leaves) of the default Pallas
+    path as `flint_jax.load` sets it up (NVFP4 block scales prescaled on the GPU)."""
+    import decode_bench
+    handle = decode_bench.make_handle(cfg, graphdef, state, quant, "pallas")
+    return handle.decode_logits_fn(), handle.leaves
+
+
+def fingerprint(cfg, quant, batch, context, steps, cache_length, timed_steps):
+    import decode_bench
+    graphdef, state = decode_bench.build_state(cfg, quant)
+    step, leaves = pallas_step(cfg, graphdef, state, quant)
+    rng = np.random.default_rng(7)
+    tokens = [jnp.asarray(rng.integers(0, cfg.vocab_size, batch), jnp.int32) for _ in range(steps)]
+    cache = decode_bench.random_cache(cfg, batch, cache_length, context)
+    spare = jax.tree.map(jnp.copy, cache)
+    logits = []
+    for t in tokens:
+        out, cache = step(leaves, cache, t)
+        logits.append(np.asarray(out, np.float32))
+    # The same steps again from a copy of the cache: is the step reproducible in one process?
+    again = []
+    for t in tokens:
+        out, spare = step(leaves, spare, t)
+        again.append(np.asarray(out, np.float32))
+    result = {"reproducible": all(np.array_equal(a, b) for a, b in zip(logits, again))}
+    if jax.default_backend() == "gpu":
+        ms, windows, _, cache = decode_bench.time_steps(step, leaves, cache, tokens[0], timed_steps)
+        stats, cache = decode_bench.count_kernels(step, leaves, cache, tokens[0])
+        result.update(ms_per_step=ms, ms_windows=windows,
+                      kernels_per_step=stats and stats["kernels"])
+    del state, leaves, step, cache, spare
+    return np.stack(logits), result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="output prefix: writes OUT.npz and OUT.json")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two output prefixes")
+    p.add_argument("--config", default="flint", help="preset (default flint; tiny on the CPU)")
+    p.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=4, help="steps whose logits are kept")
+    p.add_argument("--timed-steps", type=int, default=20)
+    a = p.parse_args(argv)
+    if a.compare:
+        pa, pb = (np.load(x + ".npz") for x in a.compare)
+        ja, jb = (json.load(open(x + ".json")) for x in a.compare)
+        ok = True
+        for key in pa.files:
+            same = np.array_equal(pa[key], pb[key])
+            diff = float(np.nanmax(np.abs(pa[key] - pb[key])))
+            ra, rb = ja[key], jb[key]
+            print(f"{key:12s} logits bit-identical: {same} (max |diff| {diff:.3g}); "
+                  f"kernels {ra.get('kernels_per_step')} / {rb.get('kernels_per_step')}; "
+                  f"ms/step {ra.get('ms_per_step', float('nan')):.3f} / "
+                  f"{rb.get('ms_per_step', float('nan')):.3f}; reproducible {ra['reproducible']} / "
+                  f"{rb['reproducible']}")
+            ok &= same and ra.get("kernels_per_step") == rb.get("kernels_per_step")
+        print("SAME" if ok else "DIFFERENT")
+        return 0 if ok else 1
+    from flint_jax.config import preset
+    cfg = preset(a.config)
+    arrays, results = {}, {}
+    for fmt in a.formats:
+        for b in a.batches:
+            key = f"{fmt}_b{b}"
+            logits, res = fingerprint(cfg, fmt == "nvfp4", b, a.context, a.steps,
+                                      -(-(a.context + 64) // 256) * 256, a.timed_steps)
+            arrays[key], results[key] = logits, res
+            print(key, json.dumps(res), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    np.savez(a.out + ".npz", **arrays)
+    with open(a.out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,7 +8,7 @@
 Lists tensors (name, dtype or GGML type, shape, bytes; per-expert HF tensors grouped), metadata
 (GGUF key/values, the flint_jax manifest, safetensors metadata) and a verdict: every missing,
 unexpected, mis-shaped or mis-typed tensor against the config (the directory's own config.json,
-or `config=`; a GGUF file needs `config=`). A file too damaged to list (truncated, corrupt header)
+or `config=`; a GGUF file uses the config.json beside it, else needs `config=`). A file too damaged to list (truncated, corrupt header)
 raises the reader's error instead (hf_io.CheckpointError, gguf_io.GGUFError: ValueErrors).
 """
 
@@ -203,11 +203,12 @@ def _inspect_gguf(path: str, config: str | None, check_blocks: bool) -> Report:
     for t in ck.tensors.values():
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
     notes.append("tensor types: " + ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))
-    cfg, src = _load_cfg(config, None, notes)
+    from flint_jax.loading import find_gguf_config
+    cfg, src = _load_cfg(config, find_gguf_config(path) if config is None else None, notes)
     problems: list[str] = []
     if cfg is None:
-        notes.append("no config given: pass --config DIR (the BF16 repo with config.json) to check "
-                     "names and shapes")
+        notes.append("no config.json beside the file nor given: pass --config DIR (the BF16 repo "
+                     "with config.json) to check names and shapes")
     else:
         weights = {n: t for n, t in ck.tensors.items() if not n.endswith(gguf_io.SCALE_SUFFIX)}
         present = {n: (tuple(int(d) for d in reversed(list(t.shape))), t.tensor_type.name)
@@ -310,7 +311,7 @@ def format_report(r: Report, max_tensors: int | None = 80) -> str:
     for n in r.notes:
         lines.append(f"note: {n}")
     if r.config_source is None:
-        lines.append("verdict: NOT CHECKED (no config)")
+        lines.append("verdict: NOT CHECKED (no config: pass --config DIR)")
     elif not r.problems:
         lines.append(f"verdict: OK: matches the config in {r.config_source}")
     else:

@@ -7,8 +7,8 @@
   different prompt lengths reuse compiled steps; it is sized and checked before allocation.
 - Each decode step is one jitted call (model, sampling and the seen-token mask fused; the cache
   donated). Tokens stream out as they are produced.
-- The first call for a new batch size or cache length compiles the steps (10-30 s on a CPU for
-  the demo model): a one-line notice goes to the `flint_jax` logger at INFO level first (the CLI
+- The first call for a new batch size or cache length compiles the steps (4-30 s on a 2-core CPU
+  for the demo model, depending on load): a one-line notice goes to the `flint_jax` logger at INFO level first (the CLI
   prints it on stderr). Each call's timings (time to first token, prompt and generation tokens/s,
   compile time) are in `GenerationStats`.
 - `max_new_tokens` beyond the cache's room is clamped with a `MaxNewTokensClampedWarning`.
@@ -214,10 +214,8 @@ def _new_shapes(model: Flint, keys: Sequence[tuple]) -> list[tuple]:
 
 
 def _compile_notice(model: Flint, what: str, shape: str):
-    on = "CPU" if jax.default_backend() == "cpu" else jax.default_backend().upper()
-    logger.info(f"compiling the {what} for {shape} (the first call with these shapes; "
-                f"{'10-30 s for a small model' if on == 'CPU' else 'up to a minute or two'} on "
-                f"the {on}) ...")
+    logger.info(f"compiling the {what} for {shape} (the first call with these shapes: from "
+                f"seconds to a minute or more) ...")
 
 
 def prefill_chunk(t_max: int, cache_length: int, chunk_size: int = 256) -> int:
@@ -436,8 +434,10 @@ def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: fl
       decode_block: decode steps per device call (default 8 on GPU, 1 elsewhere); the same
         tokens come out whatever its value.
 
-    The first call for a new batch size or cache length compiles the steps (10-30 s on a CPU for
-    a small model); a one-line notice is logged first (logger `flint_jax`, level INFO).
+    The first call for a new batch size or cache length compiles the steps (seconds to a minute;
+    4-30 s on a 2-core CPU for the demo model); a one-line notice is logged first (logger
+    `flint_jax`, level INFO: `logging.getLogger("flint_jax").setLevel(logging.INFO)` with a
+    handler shows it; the CLI prints it).
 
     Returns: for a string prompt a `GeneratedText` (a str with `.token_ids`, `.finish_reason`,
     `.logprobs`, `.stats`); for a list of strings a list of them; for token ids `[T]` an int32 array of the

@@ -8,7 +8,7 @@ Examples:
   flint-jax convert /hf/flint /ckpt/flint          # HF safetensors -> flint_jax checkpoint
   flint-jax convert flint.gguf /ckpt/flint-nvfp4 --hf-config /hf/flint
   flint-jax inspect flint.gguf --config /hf/flint
-  flint-jax bench --config smoke                   # a CPU smoke run (~30 s on 2 cores)
+  flint-jax bench --config smoke                   # a CPU smoke run (~35 s on 2 cores)
   flint-jax bench --dtype bf16 --batch 1 8 --context 1024 8192
 
 MODEL is a local HF directory, a converted checkpoint, a .gguf file, or `demo`. A .gguf file
@@ -272,7 +272,7 @@ def cmd_demo(a) -> int:
 
 
 # `bench --config smoke`: the tiny config cut to 2 layers, one case per format, a few steps: both
-# weight formats on the XLA and Pallas (interpret mode) paths in ~30 s on 2 CPU cores.
+# weight formats on the XLA and Pallas (interpret mode) paths in ~35 s on 2 CPU cores (measured).
 SMOKE = dict(config="tiny", layers=2, dtype=["bf16", "nvfp4"], batch=[1], context=[64], steps=2)
 BENCH_DEFAULTS = dict(dtype=["bf16", "nvfp4"], batch=[1, 8], context=[1024, 8192, 100_000],
                       steps=50)
@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Times the decode step of a Flint with random weights, XLA "
                        "and Pallas paths side by side, for every weight format x batch x "
                        "context (see docs/performance.md). The full-size default is for a GPU; "
-                       "on a CPU run `--config smoke` (about 30 s on 2 cores).")
+                       "on a CPU run `--config smoke` (about 35 s on 2 cores).")
     p.add_argument("--dtype", nargs="+", default=None, choices=["bf16", "nvfp4"],
                    help="weight formats (default both)")
     p.add_argument("--batch", nargs="+", type=int, default=None,
@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flint (full size, the default; a GPU), a smaller preset (tiny, "
                         "tiny-gqa8, small: every case of the grid, minutes on a CPU), or smoke: "
                         "tiny with 2 layers, bf16 and nvfp4, batch 1, context 64, 2 steps; about "
-                        "30 s on 2 CPU cores (options given explicitly still apply)")
+                        "35 s on 2 CPU cores (options given explicitly still apply)")
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--trace", action="store_true", help="count kernels with the profiler (GPU)")
     _add_debug(p)

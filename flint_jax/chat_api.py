@@ -90,5 +90,6 @@ def _stream(model, events, tools, thinking, stop_ids) -> Iterator[dict]:
         if ev.finish_reason:
             finish = ev.finish_reason
     yield from parser.finish()
-    yield {"finish_reason": finish, "stats": events.stats.as_dict()}
+    stats = getattr(events, "stats", None)  # a GenerationStream's; None from other iterators
+    yield {"finish_reason": finish, "stats": stats.as_dict() if stats is not None else None}
 

@@ -8,9 +8,9 @@
 - Each decode step is one jitted call (model, sampling and the seen-token mask fused; the cache
   donated). Tokens stream out as they are produced.
 - The first call for a new batch size or cache length compiles the steps (4-30 s on a 2-core CPU
-  for the demo model, depending on load): a one-line notice goes to the `flint_jax` logger at INFO level first (the CLI
-  prints it on stderr). Each call's timings (time to first token, prompt and generation tokens/s,
-  compile time) are in `GenerationStats`.
+  for the demo model, depending on load): a one-line notice goes to the `flint_jax` logger at
+  INFO level first (the CLI prints it on stderr). Each call's timings (time to first token,
+  prompt and generation tokens/s, compile time) are in `GenerationStats`.
 - `max_new_tokens` beyond the cache's room is clamped with a `MaxNewTokensClampedWarning`.
 """
 
@@ -54,10 +54,11 @@ class GenerationStats:
 
     ttft_s: seconds from the call to the first generated token (compilation included, as a
       user waits for it). decode_s: wall time of the decoding after the first token.
-      compile_s: the time spent tracing and compiling steps for new shapes (0 on a warm call). prompt_tokens_per_s: prompt tokens
-      (every row) per second of prefill; generation_tokens_per_s: tokens decoded after the first
-      (every row) per second of decoding; both exclude compile time (None when nothing was
-      timed, e.g. a single new token).
+      compile_s: the time spent tracing and compiling steps for new shapes (0 on a warm call).
+      prompt_tokens_per_s: prompt tokens (every row) per second of prefill;
+      generation_tokens_per_s: tokens decoded after the first (every row) per second of
+      decoding; both exclude compile time (None when nothing was timed, e.g. a single new
+      token).
     """
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -74,7 +75,7 @@ class GenerationStats:
 
     def summary(self) -> str:
         """One line: `12 prompt tokens at 350 tok/s, 30 generated at 42.1 tok/s, first token
-        after 0.41 s (compiling 12.3 s)`."""
+        after 0.41 s (of which compiling 0.3 s)`."""
         def rate(x):
             return "-" if x is None else f"{x:.1f} tok/s"
         parts = [f"{self.prompt_tokens} prompt tokens at {rate(self.prompt_tokens_per_s)}",
@@ -440,8 +441,8 @@ def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: fl
     handler shows it; the CLI prints it).
 
     Returns: for a string prompt a `GeneratedText` (a str with `.token_ids`, `.finish_reason`,
-    `.logprobs`, `.stats`); for a list of strings a list of them; for token ids `[T]` an int32 array of the
-    generated ids, for `[B, T]` a list of arrays (rows may differ in length).
+    `.logprobs`, `.stats`); for a list of strings a list of them; for token ids `[T]` an int32
+    array of the generated ids, for `[B, T]` a list of arrays (rows may differ in length).
     """
     rows, is_text, single = _as_rows(prompt, model.tokenizer)
     overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

@@ -8,8 +8,9 @@
 Lists tensors (name, dtype or GGML type, shape, bytes; per-expert HF tensors grouped), metadata
 (GGUF key/values, the flint_jax manifest, safetensors metadata) and a verdict: every missing,
 unexpected, mis-shaped or mis-typed tensor against the config (the directory's own config.json,
-or `config=`; a GGUF file uses the config.json beside it, else needs `config=`). A file too damaged to list (truncated, corrupt header)
-raises the reader's error instead (hf_io.CheckpointError, gguf_io.GGUFError: ValueErrors).
+or `config=`; a GGUF file uses the config.json beside it, else needs `config=`). A file too
+damaged to list (truncated, corrupt header) raises the reader's error instead
+(hf_io.CheckpointError, gguf_io.GGUFError: ValueErrors).
 """
 
 from __future__ import annotations

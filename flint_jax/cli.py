@@ -53,8 +53,8 @@ def _add_quiet(p: argparse.ArgumentParser):
 
 def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("model", help="a local HF directory, converted checkpoint or .gguf file, or "
-                                 "'demo' (hub IDs are not fetched: download first; `flint-jax --help` "
-                                 "says how)")
+                                 "'demo' (hub IDs are not fetched: download first; "
+                                 "`flint-jax --help` says how)")
     p.add_argument("--hf-config", metavar="DIR",
                    help="for a .gguf file: the directory with config.json and the tokenizer "
                         "(default: the .gguf file's own directory, when config.json is there)")

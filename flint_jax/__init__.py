@@ -5,12 +5,16 @@
     text = flint_jax.generate(model, "Hello", max_new_tokens=32)
     logits = flint_jax.forward(model, ids)             # fp32 [B, T, vocab]
     reply = flint_jax.chat(model, [{"role": "user", "content": "Hi"}])
+
+The first call for new shapes compiles (a notice goes to the `flint_jax` logger at INFO);
+`text.stats` holds the call's time to first token and tokens/s.
 """
 
 from flint_jax.chat_api import chat
 from flint_jax.chat_format import parse_assistant
 from flint_jax.config import FlintConfig, preset
-from flint_jax.decode import GeneratedText, GenerationOutput, StreamEvent, forward, generate
+from flint_jax.decode import (GeneratedText, GenerationOutput, GenerationStats,
+                              MaxNewTokensClampedWarning, StreamEvent, forward, generate)
 from flint_jax.engine import Flint
 from flint_jax.loading import from_module, load
 from flint_jax.sampling import SamplingParams
@@ -30,6 +34,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'flint_jax' has no attribute {name!r}")
 
 
-__all__ = ["Flint", "FlintConfig", "GeneratedText", "GenerationOutput", "SamplingParams",
+__all__ = ["Flint", "FlintConfig", "GeneratedText", "GenerationOutput", "GenerationStats",
+           "MaxNewTokensClampedWarning", "SamplingParams",
            "StreamEvent", "chat", "convert", "expert_usage", "forward", "from_module", "generate",
            "load", "logit_lens", "parse_assistant", "preset", "router_entropy", "sink_mass"]

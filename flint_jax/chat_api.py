@@ -53,13 +53,15 @@ def chat(model: Flint, messages: Sequence[Mapping], *, tools: Sequence[Mapping] 
       enable_thinking: render the generation prompt with thinking on (`<think>`) or off.
       stream: yield deltas (`{"reasoning_content": str}`, `{"content": str}`,
         `{"tool_call": {"index", "id", "name"}}`, `{"tool_call": {"index", "arguments": str}}`,
-        `{"error": ...}`) as tokens are decoded; `chat_format.assemble(deltas)` rebuilds the
-        message.
+        `{"error": ...}`) as tokens are decoded, then `{"finish_reason": ..., "stats": {...}}`
+        (the call's timings, `GenerationStats.as_dict()`); `chat_format.assemble(deltas)`
+        rebuilds the message.
       max_new_tokens: token budget (thinking counts); **sampling: as `generate` (temperature,
         top_k, top_p, min_p, repetition_penalty, seed, key).
     Returns: `{"role": "assistant", "reasoning_content": str | None, "content": str | None,
       "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": dict}}],
-      "errors": [...], "finish_reason": "stop" | "length"}`.
+      "errors": [...], "finish_reason": "stop" | "length", "stats": {...}}` (stats: time to
+      first token, prompt and generation tokens/s, compile time; `decode.GenerationStats`).
     """
     prompt = render_prompt(model, messages, tools=tools, enable_thinking=enable_thinking)
     ids = model.tokenizer.encode(prompt)
@@ -69,9 +71,10 @@ def chat(model: Flint, messages: Sequence[Mapping], *, tools: Sequence[Mapping] 
     if stream:
         return _stream(model, events, tools, enable_thinking, set(stop_ids))
     deltas = list(_stream(model, events, tools, enable_thinking, set(stop_ids)))
-    finish = next((d["finish_reason"] for d in deltas if "finish_reason" in d), "length")
+    end = next((d for d in deltas if "finish_reason" in d), {})
     message = chat_format.assemble([d for d in deltas if "finish_reason" not in d])
-    message["finish_reason"] = finish
+    message["finish_reason"] = end.get("finish_reason", "length")
+    message["stats"] = end.get("stats")
     return message
 
 
@@ -87,5 +90,6 @@ def _stream(model, events, tools, thinking, stop_ids) -> Iterator[dict]:
         if ev.finish_reason:
             finish = ev.finish_reason
     yield from parser.finish()
-    yield {"finish_reason": finish}
+    stats = getattr(events, "stats", None)  # a GenerationStream's; None from other iterators
+    yield {"finish_reason": finish, "stats": stats.as_dict() if stats is not None else None}
 

@@ -8,48 +8,117 @@ Examples:
   flint-jax convert /hf/flint /ckpt/flint          # HF safetensors -> flint_jax checkpoint
   flint-jax convert flint.gguf /ckpt/flint-nvfp4 --hf-config /hf/flint
   flint-jax inspect flint.gguf --config /hf/flint
+  flint-jax bench --config smoke                   # a CPU smoke run (~35 s on 2 cores)
   flint-jax bench --dtype bf16 --batch 1 8 --context 1024 8192
 
-MODEL is a HF directory, a converted checkpoint, a .gguf file (with --hf-config), or `demo`.
-Set FLINT_JAX_DEBUG=1 (or pass --debug) for full tracebacks.
+MODEL is a local HF directory, a converted checkpoint, a .gguf file, or `demo`. A .gguf file
+takes its config.json and tokenizer from its own directory, else from --hf-config DIR.
+
+Real weights: flint-jax reads local files only (a hub ID such as RecursiveSI/flint is not
+fetched). Download the published checkpoints first, e.g. with huggingface_hub's CLI:
+  hf download RecursiveSI/flint --local-dir /hf/flint                  # BF16 safetensors
+  hf download RecursiveSI/flint-nvfp4-gguf --local-dir /hf/flint-gguf  # NVFP4 GGUF
+and pass the local paths.
+
+The first generate / chat for a new batch size or cache length compiles the model's steps
+(tens of seconds on a CPU): a notice says so on stderr, and a line of timings (time to first
+token, prompt and generation tokens/s) follows each answer. FLINT_JAX_QUIET=1 (or --quiet)
+silences both. Set FLINT_JAX_DEBUG=1 (or pass --debug, before or after the command) for full
+tracebacks.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+import warnings
 
 DEMO = "demo"
 
 
+def _add_debug(p: argparse.ArgumentParser):
+    # SUPPRESS: no default here, so `flint-jax --debug CMD ...` (the main parser's flag) is not
+    # overwritten by the subparser's default; `flint-jax CMD ... --debug` works as well.
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show full tracebacks (also FLINT_JAX_DEBUG=1)")
+
+
+def _add_quiet(p: argparse.ArgumentParser):
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no compile notice nor timing line on stderr (also FLINT_JAX_QUIET=1)")
+
+
 def _add_model_args(p: argparse.ArgumentParser):
-    p.add_argument("model", help="HF directory, converted checkpoint, .gguf file, or 'demo'")
-    p.add_argument("--hf-config", help="directory with config.json and tokenizer (for .gguf)")
+    p.add_argument("model", help="a local HF directory, converted checkpoint or .gguf file, or "
+                                 "'demo' (hub IDs are not fetched: download first; "
+                                 "`flint-jax --help` says how)")
+    p.add_argument("--hf-config", metavar="DIR",
+                   help="for a .gguf file: the directory with config.json and the tokenizer "
+                        "(default: the .gguf file's own directory, when config.json is there)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="activation / weight dtype (default bfloat16)")
     p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "xla"],
                    help="decode kernels: Pallas on GPU by default, XLA elsewhere")
     p.add_argument("--max-length", type=int, default=None,
-                   help="longest sequence a cache may hold (default: the config's)")
+                   help="longest sequence (prompt + new tokens) a cache may hold (default: the "
+                        "config's max_position_embeddings)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("sampling (defaults: generation_config.json, else temperature 1.0, "
                              "top-p 0.95, top-k 20)")
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=256,
+                   help="tokens to generate at most (default 256; thinking counts); lowered, "
+                        "with a warning, to what --max-length leaves after the prompt")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None, help="0 = off")
     g.add_argument("--top-p", type=float, default=None, help="1 = off")
     g.add_argument("--min-p", type=float, default=None, help="0 = off")
     g.add_argument("--repetition-penalty", type=float, default=None, help="1 = off")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="random seed (default 0): the same seed gives the same text")
 
 
 def _sampling_kwargs(a) -> dict:
     return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                 top_p=a.top_p, min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed)
+
+
+def _quiet(a) -> bool:
+    return bool(getattr(a, "quiet", False) or os.environ.get("FLINT_JAX_QUIET"))
+
+
+def _setup_output(a):
+    """The library's INFO notices (compiles) as `[flint-jax] ...` lines on stderr, its warnings
+    as `flint-jax CMD: warning: ...`, and messages naming the CLI's flags."""
+    log = logging.getLogger("flint_jax")
+    if not _quiet(a) and not any(getattr(h, "_flint_cli", False) for h in log.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("[flint-jax] %(message)s"))
+        h._flint_cli = True
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if category.__module__.startswith("flint_jax"):
+            print(f"flint-jax {a.command}: warning: {message}", file=sys.stderr, flush=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    from flint_jax import decode
+    decode.MAX_LENGTH_HINT.set("--max-length N")
+
+
+def _print_stats(a, stats):
+    if stats is not None and not _quiet(a):
+        sys.stdout.flush()
+        print(f"[flint-jax] {stats.summary()}", file=sys.stderr, flush=True)
 
 
 def _load(a):
@@ -78,12 +147,15 @@ def cmd_generate(a) -> int:
         print(json.dumps({"prompt": a.prompt, "text": out.text,
                           "token_ids": out.token_ids.tolist(),
                           "finish_reason": out.finish_reason,
-                          "logprobs": [round(float(x), 6) for x in out.logprobs]}, ensure_ascii=False))
+                          "logprobs": [round(float(x), 6) for x in out.logprobs],
+                          "stats": out.stats.as_dict()}, ensure_ascii=False))
         return 0
-    for ev in flint_jax.generate(model, a.prompt, stop=stop, stream=True, **kw):
+    events = flint_jax.generate(model, a.prompt, stop=stop, stream=True, **kw)
+    for ev in events:
         sys.stdout.write(ev.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    _print_stats(a, events.stats)
     return 0
 
 
@@ -148,14 +220,18 @@ def cmd_chat(a) -> int:
             history.append({"role": "tool", "content": line[len("/tool "):]})
         else:
             history.append({"role": "user", "content": line})
-        deltas, state = [], {}
+        deltas, state, stats = [], {}, None
         for d in flint_jax.chat(model, history, tools=tools, enable_thinking=not a.no_think,
                                 stream=True, **_sampling_kwargs(a)):
             if "finish_reason" in d:
+                stats = d.get("stats")
                 continue
             deltas.append(d)
             _print_delta(d, state)
         sys.stdout.write("\033[0m\n" if sys.stdout.isatty() else "\n")
+        if stats:
+            from flint_jax.decode import GenerationStats
+            _print_stats(a, GenerationStats(**stats))
         msg = chat_format.assemble(deltas)
         history.append({k: v for k, v in msg.items() if k in ("role", "content",
                                                                 "reasoning_content", "tool_calls")
@@ -174,21 +250,47 @@ def cmd_demo(a) -> int:
     print(model)
     prompt = "The weather today is"
     print(f"\n[generate] {prompt!r} ->")
-    for ev in flint_jax.generate(model, prompt, max_new_tokens=a.max_new_tokens, seed=a.seed,
-                                 stream=True):
+    events = flint_jax.generate(model, prompt, max_new_tokens=a.max_new_tokens, seed=a.seed,
+                                stream=True)
+    for ev in events:
         sys.stdout.write(ev.text)
         sys.stdout.flush()
-    print("\n\n[chat] user: What is the capital of France?")
+    sys.stdout.write("\n")
+    _print_stats(a, events.stats)
+    print("\n[chat] user: What is the capital of France?")
     msg = flint_jax.chat(model, [{"role": "user", "content": "What is the capital of France?"}],
                          max_new_tokens=a.max_new_tokens, seed=a.seed)
     print(json.dumps({k: msg[k] for k in ("reasoning_content", "content", "tool_calls",
                                           "finish_reason")}, ensure_ascii=False, indent=1))
+    if msg.get("stats"):
+        from flint_jax.decode import GenerationStats
+        _print_stats(a, GenerationStats(**msg["stats"]))
     print("\nNext: `flint-jax generate MODEL \"prompt\"` on a real checkpoint, or "
           "`flint-jax convert` to convert one (see README).")
     return 0
 
 
+# `bench --config smoke`: the tiny config cut to 2 layers, one case per format, a few steps: both
+# weight formats on the XLA and Pallas (interpret mode) paths in ~35 s on 2 CPU cores (measured).
+SMOKE = dict(config="tiny", layers=2, dtype=["bf16", "nvfp4"], batch=[1], context=[64], steps=2)
+BENCH_DEFAULTS = dict(dtype=["bf16", "nvfp4"], batch=[1, 8], context=[1024, 8192, 100_000],
+                      steps=50)
+
+
+def bench_options(a):
+    """Fills the options left unset: from the smoke preset for `--config smoke`, else the full
+    grid's defaults."""
+    base = SMOKE if a.config == "smoke" else BENCH_DEFAULTS
+    for k, v in base.items():
+        if k == "config":
+            a.config = v
+        elif getattr(a, k, None) is None:
+            setattr(a, k, v)
+    return a
+
+
 def cmd_bench(a) -> int:
+    bench_options(a)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     try:
         import decode_bench
@@ -201,13 +303,22 @@ def cmd_bench(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flint-jax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    parser.add_argument("--debug", action="store_true",
+                        help="show full tracebacks (also FLINT_JAX_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="run the embedded random-weight model (no download)")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "xla"])
+    p = sub.add_parser("demo", help="run the embedded random-weight model (no download)",
+                       description="Builds a small Flint with RANDOM weights (once, into "
+                       "~/.cache/flint_jax or $FLINT_JAX_DEMO_DIR) and runs generate and chat on "
+                       "it: the pipeline runs, the text is meaningless.")
+    p.add_argument("--max-new-tokens", type=int, default=24,
+                   help="tokens to generate in each part (default 24)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "xla"],
+                   help="decode kernels: Pallas on GPU by default, XLA elsewhere (pallas runs in "
+                        "interpret mode on a CPU: slow)")
+    _add_quiet(p)
+    _add_debug(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("generate", help="generate text from a prompt",
@@ -217,7 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (text, token_ids, finish_reason, logprobs)")
+                   help="print one JSON object (text, token_ids, finish_reason, logprobs, and "
+                        "stats: time to first token, prompt and generation tokens/s)")
+    _add_quiet(p)
+    _add_debug(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat (GLM-4.7 format, streaming)",
@@ -228,22 +342,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools", help="JSON file with a list of OpenAI-style tool schemas")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--no-think", action="store_true", help="disable thinking")
+    _add_quiet(p)
+    _add_debug(p)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("bench", help="decode benchmark (GPU; see docs/performance.md)")
-    p.add_argument("--dtype", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
-    p.add_argument("--batch", nargs="+", type=int, default=[1, 8])
-    p.add_argument("--context", nargs="+", type=int, default=[1024, 8192, 100_000])
+    p = sub.add_parser("bench", help="decode benchmark (GPU; `--config smoke` on a CPU)",
+                       description="Times the decode step of a Flint with random weights, XLA "
+                       "and Pallas paths side by side, for every weight format x batch x "
+                       "context (see docs/performance.md). The full-size default is for a GPU; "
+                       "on a CPU run `--config smoke` (about 35 s on 2 cores).")
+    p.add_argument("--dtype", nargs="+", default=None, choices=["bf16", "nvfp4"],
+                   help="weight formats (default both)")
+    p.add_argument("--batch", nargs="+", type=int, default=None,
+                   help="batch sizes (default 1 8)")
+    p.add_argument("--context", nargs="+", type=int, default=None,
+                   help="context lengths the cache is filled to (default 1024 8192 100000)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (quick runs)")
-    p.add_argument("--steps", type=int, default=50, help="timed decode steps per case")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed decode steps per window (default 50)")
     p.add_argument("--paths", nargs="+", default=["xla", "pallas"],
                    choices=["xla", "pallas", "pallas_v1", "pallas_fused"],
                    help="decode paths to time side by side: xla (reference), pallas (default "
                         "kernels), pallas_v1 (the first Pallas step), pallas_fused (every "
                         "fusion, including those not yet measured)")
-    p.add_argument("--config", default="flint", help="preset name (tiny for a CPU smoke run)")
+    p.add_argument("--config", default="flint",
+                   help="flint (full size, the default; a GPU), a smaller preset (tiny, "
+                        "tiny-gqa8, small: every case of the grid, minutes on a CPU), or smoke: "
+                        "tiny with 2 layers, bf16 and nvfp4, batch 1, context 64, 2 steps; about "
+                        "35 s on 2 CPU cores (options given explicitly still apply)")
     p.add_argument("--out", default=None, help="write results JSON here")
-    p.add_argument("--trace", action="store_true", help="count kernels with the profiler")
+    p.add_argument("--trace", action="store_true", help="count kernels with the profiler (GPU)")
+    _add_debug(p)
     p.set_defaults(func=cmd_bench)
 
     try:
@@ -254,16 +383,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line_warnings(command: str):
-    """Warnings as one line each on stderr (`flint-jax CMD: warning: ...`), without the source
-    line Python prints after them."""
-    import warnings
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        print(f"flint-jax {command}: warning: {message}", file=file or sys.stderr)
-    warnings.showwarning = show
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -271,8 +390,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     debug = a.debug or os.environ.get("FLINT_JAX_DEBUG")
-    if not debug:
-        _one_line_warnings(a.command)
+    _setup_output(a)
     try:
         return a.func(a) or 0
     except KeyboardInterrupt:

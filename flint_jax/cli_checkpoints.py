@@ -3,11 +3,12 @@
 `flint_jax.cli` calls `register(subparsers)`; this module also runs on its own:
 `python -m flint_jax.cli_checkpoints convert SRC DST`.
 
-Examples:
-    flint-jax convert RecursiveSI/flint /data/flint-jax-bf16
-    flint-jax convert flint-nvfp4.gguf /data/flint-jax-nvfp4 --hf-config RecursiveSI/flint
-    flint-jax quantize RecursiveSI/flint /data/flint-nvfp4.gguf
-    flint-jax inspect flint-nvfp4.gguf --config RecursiveSI/flint
+Examples (paths are local: download the published checkpoints first, e.g.
+`hf download RecursiveSI/flint --local-dir /hf/flint`; hub IDs are not fetched):
+    flint-jax convert /hf/flint /data/flint-jax-bf16
+    flint-jax convert flint-nvfp4.gguf /data/flint-jax-nvfp4 --hf-config /hf/flint
+    flint-jax quantize /hf/flint /data/flint-nvfp4.gguf
+    flint-jax inspect flint-nvfp4.gguf --config /hf/flint
     flint-jax synth /tmp/flint-synth --format gguf --config flint --layers 4
 
 Errors of known kinds (bad or mismatched checkpoints, existing outputs, I/O errors) print one
@@ -22,9 +23,9 @@ import sys
 import time
 
 EXAMPLES = [
-    "flint-jax convert RecursiveSI/flint /data/flint-jax-bf16",
-    "flint-jax convert flint-nvfp4.gguf /data/flint-jax-nvfp4 --hf-config RecursiveSI/flint",
-    "flint-jax quantize RecursiveSI/flint /data/flint-nvfp4.gguf",
+    "flint-jax convert /hf/flint /data/flint-jax-bf16",
+    "flint-jax convert flint-nvfp4.gguf /data/flint-jax-nvfp4 --hf-config /hf/flint",
+    "flint-jax quantize /hf/flint /data/flint-nvfp4.gguf",
     "flint-jax inspect /data/flint-jax-nvfp4",
     "flint-jax synth /tmp/flint-synth --format hf --config flint --layers 2 --experts 16",
 ]
@@ -150,6 +151,26 @@ def _common(p):
                    help="show full tracebacks (also FLINT_JAX_DEBUG=1)")
 
 
+LOCAL_ONLY = ("Paths are local: a hub ID (RecursiveSI/flint) is not fetched. Download the\n"
+              "published checkpoints first, e.g. with huggingface_hub's CLI:\n"
+              "  hf download RecursiveSI/flint --local-dir /hf/flint")
+
+
+def _gguf_config_beside(fn):
+    """A GGUF source without --hf-config takes config.json and the tokenizer from its own
+    directory when config.json is there (`loading.find_gguf_config`)."""
+
+    def run(args) -> int:
+        src = str(args.src)
+        if args.hf_config is None and os.path.isfile(src):
+            from flint_jax.loading import _is_gguf, find_gguf_config
+            if src.endswith(".gguf") or _is_gguf(src):
+                args.hf_config = find_gguf_config(src)
+        return fn(args)
+
+    return run
+
+
 def _debug(args) -> bool:
     return bool(getattr(args, "debug", False) or os.environ.get("FLINT_JAX_DEBUG"))
 
@@ -160,14 +181,16 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "convert", help="HF directory or NVFP4 GGUF -> flint_jax (orbax) checkpoint",
-        description="Converts a HF BF16 directory, or an NVFP4 GGUF file (with --hf-config), into "
-                    "a flint_jax checkpoint that flint_jax.load restores straight onto a mesh.",
-        epilog="examples:\n  " + "\n  ".join(EXAMPLES[:2]),
+        description="Converts a HF BF16 directory, or an NVFP4 GGUF file (with the config.json "
+                    "beside it, or --hf-config), into a flint_jax checkpoint that flint_jax.load "
+                    "restores straight onto a mesh.",
+        epilog="examples:\n  " + "\n  ".join(EXAMPLES[:2]) + "\n\n" + LOCAL_ONLY,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", help="HF checkpoint directory or .gguf file")
+    p.add_argument("src", help="a local HF checkpoint directory or .gguf file")
     p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--hf-config", metavar="DIR",
-                   help="for a GGUF source: the BF16 repo directory (config.json, tokenizer)")
+                   help="for a GGUF source: the BF16 repo directory (config.json, tokenizer); "
+                        "default the .gguf file's own directory when config.json is there")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="stored weight dtype: as in the source (auto), bf16 or f32")
@@ -178,16 +201,17 @@ def register(subparsers) -> None:
                    help="tensors prepared ahead in threads (default min(4, cores))")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     _common(p)
-    p.set_defaults(func=_guard("convert", cmd_convert))
+    p.set_defaults(func=_guard("convert", _gguf_config_beside(cmd_convert)))
 
     p = subparsers.add_parser(
         "quantize", help="BF16 HF directory -> NVFP4 GGUF file (prints error statistics)",
         description="Quantizes every linear layer to NVFP4 (fp32 tensor scale per tensor and per "
                     "expert, E4M3 per 16 values, nearest E2M1) into a Flint GGUF file.")
-    p.add_argument("hf_dir", help="HF checkpoint directory")
+    p.add_argument("hf_dir", help="a local HF checkpoint directory (BF16)")
     p.add_argument("out", help="output .gguf file")
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("--workers", type=int, default=None,
+                   help="tensors quantized ahead in threads (default min(4, cores))")
     p.add_argument("--quiet", "-q", action="store_true", help="no per-tensor table")
     _common(p)
     p.set_defaults(func=_guard("quantize", cmd_quantize))
@@ -199,7 +223,8 @@ def register(subparsers) -> None:
                     "1 when it does not match the config.")
     p.add_argument("path", help="HF directory, .gguf file or converted checkpoint")
     p.add_argument("--config", metavar="DIR", help="config.json (or its directory) to check "
-                   "against; default the checkpoint's own (required for GGUF)")
+                   "against; default the checkpoint's own (for a .gguf file: the config.json "
+                   "beside it)")
     p.add_argument("--all", action="store_true", help="list every tensor row")
     p.add_argument("--check-blocks", action="store_true",
                    help="GGUF: read every NVFP4 tensor and check its block scales (no 0xFF)")
@@ -212,16 +237,18 @@ def register(subparsers) -> None:
         description="Random Flint checkpoints in the real formats with realistic values, streamed "
                     "(little memory at any size). GGUF: OUT/model.gguf plus OUT/config.json.")
     p.add_argument("out", help="output directory")
-    p.add_argument("--format", choices=("hf", "gguf"), default="hf")
+    p.add_argument("--format", choices=("hf", "gguf"), default="hf",
+                   help="hf: safetensors + config.json (default); gguf: OUT/model.gguf (NVFP4) "
+                        "with OUT/config.json beside it")
     p.add_argument("--config", default="tiny",
                    help="a preset (flint, tiny, tiny-gqa8, small) or a config.json path")
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     p.add_argument("--experts", type=int, default=None, help="override num_experts")
     p.add_argument("--vocab", type=int, default=None, help="override vocab_size")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     p.add_argument("--fused", action="store_true", help="HF: fused expert tensors")
     p.add_argument("--no-tokenizer", action="store_true", help="do not write a tokenizer")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--workers", type=int, default=None,
                    help="tensors generated ahead in threads (default min(8, cores))")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

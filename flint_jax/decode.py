@@ -7,11 +7,20 @@
   different prompt lengths reuse compiled steps; it is sized and checked before allocation.
 - Each decode step is one jitted call (model, sampling and the seen-token mask fused; the cache
   donated). Tokens stream out as they are produced.
+- The first call for a new batch size or cache length compiles the steps (4-30 s on a 2-core CPU
+  for the demo model, depending on load): a one-line notice goes to the `flint_jax` logger at
+  INFO level first (the CLI prints it on stderr). Each call's timings (time to first token,
+  prompt and generation tokens/s, compile time) are in `GenerationStats`.
+- `max_new_tokens` beyond the cache's room is clamped with a `MaxNewTokensClampedWarning`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import logging
+import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,9 +32,60 @@ from flint_jax import sampling
 from flint_jax.cache import check_cache_fits, init_cache
 from flint_jax.engine import Flint
 
+logger = logging.getLogger("flint_jax")
+
+# How messages name the cache's length setting: the Python API's argument by default; the CLI
+# sets its flag (`--max-length`) so that its errors and warnings name what its user can pass.
+MAX_LENGTH_HINT: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "flint_jax_max_length_hint", default="load(..., max_length=N)")
+
 
 class PromptTooLongError(ValueError):
     """A prompt (plus the tokens to generate) does not fit the model's maximum length."""
+
+
+class MaxNewTokensClampedWarning(UserWarning):
+    """`max_new_tokens` asked for more positions than the cache holds: it was lowered."""
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Timings of one `generate` / `stream_generate` call (all rows together).
+
+    ttft_s: seconds from the call to the first generated token (compilation included, as a
+      user waits for it). decode_s: wall time of the decoding after the first token.
+      compile_s: the time spent tracing and compiling steps for new shapes (0 on a warm call).
+      prompt_tokens_per_s: prompt tokens (every row) per second of prefill;
+      generation_tokens_per_s: tokens decoded after the first (every row) per second of
+      decoding; both exclude compile time (None when nothing was timed, e.g. a single new
+      token).
+    """
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float | None = None
+    decode_s: float | None = None
+    compile_s: float = 0.0
+    prompt_tokens_per_s: float | None = None
+    generation_tokens_per_s: float | None = None
+    _prefill_compile_s: float = dataclasses.field(default=0.0, repr=False)
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v)
+                for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
+
+    def summary(self) -> str:
+        """One line: `12 prompt tokens at 350 tok/s, 30 generated at 42.1 tok/s, first token
+        after 0.41 s (of which compiling 0.3 s)`."""
+        def rate(x):
+            return "-" if x is None else f"{x:.1f} tok/s"
+        parts = [f"{self.prompt_tokens} prompt tokens at {rate(self.prompt_tokens_per_s)}",
+                 f"{self.generated_tokens} generated at {rate(self.generation_tokens_per_s)}"]
+        if self.ttft_s is not None:
+            parts.append(f"first token after {self.ttft_s:.2f} s")
+        line = ", ".join(parts)
+        if self.compile_s:
+            line += f" (of which compiling {self.compile_s:.1f} s)"
+        return line
 
 
 @dataclasses.dataclass
@@ -37,21 +97,41 @@ class GenerationOutput:
     finish_reason: str
     logprobs: np.ndarray | None = None
     prompt_ids: np.ndarray | None = None
+    stats: GenerationStats | None = None  # the call's timings (shared by its rows)
 
 
 class GeneratedText(str):
-    """The generated text, a `str`, carrying `.token_ids`, `.finish_reason` and `.logprobs`."""
+    """The generated text, a `str`, carrying `.token_ids`, `.finish_reason`, `.logprobs` and
+    `.stats` (the call's `GenerationStats`)."""
     token_ids: np.ndarray
     finish_reason: str
     logprobs: np.ndarray | None
+    stats: GenerationStats | None
     output: GenerationOutput
 
     @classmethod
     def of(cls, out: GenerationOutput) -> "GeneratedText":
         s = cls(out.text or "")
-        s.token_ids, s.finish_reason, s.logprobs, s.output = (
-            out.token_ids, out.finish_reason, out.logprobs, out)
+        s.token_ids, s.finish_reason, s.logprobs, s.stats, s.output = (
+            out.token_ids, out.finish_reason, out.logprobs, out.stats, out)
         return s
+
+
+class GenerationStream:
+    """The iterator `generate(..., stream=True)` returns: `StreamEvent`s, and `.stats` (a
+    `GenerationStats`, complete once the iterator is exhausted)."""
+
+    def __init__(self, events: Iterator[StreamEvent], stats: GenerationStats):
+        self._events, self.stats = events, stats
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StreamEvent:
+        return next(self._events)
+
+    def close(self):
+        self._events.close()
 
 
 @dataclasses.dataclass
@@ -94,8 +174,11 @@ def _as_rows(prompt, tokenizer) -> tuple[list[list[int]], bool, bool]:
                      f"(got {type(prompt).__name__} {getattr(arr, 'shape', '')})")
 
 
-def _check_rows(model: Flint, rows: list[list[int]], max_new_tokens: int):
+def _check_rows(model: Flint, rows: list[list[int]], max_new_tokens: int) -> int:
+    """Checks the prompts; returns `max_new_tokens`, lowered (with a warning) to what the cache
+    has room for after the longest prompt."""
     vocab = model.config.vocab_size
+    hint = MAX_LENGTH_HINT.get()
     for b, row in enumerate(rows):
         if not row:
             raise ValueError(f"prompt row {b} is empty: at least one token is needed")
@@ -103,18 +186,51 @@ def _check_rows(model: Flint, rows: list[list[int]], max_new_tokens: int):
         if bad:
             raise ValueError(f"prompt row {b} holds token id {bad[0]} outside the vocabulary "
                              f"(0..{vocab - 1})")
-        if len(row) + max_new_tokens > model.max_length:
+        need = len(row) + min(max_new_tokens, 1)  # room for one new token at least
+        if need > model.max_length:
             raise PromptTooLongError(
-                f"prompt row {b} has {len(row)} tokens; with max_new_tokens={max_new_tokens} it "
-                f"needs {len(row) + max_new_tokens} positions but the cache holds at most "
-                f"{model.max_length} (load(..., max_length=...) / the config's "
-                f"max_position_embeddings)")
+                f"prompt row {b} has {len(row)} tokens"
+                + (" and needs a position for a new token" if need > len(row) else "")
+                + f", but the cache holds at most {model.max_length} positions "
+                f"(raise it with {hint}, up to the config's max_position_embeddings "
+                f"{model.config.max_position_embeddings})")
+    longest = max((len(r) for r in rows), default=0)
+    room = model.max_length - longest
+    if max_new_tokens > room:
+        warnings.warn(
+            f"max_new_tokens={max_new_tokens} does not fit: the cache holds {model.max_length} "
+            f"positions and the longest prompt takes {longest}; generating at most {room} tokens "
+            f"(raise the cache's length with {hint}, up to the config's max_position_embeddings "
+            f"{model.config.max_position_embeddings})", MaxNewTokensClampedWarning, stacklevel=4)
+        max_new_tokens = room
+    return max_new_tokens
 
 
-def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: int = 256):
+def _new_shapes(model: Flint, keys: Sequence[tuple]) -> list[tuple]:
+    """The (jit cache key, shape) pairs not yet run on this handle; records them as run."""
+    seen = model._compiled_shapes
+    new = [k for k in keys if k not in seen]
+    seen.update(new)
+    return new
+
+
+def _compile_notice(model: Flint, what: str, shape: str):
+    logger.info(f"compiling the {what} for {shape} (the first call with these shapes: from "
+                f"seconds to a minute or more) ...")
+
+
+def prefill_chunk(t_max: int, cache_length: int, chunk_size: int = 256) -> int:
+    """The prefill chunk length for prompts of at most `t_max` tokens."""
+    return min(chunk_size, bucket_length(t_max, cache_length, minimum=16))
+
+
+def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: int = 256,
+            stats: GenerationStats | None = None):
     """Allocates a cache and runs the prompts through it in chunks.
 
-    Returns (last-token logits f32 [B, V], cache). Rows may have different lengths.
+    Returns (last-token logits f32 [B, V], cache). Rows may have different lengths. With
+    `stats`, the first chunk call's time is added to `stats.compile_s` (when the caller knows it
+    compiles).
     """
     cfg = model.config
     b = len(rows)
@@ -124,7 +240,7 @@ def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: 
     shardings = model.cache_sharding(b, cache_length) if model.cache_sharding else None
     cache = init_cache(cfg, b, cache_length, model.dtype, shardings)
     t_max = int(lengths.max())
-    chunk = min(chunk_size, bucket_length(t_max, cache_length, minimum=16))
+    chunk = prefill_chunk(t_max, cache_length, chunk_size)
     n_chunks = -(-t_max // chunk)
     tokens = np.zeros((b, n_chunks * chunk), np.int32)
     for i, r in enumerate(rows):
@@ -133,8 +249,11 @@ def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: 
     last = None
     for c in range(n_chunks):
         n = np.clip(lengths - c * chunk, 0, chunk).astype(np.int32)
+        t0 = time.perf_counter()
         logits, cache, _ = fn(model.leaves, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]), cache,
                               jnp.asarray(n))
+        if c == 0 and stats is not None:
+            stats.compile_s += time.perf_counter() - t0
         last = logits if last is None else jnp.where(jnp.asarray(n > 0)[:, None], logits, last)
     return last, cache
 
@@ -167,25 +286,47 @@ def stream_generate(model: Flint, rows: list[list[int]], *, max_new_tokens: int 
                     params: sampling.SamplingParams | None = None, seed: int | None = None,
                     key: jax.Array | None = None, stop_token_ids: Sequence[int] | None = None,
                     stop: Sequence[str] | None = None, chunk_size: int = 256,
-                    decode_block: int | None = None) -> Iterator[StreamEvent]:
+                    decode_block: int | None = None,
+                    stats: GenerationStats | None = None) -> Iterator[StreamEvent]:
     """Yields a `StreamEvent` per generated token per live row, in step order.
 
     `decode_block` decode steps run per device call (default 8 on GPU, 1 elsewhere): the host's
     per-call cost is paid once per block, and tokens stream out block by block. Rows may run a
-    few steps past their stop inside a block; those tokens are dropped.
+    few steps past their stop inside a block; those tokens are dropped. `max_new_tokens` beyond
+    the cache's room after the longest prompt is lowered with a `MaxNewTokensClampedWarning`.
+    `stats`, when given, is filled in as the generation runs (complete once it ends).
     """
+    t_start = time.perf_counter()
+    stats = stats if stats is not None else GenerationStats()
     params = (params or sampling.SamplingParams()).validate()
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    _check_rows(model, rows, max_new_tokens)
+    max_new_tokens = _check_rows(model, rows, max_new_tokens)
     b = len(rows)
+    stats.prompt_tokens = sum(len(r) for r in rows)
     stop_ids = set(int(t) for t in (stop_token_ids if stop_token_ids is not None else []))
     stop = [s for s in (stop or []) if s]
     if stop and model.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-    cache_len = bucket_length(max(len(r) for r in rows) + max_new_tokens, model.max_length)
-    logits, cache = prefill(model, rows, cache_len, chunk_size)
+    t_max = max(len(r) for r in rows)
+    cache_len = bucket_length(t_max + max_new_tokens, model.max_length)
     with_seen = params.repetition_penalty != 1.0
+    if decode_block is None:
+        decode_block = 8 if jax.default_backend() == "gpu" else 1
+    # The steps this call runs, by jit key and shape: a new one compiles on its first call.
+    chunk = prefill_chunk(t_max, cache_len, chunk_size)
+    steps = {"prefill step": ("chunk", "last", (), b, chunk, cache_len),
+             "sampler": ("sample", params, with_seen, b)}
+    if max_new_tokens > 1:
+        steps["decode step"] = ("decode", params, with_seen, model.kernels, model.decode_options,
+                                decode_block, b, cache_len)
+    new = _new_shapes(model, list(steps.values()))
+    if new:
+        names = [n for n, k in steps.items() if k in new]
+        _compile_notice(model, (", ".join(names[:-1]) + " and " if len(names) > 1 else "")
+                        + names[-1], f"batch {b}, cache length {cache_len}")
+    logits, cache = prefill(model, rows, cache_len, chunk_size,
+                            stats if steps["prefill step"] in new else None)
     seen = None
     if with_seen:
         seen_np = np.zeros((b, model.config.vocab_size), bool)
@@ -194,51 +335,72 @@ def stream_generate(model: Flint, rows: list[list[int]], *, max_new_tokens: int 
         seen = jnp.asarray(seen_np)
     rng = _key_of(seed, key)
     rng, step_rng = jax.random.split(rng)
+    t0 = time.perf_counter()
     nxt, lp, seen = model.sample_fn(params, with_seen)(logits, step_rng, seen)
-    if decode_block is None:
-        decode_block = 8 if jax.default_backend() == "gpu" else 1
+    if steps["sampler"] in new:
+        stats.compile_s += time.perf_counter() - t0
     step_fn = model.decode_fn(params, with_seen, decode_block)
+    compile_decode = steps.get("decode step") in new
     trackers = [_TextTracker(model.tokenizer) for _ in range(b)]
     done = [False] * b
     block = (nxt[:, None], lp[:, None])  # the first token, from the prefill logits
     produced, dispatched, last = 0, 1, nxt
-    while block is not None:
-        nxt_block = None
-        if dispatched < max_new_tokens:  # dispatch the next block before reading this one
-            toks_d, lps_d, cache, seen, rng = step_fn(model.leaves, cache, last, rng, seen)
-            last, nxt_block = toks_d[:, -1], (toks_d, lps_d)
-            dispatched += decode_block
-        toks, lps = np.asarray(block[0]), np.asarray(block[1])
-        for j in range(toks.shape[1]):
+    t_first = None
+    try:
+        while block is not None:
+            nxt_block = None
+            if dispatched < max_new_tokens:  # dispatch the next block before reading this one
+                t0 = time.perf_counter()
+                toks_d, lps_d, cache, seen, rng = step_fn(model.leaves, cache, last, rng, seen)
+                if compile_decode:
+                    stats.compile_s += time.perf_counter() - t0
+                    compile_decode = False
+                last, nxt_block = toks_d[:, -1], (toks_d, lps_d)
+                dispatched += decode_block
+            toks, lps = np.asarray(block[0]), np.asarray(block[1])
+            if t_first is None:
+                t_first = time.perf_counter()
+                stats.ttft_s = t_first - t_start
+                stats._prefill_compile_s = stats.compile_s
+                run = stats.ttft_s - stats.compile_s
+                stats.prompt_tokens_per_s = stats.prompt_tokens / run if run > 0 else None
+            for j in range(toks.shape[1]):
+                if produced == max_new_tokens or all(done):
+                    break
+                produced += 1
+                last_step = produced == max_new_tokens
+                for i in range(b):
+                    if done[i]:
+                        continue
+                    tid = int(toks[i, j])
+                    reason = None
+                    if tid in stop_ids:
+                        reason, text = "stop", ""
+                        trackers[i].ids.append(tid)
+                    else:
+                        text = trackers[i].add(tid)
+                        for s in stop:
+                            cut = trackers[i].text.find(s)
+                            if cut >= 0:
+                                keep = cut - (len(trackers[i].text) - len(text))
+                                text = text[:max(0, keep)]
+                                trackers[i].text = trackers[i].text[:cut]
+                                reason = "stop"
+                                break
+                    if reason is None and last_step:
+                        reason = "length"
+                    done[i] = reason is not None
+                    stats.generated_tokens += 1
+                    yield StreamEvent(i, tid, text, float(lps[i, j]), reason)
             if produced == max_new_tokens or all(done):
                 break
-            produced += 1
-            last_step = produced == max_new_tokens
-            for i in range(b):
-                if done[i]:
-                    continue
-                tid = int(toks[i, j])
-                reason = None
-                if tid in stop_ids:
-                    reason, text = "stop", ""
-                    trackers[i].ids.append(tid)
-                else:
-                    text = trackers[i].add(tid)
-                    for s in stop:
-                        cut = trackers[i].text.find(s)
-                        if cut >= 0:
-                            keep = cut - (len(trackers[i].text) - len(text))
-                            text = text[:max(0, keep)]
-                            trackers[i].text = trackers[i].text[:cut]
-                            reason = "stop"
-                            break
-                if reason is None and last_step:
-                    reason = "length"
-                done[i] = reason is not None
-                yield StreamEvent(i, tid, text, float(lps[i, j]), reason)
-        if produced == max_new_tokens or all(done):
-            break
-        block = nxt_block
+            block = nxt_block
+    finally:
+        if t_first is not None:
+            stats.decode_s = time.perf_counter() - t_first
+            decoded = stats.generated_tokens - b  # the first token of each row came from prefill
+            run = stats.decode_s - (stats.compile_s - stats._prefill_compile_s)
+            stats.generation_tokens_per_s = decoded / run if decoded > 0 and run > 0 else None
 
 
 def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: float | None = None,
@@ -254,7 +416,9 @@ def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: fl
       model: a handle from `flint_jax.load`.
       prompt: a string, a list of strings, or token ids (`[T]` or `[B, T]`, or a list of rows of
         different lengths).
-      max_new_tokens: tokens to generate per row at most (thinking counts).
+      max_new_tokens: tokens to generate per row at most (thinking counts); lowered, with a
+        `MaxNewTokensClampedWarning`, to the room the cache (`load(..., max_length=)`) has left
+        after the longest prompt.
       temperature / top_k / top_p / min_p / repetition_penalty: sampling (fp32, HF order);
         `temperature=0` is greedy. Unset values come from the checkpoint's generation_config.json,
         else temperature 1.0, top-p 0.95, top-k 20.
@@ -263,15 +427,22 @@ def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: fl
       stop_token_ids: token ids that end a row (default: generation_config's eos list, else the
         tokenizer's end-of-text, `<|user|>` and `<|observation|>`); the stop token is kept in
         the ids, not in the text.
-      stream: return an iterator of `StreamEvent` instead.
+      stream: return an iterator of `StreamEvent` instead (a `GenerationStream`: its `.stats`
+        are complete once it is exhausted).
       logprobs: keep per-token logprobs (log-softmax of the raw logits).
-      return_details: return `GenerationOutput` objects.
+      return_details: return `GenerationOutput` objects (with `.stats`: time to first token,
+        prompt and generation tokens/s, compile time; a `GenerationStats`).
       decode_block: decode steps per device call (default 8 on GPU, 1 elsewhere); the same
         tokens come out whatever its value.
 
+    The first call for a new batch size or cache length compiles the steps (seconds to a minute;
+    4-30 s on a 2-core CPU for the demo model); a one-line notice is logged first (logger
+    `flint_jax`, level INFO: `logging.getLogger("flint_jax").setLevel(logging.INFO)` with a
+    handler shows it; the CLI prints it).
+
     Returns: for a string prompt a `GeneratedText` (a str with `.token_ids`, `.finish_reason`,
-    `.logprobs`); for a list of strings a list of them; for token ids `[T]` an int32 array of the
-    generated ids, for `[B, T]` a list of arrays (rows may differ in length).
+    `.logprobs`, `.stats`); for a list of strings a list of them; for token ids `[T]` an int32
+    array of the generated ids, for `[B, T]` a list of arrays (rows may differ in length).
     """
     rows, is_text, single = _as_rows(prompt, model.tokenizer)
     overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -282,11 +453,12 @@ def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: fl
         stop_token_ids = default_stop_ids(model)
     if isinstance(stop, str):
         stop = [stop]
+    stats = GenerationStats()
     events = stream_generate(model, rows, max_new_tokens=max_new_tokens, params=params, seed=seed,
                              key=key, stop_token_ids=stop_token_ids, stop=stop,
-                             chunk_size=chunk_size, decode_block=decode_block)
+                             chunk_size=chunk_size, decode_block=decode_block, stats=stats)
     if stream:
-        return events
+        return GenerationStream(events, stats)
     ids = [[] for _ in rows]
     lps = [[] for _ in rows]
     texts = [[] for _ in rows]
@@ -301,7 +473,7 @@ def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: fl
                              text="".join(texts[i]) if model.tokenizer is not None else None,
                              finish_reason=reasons[i],
                              logprobs=np.array(lps[i], np.float32) if logprobs else None,
-                             prompt_ids=np.array(rows[i], np.int32))
+                             prompt_ids=np.array(rows[i], np.int32), stats=stats)
             for i in range(len(rows))]
     if return_details:
         return outs[0] if single else outs
@@ -355,6 +527,8 @@ def forward(model: Flint, input_ids, *, lengths=None, capture: Sequence[str] = (
     cache_len = bucket_length(n_chunks * chunk, 1 << 30)
     check_cache_fits(model.config, b, cache_len, model.dtype)
     fn = _forward_fn(model, chunk, n_chunks, cache_len, tuple(capture))
+    if _new_shapes(model, [("forward", chunk, n_chunks, cache_len, tuple(capture), b)]):
+        _compile_notice(model, "forward pass", f"batch {b}, {n_chunks * chunk} tokens")
     logits, captured = fn(model.state if params is None else params, ids, lengths)
     logits = logits[:, :t]
     captured = {k: v[:, :, :t] if v.ndim >= 3 else v for k, v in captured.items()}

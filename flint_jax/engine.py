@@ -61,6 +61,9 @@ class Flint:
         if not self.max_length:
             self.max_length = self.config.max_position_embeddings
         self._jit_cache: dict = {}
+        # (jit cache key, shapes) already run: a step called with a new entry compiles first
+        # (decode.py logs a notice then).
+        self._compiled_shapes: set = set()
         self._flat = None
 
     @property

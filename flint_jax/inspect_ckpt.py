@@ -8,8 +8,9 @@
 Lists tensors (name, dtype or GGML type, shape, bytes; per-expert HF tensors grouped), metadata
 (GGUF key/values, the flint_jax manifest, safetensors metadata) and a verdict: every missing,
 unexpected, mis-shaped or mis-typed tensor against the config (the directory's own config.json,
-or `config=`; a GGUF file needs `config=`). A file too damaged to list (truncated, corrupt header)
-raises the reader's error instead (hf_io.CheckpointError, gguf_io.GGUFError: ValueErrors).
+or `config=`; a GGUF file uses the config.json beside it, else needs `config=`). A file too
+damaged to list (truncated, corrupt header) raises the reader's error instead
+(hf_io.CheckpointError, gguf_io.GGUFError: ValueErrors).
 """
 
 from __future__ import annotations
@@ -210,11 +211,12 @@ def _inspect_gguf(path: str, config: str | None, check_blocks: bool) -> Report:
                         if "legacy_scale" in kinds else "")
                      + (f"; {kinds.count('input_scale')} activation scales X.input_scale (unused: "
                         "W4A16)" if "input_scale" in kinds else ""))
-    cfg, src = _load_cfg(config, None, notes)
+    from flint_jax.loading import find_gguf_config
+    cfg, src = _load_cfg(config, find_gguf_config(path) if config is None else None, notes)
     problems: list[str] = []
     if cfg is None:
-        notes.append("no config given: pass --config DIR (the BF16 repo with config.json) to check "
-                     "names and shapes")
+        notes.append("no config.json beside the file nor given: pass --config DIR (the BF16 repo "
+                     "with config.json) to check names and shapes")
     else:
         weights = ck.weights
         present = {n: (tuple(int(d) for d in reversed(list(t.shape))), t.tensor_type.name)
@@ -317,7 +319,7 @@ def format_report(r: Report, max_tensors: int | None = 80) -> str:
     for n in r.notes:
         lines.append(f"note: {n}")
     if r.config_source is None:
-        lines.append("verdict: NOT CHECKED (no config)")
+        lines.append("verdict: NOT CHECKED (no config: pass --config DIR)")
     elif not r.problems:
         lines.append(f"verdict: OK: matches the config in {r.config_source}")
     else:

@@ -106,9 +106,11 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
     """Loads Flint for generation and research.
 
     Args:
-      path: a HF directory (`config.json` + safetensors), a flint_jax checkpoint written by
-        `flint-jax convert`, or an NVFP4 `.gguf` file (then `hf_config=` names the directory with
-        `config.json` and the tokenizer files).
+      path: a local HF directory (`config.json` + safetensors), a flint_jax checkpoint written by
+        `flint-jax convert`, or an NVFP4 `.gguf` file. Hub IDs are not fetched: download the
+        checkpoint first (e.g. `hf download RecursiveSI/flint --local-dir DIR`).
+      hf_config: for a `.gguf` file, the directory with `config.json` and the tokenizer files;
+        default the file's own directory when `config.json` is there (`find_gguf_config`).
       dtype: "bfloat16" (default) or "float32" (everything computed in fp32; parity tests).
       mesh: a `jax.sharding.Mesh`; parameters and caches are sharded over it (heads and
         intermediate dims over the tensor axis, experts over "expert" or the tensor axis).
@@ -123,10 +125,17 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
     mesh = auto_mesh(mesh)
     if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
         from flint_jax import convert
+        if hf_config is None:
+            hf_config = find_gguf_config(path)
         return convert.load_gguf(path, hf_config=hf_config, dtype=dtype, mesh=mesh,
                                  kernels=kernels, max_length=max_length, rules=rules)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: no such checkpoint directory or .gguf file")
+        hint = ""
+        if not os.path.isabs(path) and path.count("/") == 1 and not os.path.exists(
+                os.path.dirname(path)):
+            hint = (" (flint_jax reads local files only; a hub ID is not fetched: download it "
+                    f"first, e.g. `hf download {path} --local-dir DIR`, and pass DIR)")
+        raise FileNotFoundError(f"{path}: no such checkpoint directory or .gguf file{hint}")
     if os.path.exists(os.path.join(path, "flint_jax.json")):
         from flint_jax import convert
         return convert.load_converted(path, dtype=dtype, mesh=mesh, kernels=kernels,
@@ -139,6 +148,14 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
                                   mesh=mesh, rules=rules, source=path, progress=progress)
     return make_handle(cfg, graphdef, state, dtype=dtype, quant=False, kernels=kernels, mesh=mesh,
                        rules=rules, max_length=max_length, meta_dir=path, source=path)
+
+
+def find_gguf_config(path: str | os.PathLike) -> str | None:
+    """The directory beside a `.gguf` file when it holds `config.json` (the layout `flint-jax
+    synth --format gguf` writes, and a GGUF put into the BF16 repo's directory), else None. The
+    tokenizer files are taken from the same directory."""
+    d = os.path.dirname(os.path.abspath(os.fspath(path)))
+    return d if os.path.isfile(os.path.join(d, "config.json")) else None
 
 
 def auto_mesh(mesh):

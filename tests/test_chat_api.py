@@ -64,6 +64,8 @@ def test_multi_turn_with_tool_results_renders_observation(demo):
     assert off.endswith("<|assistant|></think>")
     msg = flint_jax.chat(demo, messages, tools=TOOLS, max_new_tokens=5, seed=0)
     assert msg["role"] == "assistant" and msg["finish_reason"] in ("stop", "length")
+    st = msg["stats"]   # the call's timings (decode.GenerationStats.as_dict())
+    assert 1 <= st["generated_tokens"] <= 5 and st["ttft_s"] > 0 and st["prompt_tokens"] > 10
 
 
 def test_real_generation_stream_equals_whole(demo):

@@ -38,6 +38,11 @@ def test_generate_json(demo_dir):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["prompt"] == "Hello" and len(out["token_ids"]) == len(out["logprobs"]) >= 1
     assert out["finish_reason"] in ("stop", "length")
+    st = out["stats"]
+    assert st["ttft_s"] > 0 and st["prompt_tokens_per_s"] > 0 and st["compile_s"] > 0
+    assert st["generated_tokens"] == len(out["token_ids"])
+    assert st["generation_tokens_per_s"] is None or st["generation_tokens_per_s"] > 0
+    assert res.stderr.count("[flint-jax] compiling the") == 1
     # Greedy is deterministic: the same call gives the same ids.
     again = json.loads(run_cli("generate", "demo", "Hello", "--max-new-tokens", "6",
                                "--temperature", "0", "--json",
@@ -55,6 +60,28 @@ def test_chat_with_piped_input(demo_dir, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "[conversation cleared]" in res.stdout
     assert res.stdout.count("[thinking]") + res.stdout.count("[answer]") >= 2
+    # A line of timings on stderr after each answer, none on stdout.
+    assert res.stderr.count("prompt tokens at") == 2 and "tok/s" not in res.stdout
+
+
+def test_generate_clamps_names_the_flag_and_reports_timings(demo_dir):
+    # --max-length 16 leaves too little room for 40 new tokens: clamped with a warning naming
+    # the CLI's flag; --debug after the command is accepted; the timings go to stderr.
+    res = run_cli("generate", "demo", "Hello", "--max-new-tokens", "40", "--max-length", "16",
+                  "--temperature", "0", "--debug", demo_dir=demo_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    err = res.stderr
+    assert "flint-jax generate: warning: max_new_tokens=40 does not fit" in err, err
+    assert "--max-length N" in err and "load(" not in err
+    assert err.count("[flint-jax] compiling the") == 1
+    assert "generated at" in err and "first token after" in err
+    assert "tok/s" not in res.stdout
+    # The prompt alone too long: one error line naming --max-length; --quiet drops the notices.
+    res = run_cli("generate", "demo", "Hello world, hello again", "--max-length", "2", "--quiet",
+                  demo_dir=demo_dir)
+    assert res.returncode == 1
+    assert "flint-jax generate: error: prompt row 0 has" in res.stderr
+    assert "--max-length N" in res.stderr and "compiling" not in res.stderr
 
 
 def test_errors_are_one_line(tmp_path):

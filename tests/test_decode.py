@@ -97,8 +97,13 @@ def test_stop_string_cuts_text(bf16_tiny_a):
 def test_prompt_longer_than_cache_is_refused(fp32_models):
     m = flint_jax.load(fp32_models["tiny_a"].source, dtype="float32", kernels="xla",
                        max_length=32)
-    with pytest.raises(decode.PromptTooLongError, match="positions but the cache holds at most 32"):
-        flint_jax.generate(m, np.arange(30), max_new_tokens=8)
+    # No room for even one new token: refused (a longer max_new_tokens is clamped instead,
+    # tests/test_ux.py), naming the Python argument that sets the cache's length.
+    with pytest.raises(decode.PromptTooLongError,
+                       match=r"32 tokens and needs a position for a new token, but the cache "
+                             r"holds at most 32 positions \(raise it with load\(\.\.\., "
+                             r"max_length=N\)"):
+        flint_jax.generate(m, np.arange(32), max_new_tokens=8)
     with pytest.raises(decode.PromptTooLongError):
         flint_jax.forward(m, np.arange(40))
 

@@ -116,8 +116,10 @@ def _map_rows(
     inputs: Sequence[np.ndarray],
     out_widths: Sequence[int],
     out_dtypes: Sequence[np.dtype],
+    on_rows: Callable[[int, int], None] | None = None,
 ) -> tuple[np.ndarray, ...]:
-    """Apply ``fn(row0, *row_chunks)`` over row chunks of ``[R, W_i]`` inputs into new outputs."""
+    """Apply ``fn(row0, *row_chunks)`` over row chunks of ``[R, W_i]`` inputs into new outputs;
+    ``on_rows(rows_done, rows_total)`` after each chunk (progress bars)."""
     n_rows = inputs[0].shape[0]
     outs = tuple(np.empty((n_rows, w), dt) for w, dt in zip(out_widths, out_dtypes))
     row_bytes = sum(a.shape[1] * a.dtype.itemsize for a in inputs)
@@ -125,6 +127,8 @@ def _map_rows(
         results = fn(sl.start, *(np.asarray(a[sl]) for a in inputs))
         for o, r in zip(outs, results):
             o[sl] = r
+        if on_rows is not None:
+            on_rows(sl.stop, n_rows)
     return outs
 
 
@@ -407,6 +411,7 @@ def quantize_nvfp4(
     w: np.ndarray,
     tensor_amax_axes: Sequence[int] | None = (-2, -1),
     tensor_scale: np.ndarray | float | None = None,
+    on_rows: Callable[[int, int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Quantize to NVFP4 (ModelOpt recipe, see module docstring) in the flint_jax layout.
 
@@ -417,6 +422,8 @@ def quantize_nvfp4(
         gate_up as ``[E, 2, I, D]`` to get ``[E, 2]``). ``None``: one scale for everything.
       tensor_scale: optional given float32 tensor scale (shape of ``weight_scale_2``, or
         broadcastable to it) instead of ``amax / (6 * 448)``; must be positive.
+      on_rows: optional ``on_rows(rows_done, rows_total)``, called as row chunks are quantized
+        (a big expert stack takes seconds: progress bars).
     Returns:
       qweight uint8 ``[..., N, K/2]``, weight_scale float8_e4m3fn ``[..., N, K/16]``,
       weight_scale_2 float32 = ``w.shape`` without ``tensor_amax_axes`` (``[]`` for 2-D).
@@ -444,6 +451,7 @@ def quantize_nvfp4(
         [_rows(w), ts_rows[:, None]],
         [w.shape[-1] // 2, w.shape[-1] // SUB_BLOCK],
         [np.uint8, np.uint8],
+        on_rows,
     )
     lead = w.shape[:-1]
     return (

@@ -27,9 +27,7 @@ import functools
 import json
 import os
 import re
-import shutil
 import struct
-import tempfile
 from collections.abc import Sequence
 from statistics import NormalDist
 from typing import Any
@@ -354,16 +352,14 @@ def synth(out: str, *, fmt: str = "hf", config: str | FlintConfig = "tiny",
         raise SynthError(f"format must be one of {FORMATS}, got {fmt!r}")
     if fused and fmt != "hf":
         raise SynthError("--fused applies to --format hf (GGUF stacks experts anyway)")
+    from flint_jax import output_path
+    config_path = config if isinstance(config, (str, os.PathLike)) and config not in PRESETS \
+        else None
+    inputs = [("--config", config_path)]
+    out = output_path.check(out, inputs=inputs, overwrite=overwrite, kind="dir")
     cfg = resolve_config(config, layers=layers, experts=experts, vocab=vocab)
-    out = os.fspath(out).rstrip("/") or os.fspath(out)
-    if os.path.lexists(out) and not overwrite:
-        raise FileExistsError(f"{out}: already exists (pass --overwrite to replace it)")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"{out}: parent directory {parent} does not exist")
     workers = workers or max(1, min(8, os.cpu_count() or 1))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
+    with output_path.staging(out, inputs=inputs, overwrite=overwrite, kind="dir") as tmp:
         cfg = _write_meta(cfg, tmp, tokenizer)
         if fmt == "hf":
             info = write_hf(cfg, tmp, seed=seed, fused=fused, workers=workers, progress=progress)
@@ -372,12 +368,6 @@ def synth(out: str, *, fmt: str = "hf", config: str | FlintConfig = "tiny",
             info = write_gguf(cfg, os.path.join(tmp, GGUF_NAME), seed=seed, workers=workers,
                               progress=progress)
             path = os.path.join(out, GGUF_NAME)
-        if os.path.lexists(out):
-            shutil.rmtree(out) if os.path.isdir(out) else os.unlink(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {**info, "path": path, "dir": out, "config": cfg}
 
 

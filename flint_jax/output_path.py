@@ -31,7 +31,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import logging
 import os
@@ -85,9 +84,19 @@ def _input_paths(label: str, path: str) -> list[tuple[str, str]]:
 
 
 def normalize(dst: str | os.PathLike) -> str:
-    """DST as given, without trailing slashes (`out/` and `out` name the same output)."""
+    """DST as given without trailing slashes or `/.` (`out/`, `out/.` and `out` name the same
+    output); a DST ending in `..` (or `.` itself) becomes the directory it names, resolved."""
     dst = os.fspath(dst)
-    return dst.rstrip(os.sep) or dst
+    while True:
+        d = dst.rstrip(os.sep) or dst
+        if d.endswith(os.sep + ".") and len(d) > 2:
+            d = d[:-2]
+        if d == dst:
+            break
+        dst = d
+    if os.path.basename(dst) in (".", ".."):
+        dst = os.path.realpath(dst)
+    return dst
 
 
 def check(dst: str | os.PathLike, *, inputs: Iterable[tuple[str, str | os.PathLike | None]] = (),
@@ -113,8 +122,11 @@ def check(dst: str | os.PathLike, *, inputs: Iterable[tuple[str, str | os.PathLi
             if hit is not None:
                 raise DestinationError(f"{dst}: the destination contains {lab} ({p}); writing it "
                                        "would replace its input: choose another output path")
-    cwd = os.getcwd()
-    for c in _forms(cwd):
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:  # the working directory was removed: it is no DST's child
+        cwd = None
+    for c in _forms(cwd) if cwd is not None else ():
         for d in dforms:
             if c == d:
                 raise DestinationError(f"{dst}: the destination is the working directory; choose "
@@ -124,10 +136,10 @@ def check(dst: str | os.PathLike, *, inputs: Iterable[tuple[str, str | os.PathLi
                                        f"({cwd}); choose a new path for the output")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
-        raise FileNotFoundError(errno.ENOENT, f"{dst}: parent directory {parent} does not exist")
+        raise FileNotFoundError(f"{dst}: parent directory {parent} does not exist")
     if os.path.lexists(dst):
         if not overwrite:
-            raise FileExistsError(errno.EEXIST, f"{dst}: already exists (pass {flag} to replace it)")
+            raise FileExistsError(f"{dst}: already exists (pass {flag} to replace it)")
         is_dir = os.path.isdir(dst)
         if kind == "dir" and not is_dir:
             raise DestinationError(f"{dst}: exists and is a file, and this output is a directory: "

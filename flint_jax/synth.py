@@ -263,12 +263,12 @@ def _bar(total: int, desc: str, progress: bool):
 
 
 def write_hf(cfg: FlintConfig, out: str, *, seed: int = 0, fused: bool = False,
-             workers: int = 2, progress: bool = False) -> dict:
+             workers: int = 2, progress: bool = False, name: str | None = None) -> dict:
     shards = hf_tensor_specs(cfg, fused)
     n = len(shards)
     total = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(dt).itemsize
                 for sh in shards for _, dt, s in sh)
-    bar = _bar(total, f"synth {os.path.basename(out)}", progress)
+    bar = _bar(total, f"synth {name or os.path.basename(out)}", progress)
     weight_map = {}
     items = [(j, k, spec) for j, (k, spec) in
              enumerate((k, spec) for k, sh in enumerate(shards) for spec in sh)]
@@ -305,7 +305,7 @@ def write_hf(cfg: FlintConfig, out: str, *, seed: int = 0, fused: bool = False,
 
 
 def write_gguf(cfg: FlintConfig, path: str, *, seed: int = 0, workers: int = 2,
-               progress: bool = False) -> dict:
+               progress: bool = False, name: str | None = None) -> dict:
     from flint_jax import gguf_io
     from flint_jax.quantize import gguf_metadata, plan_specs, write_gguf_stream
 
@@ -315,7 +315,7 @@ def write_gguf(cfg: FlintConfig, path: str, *, seed: int = 0, workers: int = 2,
     specs = plan_specs(cfg, src_dtype)
     weights = [s for s in specs if not s.name.endswith(gguf_io.SCALE_SUFFIX)]
     total = sum(s.nbytes for s in specs)
-    bar = _bar(total, f"synth {os.path.basename(path)}", progress)
+    bar = _bar(total, f"synth {name or os.path.basename(path)}", progress)
     d = cfg.hidden_size
 
     def produce(j):
@@ -362,11 +362,13 @@ def synth(out: str, *, fmt: str = "hf", config: str | FlintConfig = "tiny",
     with output_path.staging(out, inputs=inputs, overwrite=overwrite, kind="dir") as tmp:
         cfg = _write_meta(cfg, tmp, tokenizer)
         if fmt == "hf":
-            info = write_hf(cfg, tmp, seed=seed, fused=fused, workers=workers, progress=progress)
+            name = os.path.basename(out)  # (the progress bar's, not the temporary's)
+            info = write_hf(cfg, tmp, seed=seed, fused=fused, workers=workers, progress=progress,
+                            name=name)
             path = out
         else:
             info = write_gguf(cfg, os.path.join(tmp, GGUF_NAME), seed=seed, workers=workers,
-                              progress=progress)
+                              progress=progress, name=os.path.basename(out))
             path = os.path.join(out, GGUF_NAME)
     return {**info, "path": path, "dir": out, "config": cfg}
 

@@ -43,38 +43,41 @@ def _guard(cmd: str, fn, writes: bool = False):
     """Runs a command handler: known errors become one line on stderr and exit status 1. For a
     writing command, SIGINT / SIGTERM stop the writers, remove the temporary output and end the
     process with one line (`flint_jax.output_path.interrupt_handler`)."""
+    from flint_jax import output_path
 
     def run(args) -> int:
-        from flint_jax import output_path
         with output_path.interrupt_handler(f"flint-jax {cmd}", enabled=writes and not _debug(args)):
-            try:
-                return fn(args)
-            except BrokenPipeError:  # `flint-jax inspect ... | head`: stop quietly
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
-                return 0
-            except KeyboardInterrupt:
-                if _debug(args):
-                    raise
+            return guarded(args)
+
+    def guarded(args) -> int:
+        try:
+            return fn(args)
+        except BrokenPipeError:  # `flint-jax inspect ... | head`: stop quietly
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return 0
+        except KeyboardInterrupt:
+            if _debug(args):
+                raise
+            return output_path.interrupted(f"flint-jax {cmd}")
+        except (ValueError, OSError) as e:
+            if output_path.interrupt_requested():  # a writer stopped by the interrupt
                 return output_path.interrupted(f"flint-jax {cmd}")
-            except (ValueError, OSError) as e:
-                if output_path.interrupt_requested():  # a writer stopped by the interrupt
-                    return output_path.interrupted(f"flint-jax {cmd}")
-                if _debug(args):
-                    raise
-                msg = str(e) or type(e).__name__
-                if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
-                    msg = f"{e.filename}: {msg}"
-                print(f"flint-jax {cmd}: error: {_one_line(msg)}", file=sys.stderr)
-                return 1
-            except Exception as e:  # a bug: still one line, the traceback with --debug
-                if output_path.interrupt_requested():
-                    return output_path.interrupted(f"flint-jax {cmd}")
-                if _debug(args):
-                    raise
-                print(f"flint-jax {cmd}: internal error: {type(e).__name__}: {_one_line(e)} "
-                      "(--debug shows the traceback)", file=sys.stderr)
-                return 1
+            if _debug(args):
+                raise
+            msg = str(e) or type(e).__name__
+            if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
+                msg = f"{e.filename}: {msg}"
+            print(f"flint-jax {cmd}: error: {_one_line(msg)}", file=sys.stderr)
+            return 1
+        except Exception as e:  # a bug: still one line, the traceback with --debug
+            if output_path.interrupt_requested():
+                return output_path.interrupted(f"flint-jax {cmd}")
+            if _debug(args):
+                raise
+            print(f"flint-jax {cmd}: internal error: {type(e).__name__}: {_one_line(e)} "
+                  "(--debug shows the traceback)", file=sys.stderr)
+            return 1
 
     return run
 

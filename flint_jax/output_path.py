@@ -12,8 +12,8 @@
   one-line `ValueError` / `FileExistsError` / `FileNotFoundError` naming DST and the reason.
 * **Temporary sibling + rename**: the output is written to `.<DST name>.tmp-<host>-<pid>-<rand>`
   beside DST and renamed to DST once complete. With `overwrite`, the old DST is first renamed
-  aside (`.<name>.old-...`), the new one renamed in, then the old one deleted: DST is never
-  missing its complete old or new content. On any exception the temporary is removed.
+  aside (`.<name>.old-...`), the new one renamed in, then the old one deleted: at every moment
+  the complete old or new output is on disk. On any exception the temporary is removed.
 * **Stale temporaries** of an earlier run that died (`kill -9`, a power cut) are found on the next
   run for the same DST: removed when they belong to a dead process of this host, named on stderr
   otherwise (and an `.old-` copy whose DST is missing, i.e. the only copy of the old output, is
@@ -21,11 +21,17 @@
 * **Modes**: directories and files are created with the modes the user's umask gives (not
   `mkdtemp`'s 0700 / `mkstemp`'s 0600).
 * **Interrupts** (`interrupt_handler`, used by the CLI): the first SIGINT / SIGTERM silences
-  stderr (no thread tracebacks from orbax / absl while the workers stop), raises
-  KeyboardInterrupt in the main thread so that the writers stop and the temporary is removed, and
-  `interrupted()` then prints one line (`flint-jax convert: interrupted (nothing written)`) and
-  ends the process with `os._exit(128 + signal)` (threads still computing a tensor would otherwise
-  delay the exit). A watchdog ends the process if the cleanup has not finished in a few seconds.
+  stderr (no thread tracebacks from orbax / absl while the workers stop) and raises
+  KeyboardInterrupt in the main thread; writers, worker threads included, also poll
+  `interrupt_requested()` and stop (`checkpoint.write_params` stops orbax's writer and waits for
+  its writes in flight, so nothing recreates the temporary after it is removed). The temporary is
+  removed as the exception unwinds (`staging`), then `interrupted()` prints one line
+  (`flint-jax convert: interrupted (nothing written)`) and ends the process with
+  `os._exit(128 + signal)` (a thread still computing a tensor would otherwise delay the exit).
+  A KeyboardInterrupt swallowed on its way (raised inside a garbage-collector callback, say) is
+  raised again every 0.25 s until the cleanup starts; if it has not ended after `WATCHDOG_S`,
+  the process ends anyway (the temporary then left is swept by the next run). A signal during
+  the renames of a commit waits for them.
 """
 
 from __future__ import annotations

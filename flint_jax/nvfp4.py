@@ -486,17 +486,34 @@ def _broadcast_tensor_scale(ts: np.ndarray, ndim: int) -> np.ndarray:
 
 
 def quantization_error(
-    w: np.ndarray, qweight: np.ndarray, weight_scale: np.ndarray, weight_scale_2: np.ndarray
+    w: np.ndarray, qweight: np.ndarray, weight_scale: np.ndarray, weight_scale_2: np.ndarray,
+    on_rows: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """Error statistics of a quantized tensor against the original ``w`` ``[..., N, K]``.
 
     ``weight_scale_2`` is ``[]``/``[1]`` or has the leading shape of ``w`` (e.g. ``[E]``).
     Returns ``{"max_abs_err": max |w - w_hat|, "rel_rms_err": rms(w - w_hat) / rms(w)}``.
+    Computed over row chunks (a few MiB of temporaries, not several copies of an expert stack);
+    ``on_rows(rows_done, rows_total)`` after each chunk.
     """
-    w = np.asarray(w, np.float32)
-    w_hat = dequantize_kernel_np(qweight, weight_scale) * _broadcast_tensor_scale(weight_scale_2, w.ndim)
-    err = (w - w_hat).astype(np.float64)
-    rms_w = float(np.sqrt(np.mean(np.square(w, dtype=np.float64))))
-    rms_e = float(np.sqrt(np.mean(np.square(err))))
-    return {"max_abs_err": float(np.abs(err).max()), "rel_rms_err": rms_e / rms_w if rms_w > 0 else rms_e}
+    w = np.asarray(w)
+    k = w.shape[-1]
+    ts = np.broadcast_to(_broadcast_tensor_scale(weight_scale_2, w.ndim), (*w.shape[:-1], 1))
+    rows_w, rows_q, rows_s = _rows(w), _rows(np.asarray(qweight)), _rows(np.asarray(weight_scale))
+    rows_t = ts.reshape(-1, 1)
+    n_rows = rows_w.shape[0]
+    sum_w2 = sum_e2 = max_e = 0.0
+    for sl in _chunks(n_rows, k * 4):
+        wr = rows_w[sl].astype(np.float32)
+        w_hat = dequantize_kernel_np(rows_q[sl], rows_s[sl]) * rows_t[sl]
+        err = (wr - w_hat).astype(np.float64)
+        sum_w2 += float(np.sum(np.square(wr, dtype=np.float64)))
+        sum_e2 += float(np.sum(np.square(err)))
+        max_e = max(max_e, float(np.abs(err).max()))
+        if on_rows is not None:
+            on_rows(sl.stop, n_rows)
+    if w.size == 0:
+        return {"max_abs_err": 0.0, "rel_rms_err": 0.0}
+    rms_w, rms_e = float(np.sqrt(sum_w2 / w.size)), float(np.sqrt(sum_e2 / w.size))
+    return {"max_abs_err": max_e, "rel_rms_err": rms_e / rms_w if rms_w > 0 else rms_e}
 

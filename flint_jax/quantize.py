@@ -271,10 +271,12 @@ def _copy_meta(hf_dir: str, out_dir: str) -> list[str]:
 
 
 class _ByteProgress:
-    """A tqdm bar over the source's bytes, advanced from worker threads while a tensor is read
-    and quantized (a big expert stack takes tens of seconds), not only when it is written."""
+    """A tqdm bar over the source's bytes, advanced from worker threads while a tensor is read,
+    quantized and checked (its error statistics), not only when it is written: at full size an
+    expert stack takes tens of seconds, most of it in these phases."""
 
-    LOADED, QUANTIZED = 0.1, 0.8  # shares of a tensor's bytes credited after these phases
+    # Shares of a tensor's bytes credited once read, quantized, checked; the rest when written.
+    LOADED, QUANTIZED, CHECKED = 0.1, 0.5, 0.95
 
     def __init__(self, bar):
         self.bar, self._lock, self._given = bar, threading.Lock(), {}
@@ -346,29 +348,31 @@ def quantize(hf_dir: str, out: str, *, overwrite: bool = False, workers: int | N
         spec = by_name[g]
         nb = src_bytes[g]
         w = load(g)
+        w32 = w if w.dtype == F32 else w.astype(np.float32)
         prog.to(g, nb * prog.LOADED)
         row = {"name": g, "type": spec.qtype.name, "shape": list(spec.shape),
-               "max_abs": float(np.abs(w.astype(np.float32)).max()) if w.size else 0.0,
+               "max_abs": float(max(w32.max(), -w32.min())) if w.size else 0.0,
                "max_abs_err": 0.0, "rel_rms_err": 0.0}
         if spec.qtype == gguf_io.NVFP4:
-            w32 = w.astype(np.float32)
             del w
 
-            def on_rows(done, total):
-                if output_path.interrupt_requested():  # Ctrl-C: stop this worker too
-                    raise KeyboardInterrupt
-                share = prog.LOADED + (prog.QUANTIZED - prog.LOADED) * done / max(1, total)
-                prog.to(g, nb * share)
+            def phase(lo, hi):
+                def on_rows(done, total):
+                    if output_path.interrupt_requested():  # Ctrl-C: stop this worker too
+                        raise KeyboardInterrupt
+                    prog.to(g, nb * (lo + (hi - lo) * done / max(1, total)))
+                return on_rows
 
-            q, s, ts = nvfp4.quantize_nvfp4(w32, on_rows=on_rows)
-            row.update(nvfp4.quantization_error(w32, q, s, ts))
+            q, s, ts = nvfp4.quantize_nvfp4(w32, on_rows=phase(prog.LOADED, prog.QUANTIZED))
+            row.update(nvfp4.quantization_error(w32, q, s, ts,
+                                                on_rows=phase(prog.QUANTIZED, prog.CHECKED)))
             del w32
             return [(g, nvfp4.kernel_to_gguf(q, s, g)),
                     (g + gguf_io.SCALE_SUFFIX, ts.reshape(-1).astype(np.float32))], row
         if w.dtype == spec.data_dtype:
             arr = w
         elif spec.data_dtype == BF16:
-            arr = w.astype(np.float32).astype(BF16)
+            arr = w32.astype(BF16)
         else:
             arr = w.astype(spec.data_dtype)
         return [(g, arr)], row

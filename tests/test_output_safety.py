@@ -355,7 +355,8 @@ def test_quantize_progress_moves_inside_tensors(monkeypatch):
     ck = hf_io.HFCheckpoint(str(TINY))
     assert bar.total == sum(int(np.prod(ck.shape(n))) * np.dtype(ck.dtype(n)).itemsize
                             for n in ck.names())
-    assert len(bar.updates) >= len(rows) + 2 * n_nv  # loaded / rows quantized / written
+    # Each tensor: read, written; each NVFP4 one also: quantized, checked (row chunks).
+    assert len(bar.updates) >= 2 * len(rows) + 2 * n_nv, (len(bar.updates), len(rows), n_nv)
     # quantize_nvfp4's row callback: several chunks, same result as without it.
     monkeypatch.setattr(nvfp4, "_CHUNK_BYTES", 4096)
     w = np.random.default_rng(0).standard_normal((3, 64, 128)).astype(np.float32)
@@ -365,6 +366,15 @@ def test_quantize_progress_moves_inside_tensors(monkeypatch):
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     assert len(seen) > 3 and seen[-1] == (192, 192) and seen == sorted(seen)
+    # quantization_error over row chunks: the whole-array statistics.
+    q, sc, ts = got
+    seen.clear()
+    stats = nvfp4.quantization_error(w, q, sc, ts, on_rows=lambda d, t: seen.append((d, t)))
+    err = (w - nvfp4.dequantize_kernel_np(q, sc) * ts[:, None, None]).astype(np.float64)
+    assert stats["max_abs_err"] == np.abs(err).max()
+    assert stats["rel_rms_err"] == pytest.approx(np.sqrt(np.mean(err ** 2) / np.mean(
+        w.astype(np.float64) ** 2)), rel=1e-12)
+    assert len(seen) > 3 and seen[-1] == (192, 192)
 
 
 # ---- a real SIGINT in a subprocess -------------------------------------------------------------------

@@ -59,7 +59,7 @@ def _guard(cmd: str, fn, writes: bool = False):
         except KeyboardInterrupt:
             if _debug(args):
                 raise
-            return output_path.interrupted(f"flint-jax {cmd}")
+            return output_path.interrupted(f"flint-jax {cmd}", writes)
         except (ValueError, OSError) as e:
             if output_path.interrupt_requested():  # a writer stopped by the interrupt
                 return output_path.interrupted(f"flint-jax {cmd}")

@@ -248,8 +248,8 @@ def make_file(path: str) -> str:
 
 # ---- staging ----------------------------------------------------------------------------------------
 
-_STATE: dict = {"committed": [], "signal": None, "handled": False, "defer": 0, "pending": None,
-                "stderr": None, "bar": False, "cmd": "flint-jax"}
+_STATE: dict = {"installed": False, "committed": [], "signal": None, "handled": False, "defer": 0,
+                "pending": None, "stderr": None, "bar": False, "cmd": "flint-jax"}
 
 
 @contextlib.contextmanager
@@ -283,7 +283,8 @@ def commit(tmp: str, dst: str) -> None:
                     raise
             else:
                 os.rename(tmp, dst)
-            _STATE["committed"].append(dst)
+            if _STATE["installed"]:
+                _STATE["committed"].append(dst)
     finally:
         if old is not None:
             remove(old)
@@ -349,7 +350,9 @@ def _silence() -> None:
         pass
 
 
-def _message(cmd: str) -> str:
+def _message(cmd: str, writes: bool = True) -> str:
+    if not writes:
+        return f"{cmd}: interrupted"
     done = _STATE["committed"]
     what = f"{', '.join(done)} was written" if done else "nothing written"
     return f"{cmd}: interrupted ({what})"
@@ -410,23 +413,25 @@ def interrupt_handler(cmd: str, enabled: bool = True) -> Iterator[None]:
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield
         return
-    _STATE.update(committed=[], signal=None, pending=None, handled=False, cmd=cmd)
+    _STATE.update(installed=True, committed=[], signal=None, pending=None, handled=False, cmd=cmd)
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     for s in old:
         signal.signal(s, _on_signal)
     try:
         yield
     finally:
+        _STATE["installed"] = False
         for s, h in old.items():
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(s, h)
 
 
-def interrupted(cmd: str) -> int:
-    """Reports an interrupt in one line. After a real signal caught by `interrupt_handler`, ends
-    the process at once (`os._exit(128 + signal)`); otherwise returns 130."""
+def interrupted(cmd: str, writes: bool = True) -> int:
+    """Reports an interrupt in one line (for a writing command: what was written). After a real
+    signal caught by `interrupt_handler`, ends the process at once (`os._exit(128 + signal)`);
+    otherwise returns 130."""
     handling()
-    _write_line(_message(cmd))
+    _write_line(_message(cmd, writes))
     signum = _STATE["signal"]
     if signum is not None:
         with contextlib.suppress(Exception):

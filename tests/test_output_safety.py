@@ -162,7 +162,8 @@ def make_tree(root: pathlib.Path, bundle: pathlib.Path):
 COMMANDS = {
     # name: (argv with {D} for DST, the inputs' top-level names under root)
     "convert-hf": (["convert", "../hf", "{D}", "-q"], {"hf", "link"}),
-    "convert-gguf": (["convert", "../g/model.gguf", "{D}", "--hf-config", "../g", "-q"], {"g"}),
+    "convert-gguf": (["convert", "../g/model.gguf", "{D}", "--hf-config", "../link", "-q"],
+                     {"g", "hf", "link"}),
     "quantize": (["quantize", "../link", "{D}", "-q"], {"hf", "link"}),
     "synth": (["synth", "{D}", "--config", "../hf/config.json", "--layers", "1", "-q"],
               {"hf", "link"}),
@@ -172,7 +173,7 @@ COMMANDS = {
 DSTS = {
     ".": ".", "./": ".", "..": "", "{R}": "", "../work": ".", "{R}/work/../work": ".",
     "../hf": "hf", "../hf/": "hf", "../hf/./": "hf", "../hf/config.json": "hf",
-    "../hf/model.safetensors": "hf", "../link": "link", "{R}/link/": "link", "../g": "g",
+    "../hf/model.safetensors": "hf", "../hf/tokenizer.json": "hf", "../link": "link", "{R}/link/": "link", "../g": "g",
     "../g/model.gguf": "g", "../g/config.json": "g", "../notes": "notes",
     "../hf/../notes": "notes", "../notes/sub": "notes", "../decoy.txt": "decoy.txt",
     "../old.gguf": "old.gguf", "../new": None, "new-here": None, "../notes/sub/new.gguf": None,

@@ -249,7 +249,7 @@ def make_file(path: str) -> str:
 # ---- staging ----------------------------------------------------------------------------------------
 
 _STATE: dict = {"installed": False, "committed": [], "signal": None, "handled": False, "defer": 0,
-                "pending": None, "stderr": None, "bar": False, "cmd": "flint-jax"}
+                "pending": None, "stderr": None, "bar": False, "cmd": "flint-jax", "left": []}
 
 
 @contextlib.contextmanager
@@ -307,6 +307,11 @@ def staging(dst: str | os.PathLike, *, inputs: Iterable[tuple[str, str | os.Path
     except BaseException:
         handling()
         remove(tmp)
+        if os.path.lexists(tmp):
+            if _STATE["installed"]:
+                _STATE["left"].append(tmp)
+            _note(f"could not remove the temporary {tmp}; delete it (the next run for {dst} "
+                  "also will)")
         raise
 
 
@@ -355,7 +360,8 @@ def _message(cmd: str, writes: bool = True) -> str:
         return f"{cmd}: interrupted"
     done = _STATE["committed"]
     what = f"{', '.join(done)} was written" if done else "nothing written"
-    return f"{cmd}: interrupted ({what})"
+    left = f"; could not remove {', '.join(_STATE['left'])}" if _STATE["left"] else ""
+    return f"{cmd}: interrupted ({what}){left}"
 
 
 def _write_line(text: str) -> None:
@@ -413,7 +419,8 @@ def interrupt_handler(cmd: str, enabled: bool = True) -> Iterator[None]:
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield
         return
-    _STATE.update(installed=True, committed=[], signal=None, pending=None, handled=False, cmd=cmd)
+    _STATE.update(installed=True, committed=[], signal=None, pending=None, handled=False, cmd=cmd,
+                  left=[])
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     for s in old:
         signal.signal(s, _on_signal)

@@ -264,6 +264,19 @@ def test_overwrite_keeps_old_until_complete(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "out"]
 
 
+def test_temporary_that_cannot_be_removed_is_named(tmp_path, monkeypatch, capsys):
+    def fail(directory, tensors, workers=2):
+        os.makedirs(directory)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(checkpoint, "write_params", fail)
+    monkeypatch.setattr(output_path, "remove", lambda path: None)  # e.g. a read-only mount
+    rc, err = run_cli(["convert", TINY, tmp_path / "out", "-q"], capsys)
+    left = [p for p in tmp_path.iterdir()]
+    assert rc == 1 and len(left) == 1 and left[0].name.startswith(".out.tmp-")
+    assert f"could not remove the temporary {left[0]}" in err and "Input/output error" in err
+
+
 def test_modes_follow_umask(tmp_path):
     old = os.umask(0o027)
     try:

@@ -259,7 +259,8 @@ def _save_handler(workers: int, stop: _WriterStop | None = None):
     from orbax.checkpoint import type_handlers
     if _HANDLER_CLASS is None:
         _HANDLER_CLASS = _handler_class()
-    registry = type_handlers.create_type_handler_registry((LazyTensor, _HANDLER_CLASS(workers, stop)))
+    registry = type_handlers.create_type_handler_registry(
+        (LazyTensor, _HANDLER_CLASS(workers, stop)))
     return ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=False, use_compression=False,
                                        type_handler_registry=registry)
 

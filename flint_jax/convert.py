@@ -432,7 +432,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, hf_config: str | 
     Args:
       src: a HF directory, or a `.gguf` file (then `hf_config` names the BF16 repo directory).
       dst: the output directory; refused if it exists unless `overwrite`, and always when it is
-        or contains the source or `hf_config`, or contains the working directory
+        or contains the source or `hf_config`, or is or contains the working directory
         (`flint_jax.output_path.check`). An existing DST is replaced only once the new one is
         complete.
       dtype: "auto" (store weights as they are), "bf16" or "f32".

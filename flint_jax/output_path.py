@@ -66,7 +66,7 @@ def _note(msg: str) -> None:
     print(f"flint-jax: note: {msg}", file=sys.stderr, flush=True)
 
 
-# ---- the refusal rules ----------------------------------------------------------------------------
+# ---- the refusal rules ---------------------------------------------------------------------------
 
 def _forms(path: str) -> set[str]:
     return {os.path.abspath(path), os.path.realpath(path)}
@@ -156,7 +156,7 @@ def check(dst: str | os.PathLike, *, inputs: Iterable[tuple[str, str | os.PathLi
     return dst
 
 
-# ---- temporaries ----------------------------------------------------------------------------------
+# ---- temporaries ---------------------------------------------------------------------------------
 
 def _host_tag() -> str:
     return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:6]
@@ -225,7 +225,7 @@ def remove(path: str, attempts: int = 50) -> None:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # (what cannot be removed is reported by the caller)
                 os.unlink(path)
         if not os.path.lexists(path):
             time.sleep(0.02)
@@ -246,7 +246,7 @@ def make_file(path: str) -> str:
     return path
 
 
-# ---- staging ----------------------------------------------------------------------------------------
+# ---- staging -------------------------------------------------------------------------------------
 
 _STATE: dict = {"installed": False, "committed": [], "signal": None, "handled": False, "defer": 0,
                 "pending": None, "stderr": None, "bar": False, "cmd": "flint-jax", "left": []}
@@ -315,10 +315,10 @@ def staging(dst: str | os.PathLike, *, inputs: Iterable[tuple[str, str | os.Path
         raise
 
 
-# ---- interrupts (the CLI) -------------------------------------------------------------------------
+# ---- interrupts (the CLI) ------------------------------------------------------------------------
 
 def interrupt_requested() -> bool:
-    """True once `interrupt_handler` caught a signal: writers (threads included) poll it and stop."""
+    """True once `interrupt_handler` caught a signal: writers (threads too) poll it and stop."""
     return _STATE["signal"] is not None
 
 

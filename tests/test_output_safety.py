@@ -64,7 +64,7 @@ def gguf_bundle(tmp_path_factory):
     return out
 
 
-# ---- the refusal rules (output_path.check) -----------------------------------------------------------
+# ---- the refusal rules (output_path.check) -------------------------------------------------------
 
 def test_check_rules(tmp_path, monkeypatch):
     src = tmp_path / "outer" / "hf"
@@ -76,7 +76,8 @@ def test_check_rules(tmp_path, monkeypatch):
     refused = {
         str(src): "the destination is the source",
         str(src) + "/": "the destination is the source",
-        str(src / "model.safetensors"): "the destination is model.safetensors, a file of the source",
+        str(src / "model.safetensors"):
+            "the destination is model.safetensors, a file of the source",
         str(tmp_path / "outer"): "the destination contains the source",
         str(tmp_path): "the destination contains the source",
         ".": "the destination is the working directory",
@@ -142,7 +143,7 @@ def test_issue_cases_refused(tmp_path, monkeypatch, capsys, gguf_bundle):
     assert snapshot(tmp_path) == before
 
 
-# ---- the fuzz-style sweep ----------------------------------------------------------------------------
+# ---- the fuzz-style sweep ------------------------------------------------------------------------
 
 def make_tree(root: pathlib.Path, bundle: pathlib.Path):
     """Decoys and inputs: hf/ (a HF checkpoint), g/ (a GGUF bundle), link -> hf, notes/ (a
@@ -173,7 +174,8 @@ COMMANDS = {
 DSTS = {
     ".": ".", "./": ".", "..": "", "{R}": "", "../work": ".", "{R}/work/../work": ".",
     "../hf": "hf", "../hf/": "hf", "../hf/./": "hf", "../hf/config.json": "hf",
-    "../hf/model.safetensors": "hf", "../hf/tokenizer.json": "hf", "../link": "link", "{R}/link/": "link", "../g": "g",
+    "../hf/model.safetensors": "hf", "../hf/tokenizer.json": "hf", "../link": "link",
+    "{R}/link/": "link", "../g": "g",
     "../g/model.gguf": "g", "../g/config.json": "g", "../notes": "notes",
     "../hf/../notes": "notes", "../notes/sub": "notes", "../decoy.txt": "decoy.txt",
     "../old.gguf": "old.gguf", "../new": None, "new-here": None, "../notes/sub/new.gguf": None,
@@ -214,7 +216,8 @@ def test_fuzz_writing_commands_touch_only_dst(tmp_path, monkeypatch, capsys, ggu
                 if refuse:
                     n_refused += 1
                     assert rc == 1 and err.count("\n") == 1, what
-                    assert err.startswith(f"flint-jax {argv[0]}: error: ") and "Traceback" not in err
+                    assert err.startswith(f"flint-jax {argv[0]}: error: "), what
+                    assert "Traceback" not in err, what
                     assert after == before, what  # nothing at all, DST included
                     continue
                 n_ok += 1
@@ -232,7 +235,7 @@ def test_fuzz_writing_commands_touch_only_dst(tmp_path, monkeypatch, capsys, ggu
     assert n_refused > 100 and n_ok > 20, (n_refused, n_ok)
 
 
-# ---- overwrite, modes, stale temporaries -------------------------------------------------------------
+# ---- overwrite, modes, stale temporaries ---------------------------------------------------------
 
 def test_overwrite_keeps_old_until_complete(tmp_path, monkeypatch):
     dst = tmp_path / "out"
@@ -326,7 +329,7 @@ def test_stale_temporaries_swept(tmp_path, capsys):
     assert not stale_old.exists() and f"removed {stale_old}" in capsys.readouterr().err
 
 
-# ---- quantize: a self-contained directory, progress inside a tensor ----------------------------------
+# ---- quantize: a self-contained directory, progress inside a tensor ------------------------------
 
 def test_quantize_directory_is_self_contained(tmp_path, gguf_bundle):
     names = sorted(p.name for p in gguf_bundle.iterdir())
@@ -339,7 +342,8 @@ def test_quantize_directory_is_self_contained(tmp_path, gguf_bundle):
     shutil.copytree(gguf_bundle, moved)
     dst = convert.convert(moved / "model.gguf", tmp_path / "conv", hf_config=moved, progress=False)
     assert checkpoint.read_manifest(dst)["quant"] is True
-    assert (tmp_path / "conv" / "tokenizer.json").read_bytes() == (TINY / "tokenizer.json").read_bytes()
+    tok = (tmp_path / "conv" / "tokenizer.json").read_bytes()
+    assert tok == (TINY / "tokenizer.json").read_bytes()
 
 
 def test_quantize_progress_moves_inside_tensors(monkeypatch):
@@ -391,7 +395,7 @@ def test_quantize_progress_moves_inside_tensors(monkeypatch):
     assert len(seen) > 3 and seen[-1] == (192, 192)
 
 
-# ---- a real SIGINT in a subprocess -------------------------------------------------------------------
+# ---- a real SIGINT in a subprocess ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def mid_src(tmp_path_factory):

@@ -110,9 +110,10 @@ def _handler_class():
     class _LazyTensorHandler(type_handlers.NumpyHandler):
         """Writes LazyTensor leaves one by one (produced `workers` ahead) as orbax numpy arrays."""
 
-        def __init__(self, workers: int = 2):
+        def __init__(self, workers: int = 2, stop: "_WriterStop | None" = None):
             super().__init__()
             self.workers = max(1, int(workers))
+            self.stop = stop or _WriterStop()
 
         def typestr(self) -> str:
             return "np.ndarray"  # restores as a plain numpy / jax array
@@ -141,10 +142,27 @@ def _handler_class():
                 # (np.ascontiguousarray would turn a 0-d tensor scale into shape [1])
                 return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
+            stop = self.stop
+
+            async def produced(fut):
+                # The next leaf, without waiting for a slow producer (an expert stack) once a
+                # stop is asked for.
+                w = asyncio.wrap_future(fut)
+                while True:
+                    done, _ = await asyncio.wait({w}, timeout=0.05)
+                    if done:
+                        return w.result()
+                    if stop.requested:
+                        raise concurrent.futures.CancelledError
+
             async def run():
                 # Leaves are produced `workers` ahead in threads and written with up to
                 # `INFLIGHT_BYTES` (at least one leaf) in flight: tensorstore batches concurrent
                 # writes into one OCDBT commit, small leaves no longer pay one commit each.
+                # A stop request (`_WriterStop`, an interrupt in the caller) ends it between
+                # leaves, as a CancelledError, which orbax's thread does not log.
+                if not stop.enter():
+                    raise concurrent.futures.CancelledError
                 pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="flint-ckpt")
                 pending: list = [None] * len(values)
                 writing: list[tuple[asyncio.Task, LazyTensor]] = []
@@ -162,26 +180,34 @@ def _handler_class():
                 try:
                     nxt = 0
                     for i, (t, info, arg) in enumerate(zip(values, infos, args)):
+                        if stop.requested:
+                            raise concurrent.futures.CancelledError
                         while nxt < len(values) and nxt <= i + workers - 1:
                             pending[nxt] = pool.submit(produce, values[nxt])
                             nxt += 1
-                        arr = await asyncio.wrap_future(pending[i])
+                        arr = await produced(pending[i])
                         pending[i] = None
                         await drain(max(0, INFLIGHT_BYTES - t.nbytes))
+                        if stop.requested:
+                            raise concurrent.futures.CancelledError
                         writing.append((asyncio.ensure_future(self._write_one(arr, info, arg)), t))
                         inflight += t.nbytes
                         del arr
                     await drain(-1)
                 finally:
-                    # On an error, let the writes already started finish (cancelling the await
-                    # would not stop tensorstore, whose late writes would recreate directories
-                    # the caller is removing), and stop producing.
-                    for f in pending:
-                        if f is not None:
-                            f.cancel()
-                    if writing:
-                        await asyncio.gather(*(w for w, _ in writing), return_exceptions=True)
-                    pool.shutdown(wait=True, cancel_futures=True)
+                    # On an error or a stop, let the writes already started finish (cancelling
+                    # the await would not stop tensorstore, whose late writes would recreate
+                    # directories the caller is removing), and stop producing (after a stop,
+                    # without waiting for a producer still computing: it writes nothing).
+                    try:
+                        for f in pending:
+                            if f is not None:
+                                f.cancel()
+                        if writing:
+                            await asyncio.gather(*(w for w, _ in writing), return_exceptions=True)
+                        pool.shutdown(wait=not stop.requested, cancel_futures=True)
+                    finally:
+                        stop.leave()
 
             return [ocp_future.CommitFutureAwaitingContractedSignals(run(), name="flint_lazy")]
 
@@ -191,13 +217,50 @@ def _handler_class():
 _HANDLER_CLASS = None
 
 
-def _save_handler(workers: int):
+class _WriterStop:
+    """Lets the caller of `write_params` stop its writer and wait until no write of it is in
+    flight (so that removing the partial directory is final)."""
+
+    WAIT_S = 2.0
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._requested = False
+        self._running = 0
+
+    @property
+    def requested(self) -> bool:
+        from flint_jax import output_path
+        return self._requested or output_path.interrupt_requested()
+
+    def enter(self) -> bool:
+        with self._cv:
+            if self.requested:
+                return False
+            self._running += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cv:
+            self._running -= 1
+            self._cv.notify_all()
+
+    def stop_and_wait(self, timeout: float | None = None) -> bool:
+        """Asks the writer to stop; True once none of its writes is in flight."""
+        with self._cv:
+            self._requested = True
+            return self._cv.wait_for(lambda: self._running == 0,
+                                     self.WAIT_S if timeout is None else timeout)
+
+
+def _save_handler(workers: int, stop: _WriterStop | None = None):
     global _HANDLER_CLASS
     import orbax.checkpoint as ocp
     from orbax.checkpoint import type_handlers
     if _HANDLER_CLASS is None:
         _HANDLER_CLASS = _handler_class()
-    registry = type_handlers.create_type_handler_registry((LazyTensor, _HANDLER_CLASS(workers)))
+    registry = type_handlers.create_type_handler_registry(
+        (LazyTensor, _HANDLER_CLASS(workers, stop)))
     return ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=False, use_compression=False,
                                        type_handler_registry=registry)
 
@@ -220,7 +283,9 @@ def write_params(directory: str, tensors: Sequence[LazyTensor], *, workers: int 
 
     Leaves are produced and written in name order, `workers` produced ahead in threads; an
     exception from a producer (or from the writer) propagates and the caller removes the
-    partial directory.
+    partial directory. On a KeyboardInterrupt (or any exception) in the calling thread, the
+    writer is stopped and its writes in flight are awaited before the exception propagates, so
+    that nothing writes into the directory afterwards.
     """
     import orbax.checkpoint as ocp
     names = [t.name for t in tensors]
@@ -229,12 +294,17 @@ def write_params(directory: str, tensors: Sequence[LazyTensor], *, workers: int 
         raise ValueError(f"tensor {dup!r} given twice")
     tree = {t.name: t for t in tensors}
     save_args = {t.name: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES) for t in tensors}
+    stop = _WriterStop()
     with _quiet_absl():
-        ckptr = ocp.Checkpointer(_save_handler(workers))
+        ckptr = ocp.Checkpointer(_save_handler(workers, stop))
         try:
             ckptr.save(os.path.abspath(directory), args=ocp.args.PyTreeSave(tree, save_args=save_args))
-        finally:
-            ckptr.close()
+        except BaseException:
+            from flint_jax import output_path
+            output_path.handling()
+            stop.stop_and_wait()
+            raise
+        ckptr.close()
 
 
 def params_metadata(directory: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -314,20 +384,28 @@ def is_converted(path: str) -> bool:
 def ordered_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int = 2):
     """Yields `fn(item)` in order, computing at most `workers` items ahead in threads (bounded
     memory: a streaming writer consumes one result while the next ones are produced)."""
+    from flint_jax import output_path
     workers = max(1, int(workers))
     if workers == 1:
         for item in items:
+            output_path.check_interrupt()
             yield fn(item)
         return
     items = list(items)
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="flint-map") as pool:
-        pending: dict[int, concurrent.futures.Future] = {}
-        try:
-            for i in range(len(items)):
-                for j in range(i, min(len(items), i + workers)):
-                    if j not in pending:
-                        pending[j] = pool.submit(fn, items[j])
-                yield pending.pop(i).result()
-        finally:
-            for f in pending.values():
-                f.cancel()
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="flint-map")
+    pending: dict[int, concurrent.futures.Future] = {}
+    finished = False
+    try:
+        for i in range(len(items)):
+            for j in range(i, min(len(items), i + workers)):
+                if j not in pending:
+                    pending[j] = pool.submit(fn, items[j])
+            yield pending.pop(i).result()
+            output_path.check_interrupt()
+        finished = True
+    finally:
+        # On an error or an interrupt, do not wait for the items still being computed (only
+        # memory is at stake: `fn` produces, the consumer writes).
+        for f in pending.values():
+            f.cancel()
+        pool.shutdown(wait=finished, cancel_futures=True)

@@ -13,6 +13,11 @@ Examples (paths are local: download the published checkpoints first, e.g.
 
 Errors of known kinds (bad or mismatched checkpoints, existing outputs, I/O errors) print one
 line `flint-jax <cmd>: error: <message>` on stderr and exit 1; `--debug` shows the traceback.
+The writing commands (convert, quantize, synth) share `flint_jax.output_path`: destinations that
+are or hold an input or the working directory are refused, output is written beside DST and
+renamed in when complete, and Ctrl-C (SIGINT) or SIGTERM stops them within about a second with
+one line, `flint-jax <cmd>: interrupted (nothing written)`, exit status 130 (143), no temporary
+left behind.
 """
 
 from __future__ import annotations
@@ -35,10 +40,17 @@ def _one_line(msg: str) -> str:
     return " ".join(str(msg).split())
 
 
-def _guard(cmd: str, fn):
-    """Runs a command handler: known errors become one line on stderr and exit status 1."""
+def _guard(cmd: str, fn, writes: bool = False):
+    """Runs a command handler: known errors become one line on stderr and exit status 1. For a
+    writing command, SIGINT / SIGTERM stop the writers, remove the temporary output and end the
+    process with one line (`flint_jax.output_path.interrupt_handler`)."""
+    from flint_jax import output_path
 
     def run(args) -> int:
+        with output_path.interrupt_handler(f"flint-jax {cmd}", enabled=writes and not _debug(args)):
+            return guarded(args)
+
+    def guarded(args) -> int:
         try:
             return fn(args)
         except BrokenPipeError:  # `flint-jax inspect ... | head`: stop quietly
@@ -48,9 +60,10 @@ def _guard(cmd: str, fn):
         except KeyboardInterrupt:
             if _debug(args):
                 raise
-            print(f"flint-jax {cmd}: interrupted", file=sys.stderr)
-            return 130
+            return output_path.interrupted(f"flint-jax {cmd}", writes)
         except (ValueError, OSError) as e:
+            if output_path.interrupt_requested():  # a writer stopped by the interrupt
+                return output_path.interrupted(f"flint-jax {cmd}")
             if _debug(args):
                 raise
             msg = str(e) or type(e).__name__
@@ -59,6 +72,8 @@ def _guard(cmd: str, fn):
             print(f"flint-jax {cmd}: error: {_one_line(msg)}", file=sys.stderr)
             return 1
         except Exception as e:  # a bug: still one line, the traceback with --debug
+            if output_path.interrupt_requested():
+                return output_path.interrupted(f"flint-jax {cmd}")
             if _debug(args):
                 raise
             print(f"flint-jax {cmd}: internal error: {type(e).__name__}: {_one_line(e)} "
@@ -93,21 +108,27 @@ def cmd_quantize(args) -> int:
     from flint_jax import quantize
     t0 = time.time()
     if not args.quiet:
-        print(quantize.format_table([]))
+        print(quantize.format_table([]), flush=True)
 
     def row(r):
         if not args.quiet:
-            print(quantize.format_row(r), flush=True)
+            from tqdm.auto import tqdm
+            tqdm.write(quantize.format_row(r), file=sys.stdout)  # above the progress bar
+            sys.stdout.flush()
 
     rows = quantize.quantize(args.hf_dir, args.out, overwrite=args.overwrite, workers=args.workers,
-                             on_tensor=row, progress=False)
+                             on_tensor=row, progress=not args.quiet)
+    gguf = quantize.output_gguf(args.out)
     nv = [r for r in rows if r["type"] == "NVFP4"]
     worst = max(nv, key=lambda r: r["rel_rms_err"]) if nv else None
     mean = sum(r["rel_rms_err"] for r in nv) / len(nv) if nv else 0.0
-    print(f"wrote {args.out}: {len(rows)} tensors ({len(nv)} NVFP4), "
-          f"{_human(os.path.getsize(args.out))}, in {time.time() - t0:.1f} s; "
+    print(f"wrote {gguf}: {len(rows)} tensors ({len(nv)} NVFP4), "
+          f"{_human(os.path.getsize(gguf))}, in {time.time() - t0:.1f} s; "
           f"relative RMS error mean {mean:.4f}"
           + (f", worst {worst['rel_rms_err']:.4f} ({worst['name']})" if worst else ""))
+    beside = quantize.writes_directory(args.out)   # config.json beside the file: found on its own
+    print(f"convert with: flint-jax convert {gguf} DST"
+          + ("" if beside else f" --hf-config {args.hf_dir}"))
     return 0
 
 
@@ -138,7 +159,7 @@ def cmd_synth(args) -> int:
           f"{cfg.hidden_size}, {cfg.num_experts} experts, vocab {cfg.vocab_size}, "
           f"{info['tensors']} tensors, {_human(info['bytes'])}, in {time.time() - t0:.1f} s")
     if args.format == "gguf":
-        print(f"convert with: flint-jax convert {info['path']} DST --hf-config {info['dir']}")
+        print(f"convert with: flint-jax convert {info['path']} DST   (config.json beside it is found)")
     return 0
 
 
@@ -187,11 +208,13 @@ def register(subparsers) -> None:
         epilog="examples:\n  " + "\n  ".join(EXAMPLES[:2]) + "\n\n" + LOCAL_ONLY,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="a local HF checkpoint directory or .gguf file")
-    p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
+    p.add_argument("dst", help="output directory (must not exist unless --overwrite; never the "
+                               "source, --hf-config or a directory holding them)")
     p.add_argument("--hf-config", metavar="DIR",
                    help="for a GGUF source: the BF16 repo directory (config.json, tokenizer); "
                         "default the .gguf file's own directory when config.json is there")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing DST (once the new one is complete)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="stored weight dtype: as in the source (auto), bf16 or f32")
     p.add_argument("--mixed", choices=MIXED, default="refuse",
@@ -201,20 +224,31 @@ def register(subparsers) -> None:
                    help="tensors prepared ahead in threads (default min(4, cores))")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     _common(p)
-    p.set_defaults(func=_guard("convert", _gguf_config_beside(cmd_convert)))
+    p.set_defaults(func=_guard("convert", _gguf_config_beside(cmd_convert), writes=True))
 
     p = subparsers.add_parser(
-        "quantize", help="BF16 HF directory -> NVFP4 GGUF file (prints error statistics)",
-        description="Quantizes every linear layer to NVFP4 (fp32 tensor scale per tensor and per "
-                    "expert, E4M3 per 16 values, nearest E2M1) into a Flint GGUF file.")
+        "quantize", help="BF16 HF directory -> NVFP4 GGUF (prints error statistics)",
+        description="Quantizes every linear layer to NVFP4 (fp32 tensor scale per tensor and per\n"
+                    "expert, E4M3 per 16 values, nearest E2M1) into a Flint GGUF file.\n\n"
+                    "OUT ending in .gguf: that one file; its config and tokenizer stay in HF_DIR\n"
+                    "  (pass --hf-config HF_DIR wherever the file is used).\n"
+                    "Any other OUT: a directory usable on its own: OUT/model.gguf plus HF_DIR's\n"
+                    "  config.json, generation_config.json and tokenizer files\n"
+                    "  (then: flint-jax convert OUT/model.gguf DST).",
+        epilog="examples:\n  flint-jax quantize /hf/flint /data/flint-nvfp4       # directory\n"
+               "  flint-jax quantize /hf/flint /data/flint-nvfp4.gguf  # one file",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("hf_dir", help="a local HF checkpoint directory (BF16)")
-    p.add_argument("out", help="output .gguf file")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("out", help="output: a .gguf file, or a directory for model.gguf with its "
+                               "config and tokenizer (must not exist unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing OUT (once the new one is complete)")
     p.add_argument("--workers", type=int, default=None,
                    help="tensors quantized ahead in threads (default min(4, cores))")
-    p.add_argument("--quiet", "-q", action="store_true", help="no per-tensor table")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bar and no per-tensor table")
     _common(p)
-    p.set_defaults(func=_guard("quantize", cmd_quantize))
+    p.set_defaults(func=_guard("quantize", cmd_quantize, writes=True))
 
     p = subparsers.add_parser(
         "inspect", help="list a checkpoint's tensors and check it against a config",
@@ -248,12 +282,13 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     p.add_argument("--fused", action="store_true", help="HF: fused expert tensors")
     p.add_argument("--no-tokenizer", action="store_true", help="do not write a tokenizer")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing OUT (once the new one is complete)")
     p.add_argument("--workers", type=int, default=None,
                    help="tensors generated ahead in threads (default min(8, cores))")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     _common(p)
-    p.set_defaults(func=_guard("synth", cmd_synth))
+    p.set_defaults(func=_guard("synth", cmd_synth, writes=True))
 
 
 def main(argv=None) -> int:

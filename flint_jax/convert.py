@@ -7,7 +7,8 @@
 The format is described in `flint_jax.checkpoint`. Conversion streams: every parameter is a
 `LazyTensor` read (and for GGUF, repacked) only when orbax writes it, a few at a time, so a 40B
 checkpoint converts with a few GiB of host memory. The result goes to a temporary directory beside
-DST, renamed at the end; on any error nothing is left behind.
+DST, renamed at the end; on any error or interrupt nothing is left behind (`flint_jax.output_path`:
+also the destinations refused, such as one containing the source).
 
 Sources:
 
@@ -37,7 +38,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -431,7 +431,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, hf_config: str | 
 
     Args:
       src: a HF directory, or a `.gguf` file (then `hf_config` names the BF16 repo directory).
-      dst: the output directory; refused if it exists unless `overwrite`.
+      dst: the output directory; refused if it exists unless `overwrite`, and always when it is
+        or contains the source or `hf_config`, or is or contains the working directory
+        (`flint_jax.output_path.check`). An existing DST is replaced only once the new one is
+        complete.
       dtype: "auto" (store weights as they are), "bf16" or "f32".
       mixed: for a GGUF with both NVFP4 and BF16 linear layers: "refuse", "quantize",
         "dequantize" (module docstring).
@@ -439,81 +442,55 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, hf_config: str | 
         `workers + 1` of the largest tensors (an expert stack).
     Returns the path of the checkpoint. Raises ValueError subclasses (ConvertError,
     hf_io.CheckpointError, gguf_io.GGUFError, ConfigError) naming file and tensor, with nothing
-    written, or FileExistsError / OSError.
+    written, or output_path.DestinationError / FileExistsError / OSError.
     """
-    src, dst = os.fspath(src), os.fspath(dst)
-    dst = dst.rstrip("/") or dst
+    from flint_jax import output_path
+    src = os.fspath(src)
     workers = workers or min(4, os.cpu_count() or 1)
-    if os.path.abspath(dst) == os.path.abspath(src):
-        raise ConvertError(f"{dst}: the destination is the source")
-    if os.path.lexists(dst) and not overwrite:
-        raise FileExistsError(f"{dst}: already exists (pass --overwrite / overwrite=True to "
-                              "replace it)")
+    inputs = [("the source", src), ("--hf-config", hf_config)]
+    dst = output_path.check(dst, inputs=inputs, overwrite=overwrite, kind="dir")
     plan = make_plan(src, hf_config=hf_config, dtype=dtype, mixed=mixed)
-    parent = os.path.dirname(os.path.abspath(dst))
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"{dst}: parent directory {parent} does not exist")
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
     bar = None
     state = {"last": None, "done": 0}
     try:
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024,
-                       desc=f"convert {os.path.basename(dst)}", dynamic_ncols=True)
+        with output_path.staging(dst, inputs=inputs, overwrite=overwrite, kind="dir") as tmp:
+            if progress:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024,
+                           desc=f"convert {os.path.basename(dst)}", dynamic_ncols=True)
 
-        def written(t: LazyTensor):
-            state["done"] += 1
-            state["last"] = t.name
-            if bar is not None:
-                bar.set_postfix_str(f"{state['done']}/{len(plan.tensors)} tensors", refresh=False)
-                bar.update(t.nbytes)
+            def written(t: LazyTensor):
+                state["done"] += 1
+                state["last"] = t.name
+                if bar is not None:
+                    bar.set_postfix_str(f"{state['done']}/{len(plan.tensors)} tensors",
+                                        refresh=False)
+                    bar.update(t.nbytes)
 
-        for t in plan.tensors:
-            t.on_written = written
-        t0 = time.time()
-        try:
-            checkpoint.write_params(os.path.join(tmp, checkpoint.PARAMS_DIR), plan.tensors,
-                                    workers=workers)
-        except _known_errors():
-            raise
-        except Exception as e:  # tensorstore / orbax / OS failures: one line naming DST
-            order = sorted(t.name for t in plan.tensors)
-            at = order[state["done"]] if state["done"] < len(order) else None
-            where = f" at tensor {at!r}" if at else ""
-            raise ConvertError(f"{dst}: writing the checkpoint failed{where}: "
-                               f"{type(e).__name__}: {e}") from e
-        _copy_meta(plan, tmp)
-        from flint_jax import __version__
-        checkpoint.write_manifest(tmp, {
-            "quant": plan.quant, "dtype": _weight_dtype(plan), "source": plan.source,
-            "num_params": len(plan.tensors), "nbytes": plan.nbytes, "notes": plan.notes,
-            "created_by": f"flint_jax {__version__}", "seconds": round(time.time() - t0, 1)})
-        if os.path.lexists(dst):  # overwrite: swap, then delete the old one
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=parent)
-            os.rename(dst, os.path.join(old, "x"))
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
-    except BaseException:
-        _remove_tree(tmp)
-        raise
+            for t in plan.tensors:
+                t.on_written = written
+            t0 = time.time()
+            try:
+                checkpoint.write_params(os.path.join(tmp, checkpoint.PARAMS_DIR), plan.tensors,
+                                        workers=workers)
+            except _known_errors():
+                raise
+            except Exception as e:  # tensorstore / orbax / OS failures: one line naming DST
+                order = sorted(t.name for t in plan.tensors)
+                at = order[state["done"]] if state["done"] < len(order) else None
+                where = f" at tensor {at!r}" if at else ""
+                raise ConvertError(f"{dst}: writing the checkpoint failed{where}: "
+                                   f"{type(e).__name__}: {e}") from e
+            _copy_meta(plan, tmp)
+            from flint_jax import __version__
+            checkpoint.write_manifest(tmp, {
+                "quant": plan.quant, "dtype": _weight_dtype(plan), "source": plan.source,
+                "num_params": len(plan.tensors), "nbytes": plan.nbytes, "notes": plan.notes,
+                "created_by": f"flint_jax {__version__}", "seconds": round(time.time() - t0, 1)})
     finally:
         if bar is not None:
             bar.close()
     return dst
-
-
-def _remove_tree(path: str, attempts: int = 50) -> None:
-    """rmtree that also outlasts a straggling background write recreating a subdirectory."""
-    for _ in range(attempts):
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.lexists(path):
-            time.sleep(0.02)
-            if not os.path.lexists(path):
-                return
-        time.sleep(0.05)
 
 
 # ---- loading (called by flint_jax.load) -----------------------------------------------------------

@@ -116,8 +116,10 @@ def _map_rows(
     inputs: Sequence[np.ndarray],
     out_widths: Sequence[int],
     out_dtypes: Sequence[np.dtype],
+    on_rows: Callable[[int, int], None] | None = None,
 ) -> tuple[np.ndarray, ...]:
-    """Apply ``fn(row0, *row_chunks)`` over row chunks of ``[R, W_i]`` inputs into new outputs."""
+    """Apply ``fn(row0, *row_chunks)`` over row chunks of ``[R, W_i]`` inputs into new outputs;
+    ``on_rows(rows_done, rows_total)`` after each chunk (progress bars)."""
     n_rows = inputs[0].shape[0]
     outs = tuple(np.empty((n_rows, w), dt) for w, dt in zip(out_widths, out_dtypes))
     row_bytes = sum(a.shape[1] * a.dtype.itemsize for a in inputs)
@@ -125,6 +127,8 @@ def _map_rows(
         results = fn(sl.start, *(np.asarray(a[sl]) for a in inputs))
         for o, r in zip(outs, results):
             o[sl] = r
+        if on_rows is not None:
+            on_rows(sl.stop, n_rows)
     return outs
 
 
@@ -407,6 +411,7 @@ def quantize_nvfp4(
     w: np.ndarray,
     tensor_amax_axes: Sequence[int] | None = (-2, -1),
     tensor_scale: np.ndarray | float | None = None,
+    on_rows: Callable[[int, int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Quantize to NVFP4 (ModelOpt recipe, see module docstring) in the flint_jax layout.
 
@@ -417,6 +422,8 @@ def quantize_nvfp4(
         gate_up as ``[E, 2, I, D]`` to get ``[E, 2]``). ``None``: one scale for everything.
       tensor_scale: optional given float32 tensor scale (shape of ``weight_scale_2``, or
         broadcastable to it) instead of ``amax / (6 * 448)``; must be positive.
+      on_rows: optional ``on_rows(rows_done, rows_total)``, called as row chunks are quantized
+        (a big expert stack takes seconds: progress bars).
     Returns:
       qweight uint8 ``[..., N, K/2]``, weight_scale float8_e4m3fn ``[..., N, K/16]``,
       weight_scale_2 float32 = ``w.shape`` without ``tensor_amax_axes`` (``[]`` for 2-D).
@@ -444,6 +451,7 @@ def quantize_nvfp4(
         [_rows(w), ts_rows[:, None]],
         [w.shape[-1] // 2, w.shape[-1] // SUB_BLOCK],
         [np.uint8, np.uint8],
+        on_rows,
     )
     lead = w.shape[:-1]
     return (
@@ -478,17 +486,34 @@ def _broadcast_tensor_scale(ts: np.ndarray, ndim: int) -> np.ndarray:
 
 
 def quantization_error(
-    w: np.ndarray, qweight: np.ndarray, weight_scale: np.ndarray, weight_scale_2: np.ndarray
+    w: np.ndarray, qweight: np.ndarray, weight_scale: np.ndarray, weight_scale_2: np.ndarray,
+    on_rows: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """Error statistics of a quantized tensor against the original ``w`` ``[..., N, K]``.
 
     ``weight_scale_2`` is ``[]``/``[1]`` or has the leading shape of ``w`` (e.g. ``[E]``).
     Returns ``{"max_abs_err": max |w - w_hat|, "rel_rms_err": rms(w - w_hat) / rms(w)}``.
+    Computed over row chunks (a few MiB of temporaries, not several copies of an expert stack);
+    ``on_rows(rows_done, rows_total)`` after each chunk.
     """
-    w = np.asarray(w, np.float32)
-    w_hat = dequantize_kernel_np(qweight, weight_scale) * _broadcast_tensor_scale(weight_scale_2, w.ndim)
-    err = (w - w_hat).astype(np.float64)
-    rms_w = float(np.sqrt(np.mean(np.square(w, dtype=np.float64))))
-    rms_e = float(np.sqrt(np.mean(np.square(err))))
-    return {"max_abs_err": float(np.abs(err).max()), "rel_rms_err": rms_e / rms_w if rms_w > 0 else rms_e}
+    w = np.asarray(w)
+    k = w.shape[-1]
+    ts = np.broadcast_to(_broadcast_tensor_scale(weight_scale_2, w.ndim), (*w.shape[:-1], 1))
+    rows_w, rows_q, rows_s = _rows(w), _rows(np.asarray(qweight)), _rows(np.asarray(weight_scale))
+    rows_t = ts.reshape(-1, 1)
+    n_rows = rows_w.shape[0]
+    sum_w2 = sum_e2 = max_e = 0.0
+    for sl in _chunks(n_rows, k * 4):
+        wr = rows_w[sl].astype(np.float32)
+        w_hat = dequantize_kernel_np(rows_q[sl], rows_s[sl]) * rows_t[sl]
+        err = (wr - w_hat).astype(np.float64)
+        sum_w2 += float(np.sum(np.square(wr, dtype=np.float64)))
+        sum_e2 += float(np.sum(np.square(err)))
+        max_e = max(max_e, float(np.abs(err).max()))
+        if on_rows is not None:
+            on_rows(sl.stop, n_rows)
+    if w.size == 0:
+        return {"max_abs_err": 0.0, "rel_rms_err": 0.0}
+    rms_w, rms_e = float(np.sqrt(sum_w2 / w.size)), float(np.sqrt(sum_e2 / w.size))
+    return {"max_abs_err": max_e, "rel_rms_err": rms_e / rms_w if rms_w > 0 else rms_e}
 

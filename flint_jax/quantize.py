@@ -8,10 +8,16 @@ per expert, one E4M3 block scale per 16 values, nearest E2M1 with ties to even);
 is the F32 companion `X.scale` of `X.weight` (`[1]`, or `[E]` for `*_exps`). Embeddings, norms and sinks
 keep their dtype (BF16, or F32 from an fp32 source); the router is F32.
 
+Output: OUT ending in `.gguf` is one GGUF file (its config and tokenizer stay in the source:
+`--hf-config HF_DIR` wherever it is used); any other OUT is a directory, usable on its own:
+`OUT/model.gguf` plus the source's `config.json`, `generation_config.json` and tokenizer files
+(as `flint-jax synth --format gguf` writes; `flint-jax convert OUT/model.gguf DST` finds them).
+
 Streaming: the GGUF header (names, types, shapes) is known from the config before any data is
 read, so `GGUFStreamWriter` writes header and tensor infos first and then each tensor as soon as
 it is quantized (no spool file, no second copy on disk); a few tensors are quantized ahead in
-threads. The file is written beside OUT and renamed at the end; on error nothing is left.
+threads. The output is written beside OUT and renamed at the end (`flint_jax.output_path`: the
+destinations refused, `overwrite`, interrupts); on error nothing is left.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tempfile
+import shutil
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -31,6 +38,7 @@ from flint_jax.config import FlintConfig
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
+GGUF_NAME = "model.gguf"  # the GGUF file of a directory output
 
 
 class QuantizeError(ValueError):
@@ -68,7 +76,8 @@ class GGUFStreamWriter:
     """Writes a GGUF file whose tensor list is known up front, one tensor at a time, in order.
 
     `write(name, array)` checks the array against the spec (dtype, shape; NVFP4 blocks validated).
-    Output goes to a temporary file beside `path`, renamed by `finish()`; `abort()` removes it.
+    Output goes to `path` itself (callers write into a temporary output: `output_path.staging`);
+    `abort()` removes the partial file.
     """
 
     def __init__(self, path: str, specs: Sequence[GGUFTensorSpec], metadata: dict[str, Any]):
@@ -77,13 +86,9 @@ class GGUFStreamWriter:
         self.path, self.specs = os.fspath(path), list(specs)
         meta = dict(metadata)
         arch = meta.pop("general.architecture", gguf_io.DEFAULT_ARCH)
-        parent = os.path.dirname(os.path.abspath(self.path))
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp",
-                                        dir=parent)
-        os.close(fd)
         self._next = 0
         try:
-            w = GGUFWriter(self.tmp, arch=arch)
+            w = GGUFWriter(self.path, arch=arch)
             for key, value in meta.items():
                 v, vtype = gguf_io._value_type(key, value)
                 w.add_key_value(key, v, vtype)
@@ -121,7 +126,6 @@ class GGUFStreamWriter:
         if self._next != len(self.specs):
             raise ValueError(f"{self.path}: only {self._next} of {len(self.specs)} tensors written")
         self._w.close()
-        os.replace(self.tmp, self.path)
         return self.path
 
     def abort(self) -> None:
@@ -129,8 +133,8 @@ class GGUFStreamWriter:
             if getattr(self, "_w", None) is not None:
                 self._w.close()
         finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
+            if os.path.exists(self.path):
+                os.unlink(self.path)
 
 
 def write_gguf_stream(path: str, specs: Sequence[GGUFTensorSpec], metadata: dict[str, Any],
@@ -240,24 +244,74 @@ def plan_specs(cfg: FlintConfig, src_dtype: Callable[[str], np.dtype]) -> list[G
     return specs
 
 
+def output_gguf(out: str | os.PathLike) -> str:
+    """The GGUF file `quantize(hf_dir, out)` writes: `out` itself when it ends in `.gguf`, else
+    `out/model.gguf` (a directory output, with the config and tokenizer beside it)."""
+    from flint_jax import output_path
+    out = output_path.normalize(out)
+    return os.path.join(out, GGUF_NAME) if writes_directory(out) else out
+
+
+def writes_directory(out: str | os.PathLike) -> bool:
+    """True when `quantize(hf_dir, out)` writes a directory (`out` not ending in `.gguf`)."""
+    from flint_jax import output_path
+    return not output_path.normalize(out).lower().endswith(".gguf")
+
+
+def _copy_meta(hf_dir: str, out_dir: str) -> list[str]:
+    """config.json, generation_config.json and the tokenizer files of the source, copied."""
+    from flint_jax.convert import META_FILES
+    copied = []
+    for f in ("config.json", *META_FILES):
+        p = os.path.join(hf_dir, f)
+        if os.path.isfile(p):
+            shutil.copyfile(p, os.path.join(out_dir, f))
+            copied.append(f)
+    return copied
+
+
+class _ByteProgress:
+    """A tqdm bar over the source's bytes, advanced from worker threads while a tensor is read,
+    quantized and checked (its error statistics), not only when it is written: at full size an
+    expert stack takes tens of seconds, most of it in these phases."""
+
+    # Shares of a tensor's bytes credited once read, quantized, checked; the rest when written.
+    LOADED, QUANTIZED, CHECKED = 0.1, 0.5, 0.95
+
+    def __init__(self, bar):
+        self.bar, self._lock, self._given = bar, threading.Lock(), {}
+
+    def to(self, key: str, n: float) -> None:
+        if self.bar is None:
+            return
+        with self._lock:
+            d = int(n) - self._given.get(key, 0)
+            if d > 0:
+                self._given[key] = int(n)
+                self.bar.update(d)
+
+
 def quantize(hf_dir: str, out: str, *, overwrite: bool = False, workers: int | None = None,
              on_tensor: Callable[[dict], None] | None = None, progress: bool = False,
              name: str | None = None) -> list[dict]:
-    """Quantizes a BF16 HF checkpoint to an NVFP4 GGUF file at `out`.
+    """Quantizes a BF16 HF checkpoint to an NVFP4 GGUF file.
+
+    `out` ending in `.gguf`: that one file. Otherwise a directory `out` with `model.gguf` and the
+    source's config.json, generation_config.json and tokenizer files, usable on its own
+    (`output_gguf(out)` is the GGUF path). `out` is refused when it is or contains `hf_dir` or the
+    working directory, or exists without `overwrite` (`flint_jax.output_path`).
 
     Returns one row per GGUF weight: {"name", "type", "shape", "max_abs" (of the weight),
     "max_abs_err", "rel_rms_err"} (errors 0 for tensors stored as they are). `on_tensor(row)` is
-    called as each tensor is written (the CLI prints its table from it).
+    called as each tensor is written (the CLI prints its table from it). `progress`: a tqdm bar
+    over the source's bytes, moving while each tensor is read and quantized.
     """
-    from flint_jax import gguf_io, nvfp4
-    hf_dir, out = os.fspath(hf_dir), os.fspath(out)
-    if os.path.lexists(out) and not overwrite:
-        raise FileExistsError(f"{out}: already exists (pass --overwrite to replace it)")
-    if os.path.isdir(out):
-        raise QuantizeError(f"{out}: is a directory; give the output .gguf file path")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"{out}: parent directory {parent} does not exist")
+    from flint_jax import gguf_io, nvfp4, output_path
+    hf_dir = os.fspath(hf_dir)
+    out = output_path.normalize(out)
+    kind = "dir" if writes_directory(out) else "file"
+    inputs = [("the source", hf_dir)]
+    out = output_path.check(out, inputs=inputs, overwrite=overwrite, kind=kind)
     cfg = FlintConfig.from_json(hf_dir)
     ckpt = hf_io.HFCheckpoint(hf_dir)
     sources = hf_io.plan(ckpt, cfg)
@@ -273,38 +327,59 @@ def quantize(hf_dir: str, out: str, *, overwrite: bool = False, workers: int | N
     workers = workers or min(4, os.cpu_count() or 1)
     rows: list[dict] = []
 
+    def src_itemsize(g):
+        hf = gguf_io.gguf_to_hf_name(g)
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(gate|up|down)_proj\.weight", hf)
+        if m:  # an expert stack, from per-expert or fused source tensors
+            target = m.group(1) + (".down_proj" if m.group(2) == "down" else ".gate_up_proj")
+            return np.dtype(ckpt.dtype(sources[target][0][0])).itemsize
+        return np.dtype(src_dtype(g)).itemsize
+
+    src_bytes = {g: int(np.prod(by_name[g].shape, dtype=np.int64)) * src_itemsize(g)
+                 for g in weights}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=sum(src_bytes.values()), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc=f"quantize {os.path.basename(out)}", dynamic_ncols=True)
+    prog = _ByteProgress(bar)
+
     def produce(g):
         spec = by_name[g]
+        nb = src_bytes[g]
         w = load(g)
+        w32 = w if w.dtype == F32 else w.astype(np.float32)
+        prog.to(g, nb * prog.LOADED)
         row = {"name": g, "type": spec.qtype.name, "shape": list(spec.shape),
-               "max_abs": float(np.abs(w.astype(np.float32)).max()) if w.size else 0.0,
+               "max_abs": float(max(w32.max(), -w32.min())) if w.size else 0.0,
                "max_abs_err": 0.0, "rel_rms_err": 0.0}
         if spec.qtype == gguf_io.NVFP4:
-            w32 = w.astype(np.float32)
             del w
-            q, s, ts = nvfp4.quantize_nvfp4(w32)
-            row.update(nvfp4.quantization_error(w32, q, s, ts))
+
+            def phase(lo, hi):
+                def on_rows(done, total):
+                    if output_path.interrupt_requested():  # Ctrl-C: stop this worker too
+                        raise KeyboardInterrupt
+                    prog.to(g, nb * (lo + (hi - lo) * done / max(1, total)))
+                return on_rows
+
+            q, s, ts = nvfp4.quantize_nvfp4(w32, on_rows=phase(prog.LOADED, prog.QUANTIZED))
+            row.update(nvfp4.quantization_error(w32, q, s, ts,
+                                                on_rows=phase(prog.QUANTIZED, prog.CHECKED)))
             del w32
             return [(g, nvfp4.kernel_to_gguf(q, s, g)),
                     (gguf_io.scale_name(g), ts.reshape(-1).astype(np.float32))], row
         if w.dtype == spec.data_dtype:
             arr = w
         elif spec.data_dtype == BF16:
-            arr = w.astype(np.float32).astype(BF16)
+            arr = w32.astype(BF16)
         else:
             arr = w.astype(spec.data_dtype)
         return [(g, arr)], row
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=sum(s.nbytes for s in specs), unit="B", unit_scale=True,
-                   unit_divisor=1024, desc=f"quantize {os.path.basename(out)}", dynamic_ncols=True)
-
     def done(g, arrays, row):
         rows.append(row)
-        if bar is not None:
-            bar.update(sum(a.nbytes for _, a in arrays))
+        prog.to(g, src_bytes[g])
         if on_tensor is not None:
             on_tensor(row)
 
@@ -313,7 +388,13 @@ def quantize(hf_dir: str, out: str, *, overwrite: bool = False, workers: int | N
                             "NVFP4 W4A16: ts = amax/(6*448) per tensor and per expert, "
                             "E4M3 block scale per 16, nearest E2M1 (ties to even)"})
     try:
-        write_gguf_stream(out, specs, meta, produce, weights, workers=workers, on_item=done)
+        with output_path.staging(out, inputs=inputs, overwrite=overwrite, kind=kind) as tmp:
+            if kind == "dir":
+                _copy_meta(hf_dir, tmp)
+                path = os.path.join(tmp, GGUF_NAME)
+            else:
+                path = tmp
+            write_gguf_stream(path, specs, meta, produce, weights, workers=workers, on_item=done)
     finally:
         if bar is not None:
             bar.close()
@@ -337,4 +418,4 @@ def format_row(r: dict) -> str:
 
 
 __all__ = ["GGUFStreamWriter", "GGUFTensorSpec", "QuantizeError", "format_table", "gguf_metadata",
-           "plan_specs", "quantize", "write_gguf_stream"]
+           "output_gguf", "plan_specs", "quantize", "write_gguf_stream", "writes_directory"]

@@ -9,7 +9,7 @@
   tensors (or `--fused`), sinks as `self_attn.softmax_offset`, bf16 weights, fp32 router/sinks.
 * `--format gguf`: OUT/model.gguf, an NVFP4 GGUF file in Flint's naming (every linear layer NVFP4
   with an `X.scale` tensor scale, BF16 embeddings, F32 norms / router / sinks), plus OUT/config.json and the
-  tokenizer, so that `flint-jax convert OUT/model.gguf DST --hf-config OUT` works.
+  tokenizer, so that `flint-jax convert OUT/model.gguf DST` finds them.
 
 Values are realistic and never zero: bf16 weights come from a 65,536-entry table of Gaussian
 quantiles (std 0.02 for linear layers, 1.0 for the embeddings), norms are `1 + 0.1 N(0, 1)`,
@@ -27,9 +27,7 @@ import functools
 import json
 import os
 import re
-import shutil
 import struct
-import tempfile
 from collections.abc import Sequence
 from statistics import NormalDist
 from typing import Any
@@ -265,12 +263,12 @@ def _bar(total: int, desc: str, progress: bool):
 
 
 def write_hf(cfg: FlintConfig, out: str, *, seed: int = 0, fused: bool = False,
-             workers: int = 2, progress: bool = False) -> dict:
+             workers: int = 2, progress: bool = False, name: str | None = None) -> dict:
     shards = hf_tensor_specs(cfg, fused)
     n = len(shards)
     total = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(dt).itemsize
                 for sh in shards for _, dt, s in sh)
-    bar = _bar(total, f"synth {os.path.basename(out)}", progress)
+    bar = _bar(total, f"synth {name or os.path.basename(out)}", progress)
     weight_map = {}
     items = [(j, k, spec) for j, (k, spec) in
              enumerate((k, spec) for k, sh in enumerate(shards) for spec in sh)]
@@ -307,7 +305,7 @@ def write_hf(cfg: FlintConfig, out: str, *, seed: int = 0, fused: bool = False,
 
 
 def write_gguf(cfg: FlintConfig, path: str, *, seed: int = 0, workers: int = 2,
-               progress: bool = False) -> dict:
+               progress: bool = False, name: str | None = None) -> dict:
     from flint_jax import gguf_io
     from flint_jax.quantize import gguf_metadata, plan_specs, write_gguf_stream
 
@@ -317,7 +315,7 @@ def write_gguf(cfg: FlintConfig, path: str, *, seed: int = 0, workers: int = 2,
     specs = plan_specs(cfg, src_dtype)
     weights = [s for s in specs if not gguf_io.is_companion(s.name)]
     total = sum(s.nbytes for s in specs)
-    bar = _bar(total, f"synth {os.path.basename(path)}", progress)
+    bar = _bar(total, f"synth {name or os.path.basename(path)}", progress)
     d = cfg.hidden_size
 
     def produce(j):
@@ -354,30 +352,24 @@ def synth(out: str, *, fmt: str = "hf", config: str | FlintConfig = "tiny",
         raise SynthError(f"format must be one of {FORMATS}, got {fmt!r}")
     if fused and fmt != "hf":
         raise SynthError("--fused applies to --format hf (GGUF stacks experts anyway)")
+    from flint_jax import output_path
+    config_path = config if isinstance(config, (str, os.PathLike)) and config not in PRESETS \
+        else None
+    inputs = [("--config", config_path)]
+    out = output_path.check(out, inputs=inputs, overwrite=overwrite, kind="dir")
     cfg = resolve_config(config, layers=layers, experts=experts, vocab=vocab)
-    out = os.fspath(out).rstrip("/") or os.fspath(out)
-    if os.path.lexists(out) and not overwrite:
-        raise FileExistsError(f"{out}: already exists (pass --overwrite to replace it)")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"{out}: parent directory {parent} does not exist")
     workers = workers or max(1, min(8, os.cpu_count() or 1))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
+    with output_path.staging(out, inputs=inputs, overwrite=overwrite, kind="dir") as tmp:
         cfg = _write_meta(cfg, tmp, tokenizer)
         if fmt == "hf":
-            info = write_hf(cfg, tmp, seed=seed, fused=fused, workers=workers, progress=progress)
+            name = os.path.basename(out)  # (the progress bar's, not the temporary's)
+            info = write_hf(cfg, tmp, seed=seed, fused=fused, workers=workers, progress=progress,
+                            name=name)
             path = out
         else:
             info = write_gguf(cfg, os.path.join(tmp, GGUF_NAME), seed=seed, workers=workers,
-                              progress=progress)
+                              progress=progress, name=os.path.basename(out))
             path = os.path.join(out, GGUF_NAME)
-        if os.path.lexists(out):
-            shutil.rmtree(out) if os.path.isdir(out) else os.unlink(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {**info, "path": path, "dir": out, "config": cfg}
 
 

@@ -535,7 +535,10 @@ def test_cli_in_process(quantized, work, capsys):
     assert "quant=True" in capsys.readouterr().out
     assert main(["synth", str(work / "cli-synth"), "--format", "gguf", "--layers", "2",
                  "--experts", "4", "-q"]) == 0
-    assert "--hf-config" in capsys.readouterr().out
+    hint = capsys.readouterr().out.splitlines()[-1]
+    assert hint.startswith(f"convert with: flint-jax convert {work / 'cli-synth' / 'model.gguf'} DST")
+    assert main(["convert", str(work / "cli-synth" / "model.gguf"), str(work / "cli-synth-conv"),
+                 "-q"]) == 0   # the hint's command works: config.json beside the file is found
     assert main(["inspect", str(work / "cli-synth" / "model.gguf"), "--config",
                  str(work / "cli-synth")]) == 0
 

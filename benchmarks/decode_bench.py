@@ -414,11 +414,6 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
     if variant.startswith("rs"):
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(ring_splits=int(variant[2:])))
-    if re.fullmatch(r"ls\d+(-(all|moe|gemv))?", variant):   # load_stages[-kernels]
-        n, _, kinds = variant[2:].partition("-")
-        return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
-                     decode_options=DecodeOptions(load_stages=int(n),
-                                                  load_stage_kernels=kinds or "all"))
     if variant.startswith("sht") and variant[3:].isdigit():
         return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                      decode_options=DecodeOptions(moe_shared_tokens=int(variant[3:])))
@@ -438,14 +433,12 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "b1gu16": DecodeOptions(moe_gate_up_f16=True, moe_down_f16=False),
                "shtopk": DecodeOptions(moe_shared_with_topk=True),
                "nolm16": DecodeOptions(lm_head_f16=False),
-               "x16w": DecodeOptions(x16_loads="words"),
                "nonq": DecodeOptions(norm_in_qkv=False),
                "sp": DecodeOptions(attention="split"),
                "fa": DecodeOptions(attention="fused"),
                "faa": DecodeOptions(attention="fused_atomic"),
                "nqfaa": DecodeOptions(norm_in_qkv=True, attention="fused_atomic"),
                "nqfa": DecodeOptions(norm_in_qkv=True, attention="fused"),
-               "qw": DecodeOptions(qkv_wait=True),
                "allrows": DecodeOptions(moe_slot_rows="all"),
                "tokrows": DecodeOptions(moe_slot_rows="token"),
                "tokpre": DecodeOptions(moe_slot_rows="token", moe_prerouted=True),
@@ -465,8 +458,6 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "toknopre": DecodeOptions(moe_slot_rows="token", moe_prerouted=False),
                "toknopresf": DecodeOptions(moe_slot_rows="token", moe_prerouted=False,
                                            moe_shared_first=False),
-               "notopk": DecodeOptions(router_topk=False),
-               "rtopk": DecodeOptions(router_topk=True),
                "qkvdot": DecodeOptions(nvfp4_qkv_method="dot"),
                "qkvrows": DecodeOptions(nvfp4_qkv_method="rows"),
                "rows": DecodeOptions(nvfp4_rows=True),
@@ -493,12 +484,6 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                "notrig": DecodeOptions(early_trigger=False),
                "triglat": DecodeOptions(early_trigger="latency"),
                "trigstr": DecodeOptions(early_trigger="streams"),
-               "pf": DecodeOptions(l2_prefetch=True),
-               "pfa": DecodeOptions(l2_prefetch="attn"),
-               "pfr": DecodeOptions(l2_prefetch="router"),
-               "pfd": DecodeOptions(l2_prefetch="down"),
-               "pfad": DecodeOptions(l2_prefetch="attn,down"),
-               "pfkv": DecodeOptions(l2_prefetch="kv"),
                "xrouter": DecodeOptions(router_pallas=False),
                "prouter": DecodeOptions(router_pallas=True),
                "po": DecodeOptions(bf16_o_proj_pallas=True),
@@ -511,12 +496,6 @@ def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
                                            moe_prerouted=False),
                "cdnopre": DecodeOptions(moe_combine_in_down=True, moe_prerouted=False),
                "nocd": DecodeOptions(moe_combine_in_down=False),
-               "ffi": DecodeOptions(launch="ffi"),
-               "tlba": DecodeOptions(tlb_touch="attn"),
-               "tlbr": DecodeOptions(tlb_touch="router"),
-               "tlbg": DecodeOptions(tlb_touch="gate_up"),
-               "tlbrg": DecodeOptions(tlb_touch="router,gate_up"),
-               "tlbarg": DecodeOptions(tlb_touch="attn,router,gate_up"),
                "e4m3": None}[variant]
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
                  decode_options=options)

@@ -732,7 +732,6 @@ def gusk_cases(variants):
              sets, bytes_)
 
 
-LEQ = importlib.import_module("flint_jax.pallas.layer_end_qkv")
 NQ = importlib.import_module("flint_jax.pallas.norm_qkv")
 
 
@@ -755,33 +754,11 @@ def _layer_end_cases(group, fmt, m, top_k=6):
     return s, MULTI.multi_gemv(x, ws)
 
   base = [(f"{group}/{fmt}/M{m}/xla", group, lbl, "xla",
-           jax.jit(lambda h, y, tl, w, ws: LEQ.layer_end_qkv_reference(
+           jax.jit(lambda h, y, tl, w, ws: NQ.norm_qkv_reference(
                h, ws, w, y=y, top_logits=tl)), sets, bytes_),
           (f"{group}/{fmt}/M{m}/split", group, lbl, "combine + multi_gemv (default)", split,
            sets, bytes_)]
   return sets, bytes_, lbl, base
-
-
-def wait_cases(variants):
-  """The end of a MoE layer + the next q|k|v, three ways: the default step's two kernels
-  (``moe_combine_add_rms_norm`` then ``multi_gemv``), ``norm_qkv`` (the layer end repeated in
-  every GEMV program), and ``layer_end_qkv`` (one producer per row; GEMV programs load their
-  weights first and wait on a device counter; its zeroed counter is one more tiny kernel)."""
-  if variants:
-    return
-  for fmt in ("bf16", "nvfp4"):
-    for m in (1, 8):
-      sets, bytes_, lbl, base = _layer_end_cases("wait", fmt, m)
-      yield from base
-      yield (f"wait/{fmt}/M{m}/norm_qkv", "wait", lbl, "norm_qkv (prologue in every program)",
-             lambda h, y, tl, w, ws: NQ.norm_qkv(h, ws, w, y=y, top_logits=tl), sets, bytes_)
-      tiles = ((16, 0), (16, 1), (16, 2), (16, None), (32, 1)) if m == 1 else ((32, 0), (16, 0))
-      for bn, pre in tiles:
-        yield (f"wait/{fmt}/M{m}/wait_bn{bn}_pre{pre}", "wait", lbl,
-               f"layer_end_qkv bn{bn} preload {'all' if pre is None else pre}",
-               lambda h, y, tl, w, ws, bn=bn, pre=pre: LEQ.layer_end_qkv(
-                   h, ws, w, jnp.zeros((2,), jnp.int32), y=y, top_logits=tl, block_n=bn,
-                   preload=pre)[:2], sets, bytes_)
 
 
 def nqtune_cases(variants):
@@ -1660,7 +1637,7 @@ def m8dense_cases(variants, table=None, group="m8dense"):
 
 GROUPS = {"gemv": gemv_cases, "nvfp4": nvfp4_cases, "moe": moe_cases,
           "attention": attention_cases, "qk": qk_cases, "norms": norm_cases, "tune": tune_cases,
-          "tune2": tune2_cases, "route": route_cases, "wait": wait_cases,
+          "tune2": tune2_cases, "route": route_cases,
           "nqtune": nqtune_cases, "slotrows": slotrows_cases, "rows": rows_cases,
           "rows2": rows2_cases, "lanes": lanes_cases, "arnr": arnr_cases,
           "nqlanes": nqlanes_cases, "gusk": gusk_cases, "router": router_cases,

@@ -32,29 +32,23 @@ from flint_jax.cache import KVCache
 from flint_jax.config import FlintConfig
 from flint_jax import layers
 from flint_jax.pallas import (NVFP4Weight, add_rms_norm, add_rms_norm_router, decode_attention,
-                              ffi_launch, gemv_silu_mul, layer_end_qkv, moe_block, moe_combine_add_rms_norm,
+                              gemv_silu_mul, moe_block, moe_combine_add_rms_norm,
                               moe_decode_routed, moe_router_logits, multi_gemv, norm_qkv,
                               nvfp4_gemv, nvfp4_gemv_silu_mul, pdl, qk_norm_rope,
-                              qk_norm_rope_attention, rms_norm, router_logits,
-                              router_logits_topk)
-from flint_jax.pallas import load_stages
+                              qk_norm_rope_attention, rms_norm, router_logits)
 from flint_jax.pallas.gemv import gemv
 from flint_jax.pallas.moe import moe_decode_routed_combine
 from flint_jax.pallas.nvfp4_gemv import asm_decode as nvfp4_asm_decode
 from flint_jax.pallas.nvfp4_gemv import f16_sums as nvfp4_f16_sums
 from flint_jax.pallas.nvfp4_gemv import x16_operand
-from flint_jax.pallas.nvfp4_gemv import x16_loads as nvfp4_x16_loads
 
 # KVCache.counters entries of the MoE down kernel's combine (`moe_decode_routed_combine`): one
 # for the column blocks and one per block (<= 129 at D = 2048), or in the residual mode at
 # batch > 1 one per (block, token) (<= 1 + 128 * MAX_BATCH), above the gate_up kernel's split-K
 # entries (< 3136, cache.COUNTER_ENTRIES).
 COMBINE_COUNTER_BASE = 3584
-# KVCache.counters entry of the router kernel's top-k (`router_logits_topk`: one arrival
-# counter), above the combine's (<= 3584 + 1 + 128 * 16).
-ROUTER_TOPK_COUNTER = 6144
 # KVCache.counters entries of the q|k|v multi_gemv's finishing slices (`DecodeOptions.qkv_finish`:
-# one per row tile, <= 5120 / 16 = 320), above the router's.
+# one per row tile, <= 5120 / 16 = 320), above the combine's (<= 3584 + 1 + 128 * 16).
 QKV_COUNTER_BASE = 6400
 
 MAX_BATCH = 16
@@ -94,14 +88,6 @@ class DecodeOptions:
       against 2.692 ms in run 40, 2.685 against 2.615 in run 42, with 302 against 350
       kernels; NVFP4 2.539 / 2.537 and 2.492 / 2.360 with 349 against 397; a full layer's 64
       splits at 8K+ make its merge tail 4 us longer than the merge kernel, run 41).
-    qkv_wait: (with moe="routed" and fused_qkv; instead of norm_in_qkv) the end of each layer
-      and the next layer's q|k|v in one `layer_end_qkv` kernel: one program per row computes
-      the layer end once, the GEMV programs load their weights first and wait for it on a
-      device-side counter (one zeroed counter per step). Off: measured slower than the kernels
-      it replaces (batch 1: 2.87 vs 2.77 ms BF16; about 2x per kernel at batch 8; perf log 21).
-      Used at batches up to ``qkv_wait_max_batch``; larger batches keep the default kernels.
-    qkv_wait_block_n, qkv_wait_preload: ``layer_end_qkv``'s ``block_n`` and ``preload`` (weight
-      rows per GEMV program; K steps loaded before the wait).
     ring_splits: split count of the sliding layers' attention (their 576-slot ring holds 513
       live keys); None = `decode_attention.default_attention_blocks` (16 at batch 1). 1 = one
       program per (row, KV head) that normalises itself: no merge kernel.
@@ -203,26 +189,10 @@ class DecodeOptions:
       6.192 against 6.364, the kernel (one router row per program) 3.5 us against 8.1 (NVFP4,
       no early trigger); the first version (4 router rows per program, 3-D products) took 16 us
       in the step (runs 57-58).
-    router_topk: where the router GEMV is its own Pallas kernel (`router_pallas`), the MoE's
-      top-k in that kernel's last program (`router_logits_topk`, an arrival counter in
-      ``KVCache.counters``), handed to `moe_decode_routed(route=...)` instead of its own
-      top-k kernel (`moe_topk_route_pallas`): one launch less per MoE layer. None (default) =
-      off: slower (H200 run 107, NVFP4 8x1K in-loop 5.591 against 5.436 ms, kernel busy 5198
-      against 5082 us: the router kernel 7.9 us against 3.5 + 2.2 for the pair, its last
-      program's serial top-k over all rows taking longer than the separate kernel's one
-      program per row; 444 against 491 kernels). True: on wherever the router is its own
-      Pallas kernel (batch > 1 by default), the MoE then taking the routing given whatever its
-      format (`moe_prerouted` must not be False).
     bf16_o_proj_pallas: at batch > 1, the BF16 o_proj on the Pallas ``gemv`` with its split-K
       fp32 partials summed by the ``add_rms_norm`` kernel, instead of XLA's dot (at batch 8 a
       split-K GEMM + reduce, 7.3 + 1.6 us per layer, run 51). None (default) = off: no faster
       (H200 run 57, 8x1K in-loop 6.341 against 6.314 ms; perf log 46).
-    launch: "xla" (default) or "ffi": every Pallas kernel of the step is compiled by the
-      ``triton`` package and launched by flint_jax's FFI call with programmatic dependent launch
-      and a wait at its entry (``pallas.ffi_launch``; needs ``triton`` and ``g++``), instead of
-      being compiled and launched by XLA. For measurements: the H200 probe (runs 65-69, perf log
-      50) found our own PDL launch at parity with XLA's, and no gain from loading weights
-      before the wait.
     nvfp4_asm: the instruction sequence of the NVFP4 kernels' ``asm`` decode
       (``nvfp4_gemv.asm_decode``): "mul" (one integer multiply places a nibble's magnitude and
       sign bits, and the CUDA-core tiles get f32 weights and activations from inline PTX, one
@@ -241,24 +211,6 @@ class DecodeOptions:
       weights as wgmma's register A operand; their defaults since session 12: H200 run 80, M = 8
       MoE 144.7 against 160.2 us, LM head 142.6 against 185.6). False: session 11's ``dot``
       tiles (mma.sync, gate_up bn64 bk256 w4). For A/B measurements.
-    l2_prefetch: kernels that ask the L2 to fetch a later kernel's weights while they run
-      (``pallas.l2_prefetch``: cp.async.bulk.prefetch.L2, one instruction per chunk): a
-      comma-separated subset of "attn" (the attention kernel fetches the o_proj), "router"
-      (the add + norm + router kernel fetches the shared expert's gate / up), "down" (the MoE
-      down kernel fetches the next layer's q|k|v), "kv" (each sliding layer's attention
-      program fetches its own first K / V blocks before its norm / RoPE work,
-      ``qk_norm_rope_attention(kv_prefetch=True)``); True = all four, False / "" = none
-      (default: the first three measured slower, H200 run 56: the requests go out lane by lane
-      and queue, and a hot o_proj saves only 0.3-0.5 us; perf log 44).
-    tlb_touch: kernels that touch every 2 MiB page of an MoE layer's stacked experts (16
-      bytes per page, ``l2_prefetch.touch_pages``) so that the page walks of the experts a
-      step selects happen before the kernels that read them: a comma-separated subset of
-      "attn" (the layer's attention kernel touches its gate_up and down weights), "router"
-      (the add + norm + router kernel touches the gate_up weights; where that kernel runs,
-      batch 1) and "gate_up" (the gate_up kernel touches the down weights); "" (default) =
-      none. Measured no faster (H200 run 135, NVFP4 1x1K: 1.787-1.789 against 1.779 ms per
-      token): a step that reads the same experts every step is no faster either (1.783), so
-      there is no per-page first-touch cost to take (perf log 81).
     qkv_finish: where the `multi_gemv` q|k|v runs in K slices (`qkv_split_k_at` > 1), the
       kernel's last slice of each tile sums the partials into bf16 q / k / v itself
       (`multi_gemv(counter=)`, arrival counters in ``KVCache.counters`` from
@@ -293,19 +245,6 @@ class DecodeOptions:
       "blocks"): H200 run 164, the LM head 73.6 -> 58.9 us, the step 1.732 -> 1.723 ms (busy
       1735 -> 1726 us), logits rel-L2 3.9e-4 against the f32 tiles; False = off; True = on
       (batch 1 only).
-    load_stages: Triton's software pipelining for the kernels' dot-free K loops
-      (`pallas.load_stages`: ``tt.num_stages`` on their ``scf.for``, so that the CUDA-core
-      NVFP4 kernels' weight loads go through cp.async ``load_stages - 1`` K steps ahead
-      instead of each K step waiting for its own). 0 (default) = off; >= 2 = that many stages.
-      Slower in every NVFP4 kernel (H200 run 171: 1x1K 1.707 -> 2.090 ms at 2 stages, 8x1K
-      4.219 -> 5.932); an option for measurements.
-    load_stage_kernels: which kernels ``load_stages`` applies to: "all" (default), "moe" (the
-      MoE gate_up and down kernels) or "gemv" (the dense NVFP4 GEMVs).
-    x16_loads: how the NVFP4 f16 K step (the MoE kernels, the batch-1 LM head) loads its f16
-      operand (`nvfp4_gemv.x16_loads`): "tile" (default: one [nb, 2, 16] load per half, split
-      in registers) or "words" (one [nb, 2, 4] load per code word, small enough for Triton to
-      load it in the layout the decode reads instead of converting it through shared memory).
-      Slower (H200 run 176: 8x1K 4.254 -> 4.688 ms, 1x1K 1.714 -> 1.905); for measurements.
     moe_shared_tokens: at batch > 1 with the shared expert per token (``moe_shared_rows``
       "token", the NVFP4 default), each shared-expert gate_up program takes this many tokens
       and decodes its weight tile once for them (`moe_decode_routed(shared_tokens=)`); None
@@ -354,10 +293,6 @@ class DecodeOptions:
     attention: str = "fused"
     ring_splits: int | None = None
     attention_num_warps: int | None = None
-    qkv_wait: bool = False
-    qkv_wait_max_batch: int = 1
-    qkv_wait_block_n: int = 16
-    qkv_wait_preload: int | None = 1
     moe_slot_rows: str | None = None
     moe_prerouted: bool | None = None
     moe_shared_first: bool | None = None
@@ -369,17 +304,13 @@ class DecodeOptions:
     moe_gate_up_split_k: int | None = None
     qkv_split_k: int | None = None
     early_trigger: bool | str | None = None
-    l2_prefetch: bool | str = False
     router_pallas: bool | None = None
-    router_topk: bool | None = None
     moe_down_shared_cols: int | None = None
     moe_combine_in_down: bool | None = None
     rms_in_qkv: bool | None = None
     bf16_o_proj_pallas: bool | None = None
-    launch: str = "xla"
     nvfp4_asm: str = "auto"
     nvfp4_swap: bool = True
-    tlb_touch: str = ""
     qkv_finish: bool = False
     o_proj_split_k: int | None = None
     moe_tiling: tuple = ()
@@ -390,16 +321,10 @@ class DecodeOptions:
     moe_f16_sums: str = "block"
     moe_shared_with_topk: bool = False
     lm_head_f16: bool | None = None
-    load_stages: int = 0
-    load_stage_kernels: str = "all"
-    x16_loads: str = "tile"
 
     MOE_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "block_n_down",
                        "block_k_down", "num_warps_down", "num_stages_down", "codes_ahead")
     LM_HEAD_TILING_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "method")
-
-    PREFETCH_SITES = ("attn", "router", "down", "kv")
-    TOUCH_SITES = ("attn", "router", "gate_up")
 
     #: The kernels ``nvfp4_asm="auto"`` gives the "post" decode (H200 run 91).
     POST_SITES = ("qkv", "moe_down")
@@ -457,25 +382,10 @@ class DecodeOptions:
         """Whether a separate MoE router GEMV at this batch size runs on `router_logits`."""
         return batch > 1 if self.router_pallas is None else self.router_pallas
 
-    def router_topk_at(self, batch: int) -> bool:
-        """Whether a separate Pallas router GEMV at this batch size also runs the MoE's top-k
-        (`router_logits_topk`)."""
-        return bool(self.router_topk) and self.router_pallas_at(batch) and self.moe == "routed"
-
     def bf16_o_proj_pallas_at(self, batch: int) -> bool:
         """Whether the BF16 o_proj at this batch size runs on the Pallas gemv."""
         return False if self.bf16_o_proj_pallas is None else (
             self.bf16_o_proj_pallas and batch > 1)
-
-    def prefetch_sites(self) -> frozenset:
-        """The ``l2_prefetch`` sites as a set of names."""
-        if self.l2_prefetch is True:
-            return frozenset(self.PREFETCH_SITES)
-        return _site_set(self.l2_prefetch or "")
-
-    def touch_sites(self) -> frozenset:
-        """The ``tlb_touch`` sites as a set of names."""
-        return _site_set(self.tlb_touch or "")
 
     def early_trigger_for(self, quant: bool) -> tuple[bool, str]:
         """(whether the step's kernels trigger early, which: "all" / "latency" / "streams"), for
@@ -514,10 +424,6 @@ class DecodeOptions:
             return 2 if batch == 1 else 1
         return self.moe_gate_up_split_k
 
-    def qkv_wait_at(self, batch: int) -> bool:
-        """Whether the step at this batch size runs ``layer_end_qkv``."""
-        return self.qkv_wait and batch <= self.qkv_wait_max_batch
-
     def router_in_norm_at(self, batch: int) -> bool:
         """Whether the step at this batch size runs `add_rms_norm_router`."""
         if self.router_in_norm is None:
@@ -530,15 +436,13 @@ class DecodeOptions:
 
     def norm_in_qkv_at(self, batch: int, quant: bool) -> bool:
         """Whether the step at this batch size (NVFP4 weights or not) runs ``norm_qkv``."""
-        if self.qkv_wait_at(batch):
-            return False
         if self.norm_in_qkv is None:
             return self.moe == "routed" and self.fused_qkv and batch == 1 and not quant
         return self.norm_in_qkv
 
     def fold_layer_end(self, batch: int, quant: bool) -> bool:
         """Whether each layer's end is computed inside the next layer's q|k|v kernel."""
-        return self.norm_in_qkv_at(batch, quant) or self.qkv_wait_at(batch)
+        return self.norm_in_qkv_at(batch, quant)
 
     def __post_init__(self):
         if self.attention not in ("split", "fused", "fused_atomic"):
@@ -560,13 +464,6 @@ class DecodeOptions:
         if self.moe_f16_sums not in ("pair", "block"):
             raise ValueError("DecodeOptions.moe_f16_sums must be 'pair' or 'block', got "
                              f"{self.moe_f16_sums!r}")
-        if self.x16_loads not in ("tile", "words"):
-            raise ValueError("DecodeOptions.x16_loads must be 'tile' or 'words', got "
-                             f"{self.x16_loads!r}")
-        if self.load_stages < 0 or self.load_stage_kernels not in ("all", "moe", "gemv"):
-            raise ValueError("DecodeOptions.load_stages must be >= 0 and load_stage_kernels "
-                             "one of 'all', 'moe', 'gemv', got "
-                             f"{self.load_stages!r}, {self.load_stage_kernels!r}")
         if self.moe_shared_tokens is not None and self.moe_shared_tokens < 1:
             raise ValueError("DecodeOptions.moe_shared_tokens must be >= 1, got "
                              f"{self.moe_shared_tokens!r}")
@@ -594,41 +491,18 @@ class DecodeOptions:
         if (self.qkv_split_k or 1) > 1 and self.attention == "split":
             raise ValueError("DecodeOptions.qkv_split_k > 1 needs attention='fused' or "
                              "'fused_atomic' (the fused attention kernel sums the partials)")
-        if not isinstance(self.l2_prefetch, (bool, str)) or not self.prefetch_sites() <= set(
-                self.PREFETCH_SITES):
-            raise ValueError("DecodeOptions.l2_prefetch must be a bool or a comma-separated "
-                             f"subset of {self.PREFETCH_SITES}, got {self.l2_prefetch!r}")
-        if not isinstance(self.tlb_touch, str) or not self.touch_sites() <= set(
-                self.TOUCH_SITES):
-            raise ValueError("DecodeOptions.tlb_touch must be a comma-separated subset of "
-                             f"{self.TOUCH_SITES}, got {self.tlb_touch!r}")
         if self.nvfp4_asm not in ("auto", "mul", "mul_bf16", "shift", "post"):
             raise ValueError("DecodeOptions.nvfp4_asm must be 'auto', 'mul', 'mul_bf16', "
                              f"'shift' or 'post', got {self.nvfp4_asm!r}")
-        if self.launch not in ("xla", "ffi"):
-            raise ValueError(f"DecodeOptions.launch must be 'xla' or 'ffi', got {self.launch!r}")
         if self.moe not in ("routed", "slots", "xla", "v1"):
             raise ValueError(f"DecodeOptions.moe must be routed|slots|xla|v1, got {self.moe!r}")
         if self.router_in_norm and self.moe != "routed":
             raise ValueError("DecodeOptions.router_in_norm needs moe='routed'")
-        if self.router_topk and (self.moe != "routed" or self.router_pallas is False
-                                 or self.moe_prerouted is False):
-            raise ValueError("DecodeOptions.router_topk needs moe='routed', router_pallas not "
-                             "False and moe_prerouted not False")
-        if self.moe_shared_with_topk and (self.moe != "routed" or self.router_topk
-                                          or self.moe_prerouted is False):
-            raise ValueError("DecodeOptions.moe_shared_with_topk needs moe='routed', router_topk "
-                             "off and moe_prerouted not False (it computes the top-k itself)")
+        if self.moe_shared_with_topk and (self.moe != "routed" or self.moe_prerouted is False):
+            raise ValueError("DecodeOptions.moe_shared_with_topk needs moe='routed' and "
+                             "moe_prerouted not False (it computes the top-k itself)")
         if self.norm_in_qkv and (self.moe != "routed" or not self.fused_qkv):
             raise ValueError("DecodeOptions.norm_in_qkv needs moe='routed' and fused_qkv=True")
-        if self.qkv_wait and (self.moe != "routed" or not self.fused_qkv or self.norm_in_qkv):
-            raise ValueError("DecodeOptions.qkv_wait needs moe='routed', fused_qkv=True and "
-                             "norm_in_qkv=False")
-
-
-def _site_set(spec: str) -> frozenset:
-    """A comma-separated list of kernel sites ("attn, down") as a set of names."""
-    return frozenset(t.strip() for t in spec.split(",") if t.strip())
 
 
 #: The session-1 Pallas step (three projection GEMVs, MoE routing in XLA), kept for comparison.
@@ -670,17 +544,6 @@ def _linear(lin, x, interpret, out_dtype=jnp.bfloat16, method=None, sum_splits=T
         return gemv(x, w, out_dtype=out_dtype, split_k=split, interpret=interpret,
                     sum_splits=sum_splits)
     return layers.matmul_t(x, w).astype(out_dtype)
-
-
-def _route(x, mlp, cfg, pallas: bool, topk: bool, counters, interpret: bool):
-    """(router logits f32 [M, E], the MoE's routing or None, counters): with ``topk`` the
-    Pallas router kernel that also runs the top-k (`router_logits_topk`, its counter entry in
-    the cache's counters), else `_router_logits` (the routing then left to the MoE)."""
-    w = mlp.gate.weight[...]
-    if topk:
-        return router_logits_topk(x, w, counters, top_k=cfg.num_experts_per_tok,
-                                  counter_base=ROUTER_TOPK_COUNTER, interpret=interpret)
-    return _router_logits(x, w, pallas, interpret), None, counters
 
 
 def _router_logits(x, router_w, pallas: bool, interpret: bool):
@@ -731,11 +594,6 @@ def _qkv(attn, x, fused, interpret, method=None, split_k=1, counters=None, finis
     return (*multi_gemv(x, _qkv_weights(attn), sum_splits=False, **kw), counters)
 
 
-def _qkv_lins(layer):
-    a = layer.self_attn
-    return a.q_proj, a.k_proj, a.v_proj
-
-
 def _shared_arg(mlp):
     return {n: _lin_arg(getattr(mlp.shared_expert, n)) for n in ("gate_proj", "up_proj", "down_proj")}
 
@@ -774,21 +632,6 @@ def _moe_add_rms_norm(mlp, cfg, x, h, w_next, mode, interpret, logits=None, moe_
     return (*add_rms_norm(h, y, w_next, eps=eps, interpret=interpret), counters, None)
 
 
-def _weight_arrays(*lins):
-    """The arrays a GEMV streams (BF16: the weight; NVFP4: codes and block scales), for
-    ``l2_prefetch``."""
-    return tuple(a for lin in lins
-                 for a in (_lin_arg(lin)[:2] if lin.quant else (_lin_arg(lin),)))
-
-
-def _expert_pages(ex, *parts: str):
-    """The stacked expert arrays of one MoE layer whose pages ``tlb_touch`` warms, for each of
-    ``parts`` ("gate_up", "down"): BF16 the weight, NVFP4 codes and block scales."""
-    names = [n for p in parts
-             for n in ((f"{p}_qweight", f"{p}_weight_scale") if ex.quant else (f"{p}_proj",))]
-    return tuple(getattr(ex, n)[...] for n in names)
-
-
 def _lin_arg(lin):
     if lin.quant:
         return NVFP4Weight(lin.qweight[...], lin.weight_scale[...], lin.weight_scale_2[...])
@@ -824,10 +667,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # read when the kernels are traced (part of the trace context: cached per value)
         trigger, kinds = opts.early_trigger_for(quant)
         with pdl.early_trigger(trigger), pdl.early_trigger_kernels(kinds), \
-                ffi_launch.enabled(opts.launch == "ffi"), \
-                nvfp4_asm_decode(opts.nvfp4_asm_at("step")), nvfp4_f16_sums(opts.moe_f16_sums), \
-                load_stages.stages(opts.load_stages), load_stages.kinds(opts.load_stage_kernels), \
-                nvfp4_x16_loads(opts.x16_loads):
+                nvfp4_asm_decode(opts.nvfp4_asm_at("step")), nvfp4_f16_sums(opts.moe_f16_sums):
             return pallas_step(m, cache, tokens, quant)
 
     def pallas_step(m, cache: KVCache, tokens, quant: bool):
@@ -844,8 +684,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # One zeroed merge counter per step for every layer (attention="fused_atomic").
         counter = (jnp.zeros((len(layers), b, kvh), jnp.int32)
                    if opts.attention == "fused_atomic" else None)
-        # qkv_wait: one zeroed (ticket, ready) counter pair per layer for every step.
-        wait, fold = opts.qkv_wait_at(b), opts.fold_layer_end(b, quant)
+        fold = opts.fold_layer_end(b, quant)
         # tile method of the NVFP4 GEMVs (the BF16 ones ignore it); the MoE gets it below, for
         # NVFP4 experts only
         nv_method = opts.nvfp4_m1_method if b == 1 else ("rows" if opts.nvfp4_rows else None)
@@ -885,7 +724,6 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # (with the layer end folded into the next q|k|v) or the MoE combine in the down kernel
         # (where it is not folded).
         counters = cache.counters
-        router_topk = opts.router_topk_at(b)
         gate_up_split = opts.moe_gate_up_split_k_at(b) if (not moe_quant and fold) else 1
         rms_in_qkv = opts.rms_in_qkv_at(b, quant) and not fold
         combine_in_down = ((opts.combine_in_down_at(b) or rms_in_qkv) and not fold
@@ -893,11 +731,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
         # the q|k|v's NVFP4 tile method at this batch (the rms_in_qkv one too)
         qkv_method = (opts.nvfp4_qkv_method if b > 1 else None) or nv_method
         pending_rms = None   # (sums of squares, norm weight): the next q|k|v normalises h
-        qcounter = jnp.zeros((len(layers), 2), jnp.int32) if wait else None
         qkv_split = (opts.qkv_split_k_at(b, quant, fold, cfg.hidden_size)
-                     if not wait and opts.fused_qkv else 1)
-        pf = opts.prefetch_sites()
-        touch = opts.touch_sites()
+                     if opts.fused_qkv else 1)
         attn_warps = ({} if opts.attention_num_warps is None
                       else dict(num_warps=opts.attention_num_warps))
         # RoPE's cos / sin: computed by the first sliding layer's attention kernel, loaded by
@@ -914,13 +749,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
             attn = layer.self_attn
             last = i + 1 == len(layers)
             with jax.named_scope(f"layer_{i}"):
-                if wait:
-                    h, (q, k, v), qcounter = layer_end_qkv(
-                        h, _qkv_weights(attn), layer.input_layernorm.weight[...], qcounter,
-                        y=pending[0], top_logits=pending[1], counter_index=i, eps=eps,
-                        block_n=opts.qkv_wait_block_n, preload=opts.qkv_wait_preload,
-                        interpret=interpret)
-                elif fold:
+                if fold:
                     # with qkv_split > 1: fp32 partials [S, B, N], summed by the attention kernel
                     h, (q, k, v) = norm_qkv(h, _qkv_weights(attn), layer.input_layernorm.weight[...],
                                             y=pending[0], top_logits=pending[1], eps=eps,
@@ -958,13 +787,8 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         q, k, v, attn.q_norm.weight[...], attn.k_norm.weight[...], pos, kc, vc,
                         attn.sinks[...], j, rope=sliding, ring=sliding, window=window,
                         theta=cfg.rope_theta, eps=eps, num_splits=splits, interpret=interpret,
-                        prefetch=_weight_arrays(attn.o_proj) if "attn" in pf else (),
-                        kv_prefetch="kv" in pf and sliding,
                         rope_cos_sin=rope_cs if sliding else None,
-                        return_cos_sin=first_rope,
-                        touch=(_expert_pages(layer.mlp.experts, "gate_up", "down")
-                               if "attn" in touch and cfg.is_moe(i) else ()),
-                        **atomic, **attn_warps)
+                        return_cos_sin=first_rope, **atomic, **attn_warps)
                     o, kc, vc = res[:3]
                     if counter is not None:
                         counter = res[3]
@@ -987,10 +811,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     shared = mlp.shared_expert
                     h, x, router_logits, *x16_rows = add_rms_norm_router(
                         h, a, post_ln, mlp.gate.weight[...], eps=eps, interpret=interpret,
-                        prefetch=(_weight_arrays(shared.gate_proj, shared.up_proj)
-                                  if "router" in pf else ()),
-                        touch=(_expert_pages(mlp.experts, "gate_up") if "router" in touch
-                               else ()), x16=gate_up_f16)
+                        x16=gate_up_f16)
                     if x16_rows:   # and the MoE gate_up's f16 operand
                         layer_moe_kw = dict(x16_rows=tuple(x16_rows))
                 elif gate_up_f16 and cfg.is_moe(i):   # and the MoE gate_up's f16 operand
@@ -1000,22 +821,17 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 else:
                     h, x = add_rms_norm(h, a, post_ln, eps=eps, interpret=interpret)
                 nxt = layers[i + 1].input_layernorm.weight[...] if not last else m.model.norm.weight[...]
-                # the MoE down kernel fetches the next layer's q|k|v weights into the L2
-                down_pf = (dict(down_prefetch=_weight_arrays(*_qkv_lins(layers[i + 1])))
-                           if "down" in pf and not last else {})
-                if "gate_up" in touch and cfg.is_moe(i):
-                    down_pf["gate_up_touch"] = _expert_pages(mlp.experts, "down")
                 route = None
                 if cfg.is_moe(i) and router_logits is None and opts.moe == "routed":
-                    router_logits, route, counters = _route(
-                        x, mlp, cfg, opts.router_pallas_at(b), router_topk, counters, interpret)
+                    router_logits = _router_logits(x, mlp.gate.weight[...],
+                                                   opts.router_pallas_at(b), interpret)
                 if cfg.is_moe(i) and fold and not last:
                     split_kw = (dict(gate_up_split_k=gate_up_split, gate_up_counter=counters)
                                 if gate_up_split > 1 else {})
                     y, route, *counter_out = moe_decode_routed(
                         x, router_logits, _experts_arg(mlp.experts), _shared_arg(mlp),
                         top_k=top_k, interpret=interpret, route=route, **moe_kw, **split_kw,
-                        **down_pf, **layer_moe_kw)
+                        **layer_moe_kw)
                     if counter_out:
                         (counters,) = counter_out
                     pending = (y, route.logits)
@@ -1026,7 +842,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                     in_down = combine_in_down and (not norm or opts.combine_in_down_at(b))
                     h, x, out_counters, x16_head = _moe_add_rms_norm(
                         mlp, cfg, x, h, nxt, opts.moe, interpret, router_logits,
-                        {**moe_kw, **down_pf, **layer_moe_kw},
+                        {**moe_kw, **layer_moe_kw},
                         counters=counters if in_down else None,
                         route=route, norm=norm, x16_next=lm16 and last)
                     if in_down:
@@ -1035,7 +851,7 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         x, pending_rms = None, (x, nxt)
                 else:
                     hid = _silu_mul(mlp, x, interpret, nv_method, bf16_dense_pallas)
-                    # partials only for add_rms_norm (norm_qkv / layer_end_qkv take [M, D])
+                    # partials only for add_rms_norm (norm_qkv takes [M, D])
                     y = _linear(mlp.down_proj, hid, interpret, method=nv_method,
                                 sum_splits=fold and not last)
                     if fold and not last:

@@ -50,10 +50,6 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            "attn_atomic": DecodeOptions(attention="fused_atomic", norm_in_qkv=True),
            "ring1": DecodeOptions(ring_splits=1),
            "ring2_split": DecodeOptions(ring_splits=2, attention="split"),
-           # qkv_wait runs at batch 1 by default; these 2-row tests raise the limit to reach it.
-           "qkv_wait": DecodeOptions(qkv_wait=True, qkv_wait_max_batch=8),
-           "qkv_wait_pre0": DecodeOptions(qkv_wait=True, qkv_wait_max_batch=8,
-                                          qkv_wait_preload=0, qkv_wait_block_n=32),
            # the routed MoE's other slot_rows mode at batch 2 (default: "token"), and
            # the NVFP4 GEMVs (q|k|v, o_proj, dense MLP, LM head) on CUDA-core rows tiles
            "allrows": DecodeOptions(moe_slot_rows="all"),
@@ -65,23 +61,20 @@ OPTIONS = {"default": DecodeOptions(), "v1": V1_OPTIONS,
            # the shared expert's rows on one program per row block (the NVFP4 default
            # before run 102: per token on the M = 1 tiles)
            "shall": DecodeOptions(moe_shared_rows="all"),
-           # the MoE's top-k in the router kernel's last program (slower, run 107: off)
-           "rtopk": DecodeOptions(router_topk=True),
            # the NVFP4 q|k|v at batch 2 on the tensor-core tile (its default there: rows)
            "qkvdot": DecodeOptions(nvfp4_qkv_method="dot"),
            # the NVFP4 batch > 1 MoE mode on BF16 experts (bench path pallas_tokshtok)
            "tokshtok": DecodeOptions(moe_slot_rows="token", moe_shared_rows="token")}
 # Off by default and measured no faster: compiled on a GPU, interpreted on the CPU only with
 # FLINT_TEST_KNOBS=1 (tests/conftest.py).
-KNOB_CASES = {"ring1", "ring2_split", "qkv_wait", "qkv_wait_pre0", "tokpresf", "shall", "rtopk"}
+KNOB_CASES = {"ring1", "ring2_split", "tokpresf", "shall"}
 CASES = [pytest.param(fmt, name, marks=[pytest.mark.knob] if name in KNOB_CASES else [])
          for fmt, name in [
              ("bf16", "default"), ("nvfp4", "default"), ("bf16", "v1"), ("nvfp4", "v1"),
              ("bf16", "fused"), ("nvfp4", "fused"), ("nvfp4", "attn"), ("bf16", "attn_atomic"),
-             ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("bf16", "qkv_wait"),
-             ("nvfp4", "qkv_wait"), ("nvfp4", "qkv_wait_pre0"), ("nvfp4", "allrows"),
+             ("bf16", "ring1"), ("nvfp4", "ring2_split"), ("nvfp4", "allrows"),
              ("bf16", "allrows"), ("nvfp4", "rows"), ("nvfp4", "tokpresf"), ("nvfp4", "shall"),
-             ("nvfp4", "rtopk"), ("bf16", "rtopk"), ("nvfp4", "qkvdot"), ("bf16", "tokshtok")]]
+             ("nvfp4", "qkvdot"), ("bf16", "tokshtok")]]
 
 
 _XLA_TOKENS = {}   # the XLA path's greedy tokens of `small_cfg` models, shared by the cases
@@ -121,7 +114,6 @@ def test_norm_in_qkv_default_is_bf16_batch_one():
     assert not DecodeOptions(norm_in_qkv=False).norm_in_qkv_at(1, quant=False)
     assert DecodeOptions(norm_in_qkv=True).norm_in_qkv_at(8, quant=True)
     assert not DecodeOptions(moe="slots").norm_in_qkv_at(1, quant=False)
-    assert not DecodeOptions(qkv_wait=True).norm_in_qkv_at(1, quant=False)
 
 
 def test_router_in_norm_default_is_batch_one():
@@ -247,15 +239,6 @@ def test_qkv_split_k_reaches_the_multi_gemv(quant, batch):
                            else "_splitk" not in n for n in qkv), (tail, names)
 
 
-@pytest.mark.knob
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_qkv_wait_batch_one_equals_xla(fmt):
-    """The default qkv_wait limit (batch 1): one row runs layer_end_qkv, and equals XLA."""
-    opts = DecodeOptions(qkv_wait=True)
-    assert opts.qkv_wait_at(1) and not opts.qkv_wait_at(2)
-    assert_generate_equal(fmt, 5, opts, [list(range(11, 80))], 5)
-
-
 @pytest.mark.parametrize("swap", [True, False])
 def test_nvfp4_swap_batch_five_equals_xla(swap):
     """Five NVFP4 rows (the MoE on all-rows tiles): the gate_up on swap-AB tiles (the default)
@@ -303,8 +286,6 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(moe="slots", norm_in_qkv=True), "norm_in_qkv needs"),
     (dict(attention="flash"), "split|fused|fused_atomic"),
     (dict(ring_splits=3), "power of two"),
-    (dict(qkv_wait=True, norm_in_qkv=True), "qkv_wait needs"),
-    (dict(qkv_wait=True, moe="slots"), "qkv_wait needs"),
     (dict(ring_splits=0), "power of two"),
     (dict(moe_slot_rows="tokens"), "moe_slot_rows"),
     (dict(moe_shared_rows="tokens"), "moe_shared_rows"),
@@ -312,20 +293,14 @@ def test_split_k_partials_into_add_rms_norm(monkeypatch, options, want):
     (dict(nvfp4_m1_method="rows"), "nvfp4_m1_method"),
     (dict(qkv_split_k=3), "qkv_split_k"),
     (dict(early_trigger="some"), "early_trigger"),
-    (dict(l2_prefetch="attn,qkv"), "l2_prefetch"),
-    (dict(l2_prefetch=1), "l2_prefetch"),
     (dict(qkv_split_k=2, attention="split"), "qkv_split_k > 1 needs"),
     (dict(nvfp4_asm="raw"), "nvfp4_asm"),
     (dict(nvfp4_qkv_method="blocks"), "nvfp4_qkv_method"),
-    (dict(router_topk=True, moe="xla"), "router_topk needs"),
-    (dict(router_topk=True, router_pallas=False), "router_topk needs"),
-    (dict(router_topk=True, moe_prerouted=False), "router_topk needs"),
     (dict(o_proj_split_k=3), "o_proj_split_k"),
     (dict(moe_shared_tokens=0), "moe_shared_tokens"),
     (dict(moe_down_f16=True, moe_gate_up_f16=False), "moe_down_f16 needs"),
     (dict(moe_down_f16=True, moe_shared_rows="all"), "moe_down_f16 needs"),
     (dict(moe_f16_sums="quad"), "moe_f16_sums"),
-    (dict(moe_shared_with_topk=True, router_topk=True), "moe_shared_with_topk needs"),
     (dict(moe_shared_with_topk=True, moe_prerouted=False), "moe_shared_with_topk needs"),
     (dict(moe_tiling=(("block_n_down", 32), ("block_m", 8))), "moe_tiling"),
     (dict(moe_tiling={"block_n": 32}), "moe_tiling"),
@@ -600,46 +575,6 @@ def test_tile_overrides_reach_the_kernels(quant):
         assert any(n.startswith("flint_nvfp4_gemv") and "_bn32_bk64_" in n for n in names), names
 
 
-def test_router_topk_default():
-    """The MoE top-k in the router kernel is off by default (slower, H200 run 107); on, it
-    applies wherever the router is its own Pallas kernel (batch > 1 by default)."""
-    assert not DecodeOptions().router_topk_at(8)
-    opts = DecodeOptions(router_topk=True)
-    assert opts.router_topk_at(8) and opts.router_topk_at(2) and not opts.router_topk_at(1)
-    assert DecodeOptions(router_topk=True, router_pallas=True).router_topk_at(1)
-
-
-@pytest.mark.parametrize("router_topk", [True, None])
-def test_router_topk_kernels(router_topk):
-    """The NVFP4 batch-8 step lowered for an H200: with router_topk each MoE layer's router
-    kernel carries the top-k and no separate top-k kernel runs; by default the top-k kernel
-    runs after the router kernel."""
-    import jax
-    import jax.numpy as jnp
-    from flint_jax.cache import cache_shapes
-    from flint_jax.pallas.testing import triton_modules
-    cfg = flint_jax.preset("tiny", num_hidden_layers=3, mlp_only_layers=(0,))
-    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(0)))
-    step = fast_decode.make_decode_step(graphdef, cfg,
-                                        options=DecodeOptions(router_topk=router_topk))
-    mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 8, 256),
-                          jax.ShapeDtypeStruct((8,), jnp.int32))
-    names = [m["name"] for m in mods]    # one module per distinct kernel
-    fused = any("flint_router_m8" in n and "_top" in n for n in names)
-    separate = any("flint_moe_topk" in n for n in names)
-    assert (fused, separate) == ((True, False) if router_topk else (False, True)), names
-
-
-@pytest.mark.knob
-def test_router_topk_counter_stays_zero_between_steps():
-    """The router kernel's arrival counter lives in the cache: every NVFP4 batch-2 step hands
-    the counters back as zeros, its logits equal to the step with the separate top-k kernel."""
-    for l1, c1, l2 in paired_steps(True, 6, DecodeOptions(router_topk=True), DecodeOptions(),
-                                   2, (5, 17, 3)):
-        assert not np.asarray(c1.counters).any(), "a counter entry was left non-zero"
-        np.testing.assert_array_equal(l1, l2)
-
-
 def test_rms_in_qkv_batch_one():
     """`rms_in_qkv` (NVFP4, batch 1, the default): the MoE down kernel stops at the residual and its sums
     of squares, the next q|k|v kernel normalises as it loads. Greedy tokens equal the XLA path's,
@@ -716,87 +651,6 @@ def test_rms_in_qkv_kernels(on):
                for n in names), names
     assert any("_residual" in n for n in names) == (on is None), names
     assert any(n.startswith("flint_multi_gemv") and "_rms" in n for n in names) == (on is None)
-
-
-@pytest.mark.knob
-@pytest.mark.parametrize("fmt,rows", [("bf16", 1), ("nvfp4", 1), ("bf16", 2)])
-def test_l2_prefetch_step_equals_xla(fmt, rows):
-    """Every L2 prefetch site on (attention -> o_proj, router kernel -> shared expert, MoE down
-    -> next q|k|v, sliding attention -> its first K / V blocks): the prefetch changes no result (interpret mode runs it as a no-op; the GPU
-    tests compare the compiled kernels)."""
-    opts = DecodeOptions(l2_prefetch=True)
-    assert opts.prefetch_sites() == {"attn", "router", "down", "kv"}
-    assert DecodeOptions(l2_prefetch="attn, down").prefetch_sites() == {"attn", "down"}
-    assert DecodeOptions().prefetch_sites() == frozenset()
-    data = [list(range(21, 91)), list(range(4, 12))][:rows]
-    mod = FlintForCausalLM(small_cfg(), quant=fmt == "nvfp4", rngs=nnx.Rngs(13))
-    plain, touched = (flint_jax.from_module(mod, kernels="pallas") for _ in range(2))
-    touched.decode_options = opts
-    kw = dict(max_new_tokens=4, temperature=0, stop_token_ids=[])
-    for x, y in zip(flint_jax.generate(plain, data, **kw), flint_jax.generate(touched, data, **kw)):
-        np.testing.assert_array_equal(x, y)
-
-
-@pytest.mark.parametrize("quant", [False, True])
-def test_l2_prefetch_sites_in_triton_ir(quant):
-    """Lowered for an H200: with every site on, the attention, router and MoE down kernels (and
-    no other) carry cp.async.bulk.prefetch.L2; with none, no kernel does."""
-    import jax
-    import jax.numpy as jnp
-    from flint_jax.cache import cache_shapes
-    from flint_jax.pallas.testing import triton_modules
-    cfg = flint_jax.preset("tiny", num_hidden_layers=3, mlp_only_layers=(0,))
-    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=quant, rngs=nnx.Rngs(0)))
-    for opts, want in ((DecodeOptions(l2_prefetch=True), True), (DecodeOptions(), False)):
-        step = fast_decode.make_decode_step(graphdef, cfg, options=opts)
-        mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
-                              jax.ShapeDtypeStruct((1,), jnp.int32))
-        with_pf = {m["name"].split("_pf")[0] for m in mods
-                   if "cp.async.bulk.prefetch.L2" in m["asm"]}
-        if not want:
-            assert not with_pf
-            continue
-        assert all(("_pf" in m["name"]) == ("cp.async.bulk.prefetch.L2" in m["asm"])
-                   for m in mods)
-        kinds = {n.split("_")[1] + "_" + n.split("_")[2] for n in with_pf}
-        assert kinds == {"qk_norm", "add_rms", "moe_down"}, with_pf
-
-
-@pytest.mark.knob
-@pytest.mark.parametrize("fmt,rows", [("nvfp4", 1), ("bf16", 1), ("nvfp4", 2)])
-def test_tlb_touch_step_equals_default_step(fmt, rows):
-    """Every page-touch site on (attention and router kernels, MoE gate_up): the touches change
-    no result, so three decode steps give the default step's logits bit for bit (a no-op in
-    interpret mode; on a GPU the compiled kernels). Against the default step, not the XLA path
-    through generate(): the first version of this test had a near-tie (XLA's margin 1e-4 on
-    logits of ~0.8) that the GPU paths broke either way (H200 runs 166-167)."""
-    opts = DecodeOptions(tlb_touch="attn,router,gate_up")
-    assert opts.touch_sites() == {"attn", "router", "gate_up"}
-    assert DecodeOptions().touch_sites() == frozenset()
-    with pytest.raises(ValueError, match="tlb_touch"):
-        DecodeOptions(tlb_touch="attn,down")
-    for l1, _, l2 in paired_steps(fmt == "nvfp4", 13, opts, DecodeOptions(), rows, (21, 4, 60)):
-        np.testing.assert_array_equal(l1, l2)
-
-
-@pytest.mark.parametrize("quant", [False, True])
-def test_tlb_touch_sites_in_triton_ir(quant):
-    """Lowered for an H200 at batch 1: each site's kernel (and no other) carries the touch
-    requests."""
-    import jax
-    import jax.numpy as jnp
-    from flint_jax.cache import cache_shapes
-    from flint_jax.pallas.testing import triton_modules
-    cfg = flint_jax.preset("tiny", num_hidden_layers=3, mlp_only_layers=(0,))
-    graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=quant, rngs=nnx.Rngs(0)))
-    for sites, want in (("attn", {"qk_norm"}), ("router", {"add_rms"}),
-                        ("gate_up", {"moe_gate"}), ("", set())):
-        step = fast_decode.make_decode_step(graphdef, cfg, options=DecodeOptions(tlb_touch=sites))
-        mods = triton_modules(lambda s, c, t: step(s, c, t), state, cache_shapes(cfg, 1, 256),
-                              jax.ShapeDtypeStruct((1,), jnp.int32))
-        touched = [m["name"] for m in mods if "cp.async.bulk.prefetch.L2" in m["asm"]]
-        assert all("_touch" in n for n in touched), touched
-        assert {n.split("_")[1] + "_" + n.split("_")[2] for n in touched} == want, touched
 
 
 def test_router_and_o_proj_defaults():

@@ -112,36 +112,6 @@ def test_num_warps(num_warps):
 
 
 @pytest.mark.parametrize("merge", ["kernel", "atomic"])
-def test_ring_kv_prefetch(merge):
-  """kv_prefetch (each program first asks the L2 for its first K / V blocks) changes no result:
-  layer-stacked rings at B=3, one not yet full, one wrapped (interpret mode runs the request as
-  a no-op; the GPU run compares the compiled kernel)."""
-  run(3, 32, 4, 576, [40, 513, 9000], ring=True, rope=True, window=513, merge=merge,
-      stacked=True, kv_prefetch=True)
-
-
-def test_kv_prefetch_in_the_lowered_kernel():
-  """Lowered for an H200: the K and V requests are in the kernel with kv_prefetch and absent
-  without; caches of 2 GB or more (int32 byte offsets) are refused with a clear error."""
-  from flint_jax.pallas.testing import triton_modules  # pylint: disable=g-import-not-at-top
-  S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-
-  def mods(cache_len, layers=35, **kw):
-    cache = S((layers, 1, 4, cache_len, DH), bf)
-    args = (S((1, 32, DH), bf), S((1, 4, DH), bf), S((1, 4, DH), bf), S((DH,), bf), S((DH,), bf),
-            S((1,), jnp.int32), cache, cache, S((32,), jnp.float32), S((), jnp.int32))
-    fn = lambda *a: qk_norm_rope_attention(*a, rope=True, ring=True, window=513, **kw)  # noqa
-    return triton_modules(fn, *args)
-
-  with_pf = [m for m in mods(576, kv_prefetch=True) if "attn_ring" in m["name"]]
-  assert len(with_pf) == 1 and with_pf[0]["name"].endswith("_kvpf")
-  assert with_pf[0]["asm"].count("cp.async.bulk.prefetch.L2.global") == 2
-  assert all("cp.async.bulk.prefetch" not in m["asm"] for m in mods(576))
-  with pytest.raises(ValueError, match="kv_prefetch needs caches under 2 GB"):
-    mods(1 << 16, layers=1024, kv_prefetch=True)
-
-
-@pytest.mark.parametrize("merge", ["kernel", "atomic"])
 def test_rope_cos_sin_handed_on(merge):
   """return_cos_sin: the kernel also returns RoPE's cos / sin [B, 2, Dh/2] (those of
   ``rope_cos_sin_table``: XLA's on the CPU, libdevice's within a few ulps on the GPU); a second layer

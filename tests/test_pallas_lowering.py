@@ -188,20 +188,6 @@ def test_moe_lowers(fmt, m, down_split):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 8])
-def test_layer_end_qkv_lowers(fmt, m):
-  """The producer / consumer kernel (layer end + next q|k|v) at Flint sizes: one Triton kernel."""
-  from flint_jax.pallas.layer_end_qkv import layer_end_qkv  # pylint: disable=g-import-not-at-top
-  ws = (tuple(S((n, D), BF) for n in (4096, 512, 512)) if fmt == "bf16"
-        else tuple(nv(n, D) for n in (4096, 512, 512)))
-  fn = lambda h, ws, w, c, y, tl: layer_end_qkv(h, ws, w, c, y=y, top_logits=tl,  # noqa: E731
-                                                counter_index=3)
-  text = lower(fn, S((m, D), BF), ws, S((D,), BF), S((49, 2), I32), S((m * 6 + 1, m, D), BF),
-               S((m, 6), F32))
-  assert text.count("__gpu$xla.gpu.triton") == 1
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m", [1, 8])
 def test_moe_routed_lowers(fmt, m):
   """The routed path's kernels, separately and composed: the composed MoE layer (router logits
   through the next block's normalised input) is 3 Triton kernels and one XLA dot (the routing
@@ -439,15 +425,3 @@ def test_norm_qkv_methods_lower(fmt, m, method, layout):
                                         layout=layout)
   text = lower(fn, S((m, D), BF), ws, S((D,), BF), S((m * 4 + 1, m, D), BF), S((m, 4), F32))
   assert text.count("__gpu$xla.gpu.triton") == 1
-
-
-@pytest.mark.parametrize("pdl", [False, True])
-def test_mosaic_gemv_lowers(pdl):
-  """The Mosaic GPU GEMV lowers for an H200; with pdl=True its module asks for a PDL launch."""
-  from flint_jax.pallas.mosaic_gemv import mosaic_gemv
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    text = lower_for_h200(functools.partial(mosaic_gemv, split_k=4, pdl=pdl),
-                          S((4096 // 64, 8, 64), BF), S((D, 4096), BF)).as_text()
-  assert "mosaic_gpu_v2" in text
-  assert ("mosaic_gpu.uses_pdl" in text) == pdl

@@ -65,7 +65,7 @@ for stage in "${stages[@]}"; do
             tests/test_pallas_add_rms_norm.py tests/test_fast_decode.py \
             tests/test_pallas_add_rms_norm_router.py tests/test_pallas_norm_qkv.py \
             tests/test_pallas_attention_block.py tests/test_pallas_decode_attention.py \
-            tests/test_pallas_qk_norm_rope.py tests/test_pallas_layer_end_qkv.py} \
+            tests/test_pallas_qk_norm_rope.py} \
           > "$OUT/tests_new_kernels.log" 2>&1
       }
       # On a one-GPU machine (nvidia-h200) the formats run one after the other on GPU 0 and the

@@ -16,8 +16,6 @@ Rules these helpers encode (measured or read in jax 0.11.2, see ``shared/NOTES_P
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -212,59 +210,12 @@ def silu_mul_f32(g, u, act_dtype=jnp.bfloat16):
   return g / (1.0 + jnp.exp(-g)) * u
 
 
-def pallas_call(kernel, *, prefetch: int = 0, touch: int = 0, touch_page: int | None = None,
-                **kw):
+def pallas_call(kernel, **kw):
   """``pl.pallas_call`` for every flint_jax Triton kernel: under ``pdl.early_trigger`` (on by
-  default) the kernel first lets the next kernel launch (``pdl`` module docstring).
-
-  ``prefetch`` > 0: the call takes that many more arrays after its inputs (the weights of a
-  later kernel); each program first asks for its share of them to be brought into the L2
-  (``l2_prefetch.prefetch_slice``) and the kernel body never sees them. They come after the
-  inputs, so ``input_output_aliases`` indices are unchanged.
-
-  ``touch`` > 0: that many more arrays after the prefetched ones (the stacked experts a later
-  kernel reads in part); each program asks for 16 bytes of every ``touch_page``-th byte of its
-  share of them (``l2_prefetch.touch_pages``), so that their pages' address translations are
-  cached before that kernel runs.
-
-  Under ``load_stages.stages(n)`` the kernels ``load_stages.kinds`` selects are named
-  ``..._ls<n>`` and their dot-free K loops software-pipelined (``load_stages``).
-
-  Under ``ffi_launch.enabled`` (not in interpret mode, no prefetch) the kernel is compiled by the
-  triton package and launched by flint_jax's FFI call instead of XLA (``ffi_launch``)."""
-  from flint_jax.pallas import ffi_launch, load_stages, pdl   # pylint: disable=g-import-not-at-top
-  if kw.get("name"):   # under load_stages.stages(n): "_ls<n>" asks the lowering to pipeline
-    kw["name"] = load_stages.tagged_name(kw["name"])
+  default) the kernel first lets the next kernel launch (``pdl`` module docstring)."""
+  from flint_jax.pallas import pdl   # pylint: disable=g-import-not-at-top
   early = pdl.triggers(kw.get("name") or "")
-  if ffi_launch.enabled.value and not kw.get("interpret") and not (prefetch or touch):
-    return ffi_launch.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
-  if not (prefetch or touch):
-    return pl.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
-  grid = kw.get("grid") or ()
-  grid = grid if isinstance(grid, tuple) else (grid,)
-  if kw.get("in_specs") is not None:   # the prefetched arrays are whole (never loaded)
-    kw["in_specs"] = (*kw["in_specs"], *([pl.no_block_spec] * (prefetch + touch)))
-
-  def call(*args):
-    n_in = len(args) - prefetch - touch
-    check(n_in >= 0, f"{prefetch=} arrays to prefetch and {touch=} to touch, but only "
-                     f"{len(args)} arguments")
-
-    def body(*refs, **params):
-      from flint_jax.pallas import l2_prefetch   # pylint: disable=g-import-not-at-top
-      pid, parts = 0, 1
-      for axis, size in enumerate(grid):
-        pid, parts = pid * size + pl.program_id(axis), parts * size
-      for ref in refs[n_in:n_in + prefetch]:
-        l2_prefetch.prefetch_slice(ref, pid, parts)
-      for ref in refs[n_in + prefetch:n_in + prefetch + touch]:
-        l2_prefetch.touch_pages(ref, pid, parts, touch_page or l2_prefetch.PAGE_BYTES)
-      return kernel(*refs[:n_in], *refs[n_in + prefetch + touch:], **params)
-
-    body = functools.wraps(kernel)(body)
-    return pl.pallas_call(pdl.with_early_trigger(body) if early else body, **kw)(*args)
-
-  return call
+  return pl.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
 
 
 def compiler_params(num_warps: int, num_stages: int):

@@ -156,17 +156,14 @@ def _tuning(d, n_exp, block_e, block_d, num_warps):
                                              "interpret"))
 def add_rms_norm_router(h, a, w_norm, router_w, *, eps: float = 1e-6, block_e: int | None = None,
                         block_d: int | None = None, num_warps: int | None = None,
-                        prefetch=(), touch=(), x16: bool = False, interpret: bool = False):
+                        x16: bool = False, interpret: bool = False):
   """(s, x, logits) = (bf16(h + a), RMSNorm(s) * w_norm, f32(x) . f32(router_w)^T); one launch.
 
   h [M, D] (M <= 16), a [M, D] (h's dtype) or fp32 split-K partials [S, M, D] (summed in the
   kernel, as ``add_rms_norm``), w_norm [D], router_w [E, D] fp32. Tuning: ``block_e`` router rows
   per program (power of two; default 4 -> E / 4 programs), ``block_d`` columns per router tile
   (power of two dividing next_pow2(D); default 8192 / block_e), ``num_warps`` (default
-  ``add_rms_norm``'s, which keeps its row reduction order). ``prefetch``: arrays (a later
-  kernel's weights) the programs ask the L2 to fetch while they work (``_common.pallas_call``);
-  ``touch``: arrays (the MoE's stacked experts) whose 2 MiB pages' address translations the
-  programs warm (``l2_prefetch.touch_pages``). Neither changes a result. ``x16``: also returns
+  ``add_rms_norm``'s, which keeps its row reduction order). ``x16``: also returns
   ``nvfp4_gemv.x16_operand(x)`` (x16 [M, D] f16, inv [M] f32), written by program 0 as
   ``add_rms_norm(x16=True)`` does (the f16 MoE gate_up's operand): (s, x, logits, x16, inv).
   """
@@ -183,14 +180,12 @@ def add_rms_norm_router(h, a, w_norm, router_w, *, eps: float = 1e-6, block_e: i
     out_shape += (jax.ShapeDtypeStruct(h.shape, jnp.float16),
                   jax.ShapeDtypeStruct((m,), jnp.float32))
   parts = f"_splits{a.shape[0]}" if a.ndim == 3 else ""
-  prefetch, touch = tuple(prefetch), tuple(touch)
   return C.pallas_call(
       kernel, out_shape=out_shape, grid=(C.cdiv(n_exp, block_e),),
       compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,
-      prefetch=len(prefetch), touch=len(touch),
       name=(f"flint_add_rms_norm_router{parts}_d{d}_e{n_exp}_be{block_e}_bd{block_d}"
-            f"{'_pf' if prefetch else ''}{'_touch' if touch else ''}{'_x16' if x16 else ''}"),
-  )(h, a, w_norm, router_w, *prefetch, *touch)
+            f"{'_x16' if x16 else ''}"),
+  )(h, a, w_norm, router_w)
 
 
 def add_rms_norm_router_reference(h, a, w_norm, router_w, *, eps: float = 1e-6,

@@ -71,7 +71,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.layers import rope_angles
 from flint_jax.pallas import _common as C
-from flint_jax.pallas import l2_prefetch
 from flint_jax.pallas.decode_attention import _validate as _attn_validate
 from flint_jax.pallas.decode_attention import (decode_attention_reference,
                                                default_attention_blocks, merge_splits,
@@ -91,7 +90,7 @@ _MERGE_ELEMS = 8192
 
 
 def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, stacked,
-            counter_stacked, mode, cs_mode, kv_prefetch, interpret):
+            counter_stacked, mode, cs_mode, interpret):
   refs = list(refs)
   take = lambda k: [refs.pop(0) for _ in range(k)]  # noqa: E731
   q_ref, k_ref, v_ref, wq_ref, wk_ref, pos_ref, sink_ref = take(7)
@@ -135,31 +134,10 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
     v_new = v_ref[b, C.row_load_index(1, gp, kv), :]                  # [Gp, Dh], rows equal
   else:
     v_new = load_rows(v_ref, b, C.row_load_index(1, gp, kv), slice(None), dt).astype(dt)
-  if kv_prefetch:
-    # The first K and V blocks into the L2 as soon as the q / k / v loads are out, so that
-    # their loads after the norm / RoPE work below hit the L2 instead of waiting on HBM. One
-    # request each (a per-thread request makes every warp loop over its 32 lanes: the
-    # instruction takes uniform registers); the CTA barrier keeps ptxas from sinking the
-    # requests, and the loads of p and the layer they need, past that work.
-    xq = load_halves(q_ref, b, g, gp, half, kv * g, dt)
-    xk = load_halves(k_ref, b, 1, gp, half, kv, dt)
-    n_b, n_kv = kc_in.shape[-4], kc_in.shape[-3]
-    row = ((lead[0] * n_b + b if stacked else b) * n_kv + kv) * s_len + start
-    nbytes = bk * dh * kc_in.dtype.itemsize
-    for ref in (kc_in, vc_in):
-      l2_prefetch.prefetch_l2(ref, row * dh * ref.dtype.itemsize, nbytes, chunks=1)
-    if not interpret:   # no CPU lowering; a no-op there anyway
-      plgpu.debug_barrier()
-    # (the norm weights are loaded after the barrier: loaded before it, the compiler moves
-    # the whole norm / RoPE above the barrier and the requests below it again)
-    wq, wk = (ld(wq_ref, 0), ld(wq_ref, half)), (ld(wk_ref, 0), ld(wk_ref, half))
-    q1, q2 = norm_rope_halves(*xq, *wq, eps, rope, cos, sin, dt)
-    k1, k2 = norm_rope_halves(*xk, *wk, eps, rope, cos, sin, dt)
-  else:
-    q1, q2 = _norm_rope_rows(q_ref, b, g, gp, half, ld(wq_ref, 0), ld(wq_ref, half), eps,
-                             rope, cos, sin, offset=kv * g, dt=dt)
-    k1, k2 = _norm_rope_rows(k_ref, b, 1, gp, half, ld(wk_ref, 0), ld(wk_ref, half), eps,
-                             rope, cos, sin, offset=kv, dt=dt)
+  q1, q2 = _norm_rope_rows(q_ref, b, g, gp, half, ld(wq_ref, 0), ld(wq_ref, half), eps,
+                           rope, cos, sin, offset=kv * g, dt=dt)
+  k1, k2 = _norm_rope_rows(k_ref, b, 1, gp, half, ld(wk_ref, 0), ld(wk_ref, half), eps,
+                           rope, cos, sin, offset=kv, dt=dt)
 
   # 3. Program 0 writes the new k / v (one real row) into the slot.
   slot = p % s_len if ring else p
@@ -280,24 +258,16 @@ def _blocks(b, kvh, s_len, block_k, num_splits):
 
 @functools.partial(jax.jit, static_argnames=(
     "rope", "ring", "window", "theta", "eps", "scale", "block_k", "num_splits", "merge",
-    "num_warps", "num_stages", "kv_prefetch", "return_cos_sin", "interpret"))
+    "num_warps", "num_stages", "return_cos_sin", "interpret"))
 def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, sinks,
                            layer=None, counter=None, *, counter_layer=None, rope: bool,
                            ring: bool, window: int | None = None, theta: float = 10000.0,
                            eps: float = 1e-6, scale: float | None = None,
                            block_k: int | None = None, num_splits: int | None = None,
                            merge: str = "kernel", num_warps: int = 4, num_stages: int = 2,
-                           prefetch=(), kv_prefetch: bool = False, rope_cos_sin=None,
-                           return_cos_sin: bool = False, touch=(), interpret: bool = False):
+                           rope_cos_sin=None, return_cos_sin: bool = False,
+                           interpret: bool = False):
   """qk_norm_rope + decode_attention in one split kernel; see the module docstring.
-
-  ``prefetch``: arrays (a later kernel's weights) whose bytes the programs ask the L2 to fetch
-  while they work (``_common.pallas_call``); results do not depend on them. ``kv_prefetch``:
-  each program first asks the L2 for its first K and V blocks (``l2_prefetch.prefetch_l2``),
-  whose loads otherwise wait on HBM after the norm / RoPE work; needs caches under 2 GB (int32
-  byte offsets). ``touch``: arrays (a later kernel's stacked experts) of which the programs
-  ask for 16 bytes per 2 MiB page, to warm the address translations (``l2_prefetch.touch_pages``).
-  None of these changes a result.
 
   RoPE's cos / sin (``rope=True``): by default every program computes them (libdevice sincos,
   ~30% of a ring program's instructions, SASS session 18). ``return_cos_sin=True`` appends them
@@ -335,8 +305,6 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
             f"rope_cos_sin must be f32 [B, 2, Dh/2] = [{b}, 2, {dh // 2}], got "
             f"{rope_cos_sin.dtype} {rope_cos_sin.shape}")
   cs_mode = "load" if rope_cos_sin is not None else "store" if return_cos_sin else "compute"
-  C.check(not kv_prefetch or k_cache.size * k_cache.dtype.itemsize < 2 ** 31,
-          f"kv_prefetch needs caches under 2 GB (int32 byte offsets), got {k_cache.shape}")
   if merge == "atomic":
     want = ((-1,) if counter_stacked else ()) + (b, kvh)
     C.check(counter is not None and counter.dtype == jnp.int32 and counter.ndim == len(want)
@@ -382,19 +350,15 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
       _kernel, g=g, gp=gp, gm=gm, bk=block_k, ns=num_splits, mc=mc, dh=dh,
       window=window or s_len, ring=ring, rope=rope, eps=eps, scale=scale,
       stacked=layer is not None, counter_stacked=counter_stacked, mode=mode,
-      cs_mode=cs_mode, kv_prefetch=kv_prefetch, interpret=interpret)
+      cs_mode=cs_mode, interpret=interpret)
   if cs_mode == "store":
     out_shape = (*out_shape, jax.ShapeDtypeStruct((b, 2, dh // 2), f32))
-  prefetch, touch = tuple(prefetch), tuple(touch)
   res = C.pallas_call(
       kernel, out_shape=out_shape, grid=(b, kvh, num_splits), input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      prefetch=len(prefetch), touch=len(touch),
       name=(f"flint_qk_norm{'_rope' if rope else ''}_attn_{'ring' if ring else 'full'}"
-            f"_bk{block_k}_ns{num_splits}{'' if mode == 'kernel' else '_' + mode}"
-            f"{'_pf' if prefetch else ''}{'_kvpf' if kv_prefetch else ''}"
-            f"{'_touch' if touch else ''}"),
-  )(*args, *prefetch, *touch)
+            f"_bk{block_k}_ns{num_splits}{'' if mode == 'kernel' else '_' + mode}"),
+  )(*args)
   extra = ()
   if cs_mode == "store":
     res, extra = res[:-1], res[-1:]

@@ -891,9 +891,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
             route, coef, down_split, block_n, block_k, block_n_down, decode, layout,
             unroll_slots, method, method_down, num_warps, num_stages, interpret,
             block_k_down=None, num_warps_down=None, num_stages_down=None, slot_rows=None,
-            token_method=None, gate_up_split_k=None, gate_up_counter=None, down_prefetch=(),
+            token_method=None, gate_up_split_k=None, gate_up_counter=None,
             down_shared_cols=None, combine=None, asm_down=None, route_given=None,
-            shared_first=False, shared_rows=None, gate_up_touch=(), shared_tokens=None,
+            shared_first=False, shared_rows=None, shared_tokens=None,
             gate_up_f16=None, x16_rows=None, down_f16=None, shared_with_topk=None,
             codes_ahead=None):
   """The gate_up and down pallas_calls. route None: route_names/route_args are the slot inputs
@@ -904,8 +904,7 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   counter) (counter None unless ``gate_up_counter`` was given). route_given (routed only): the
   ``MoERoute`` computed outside (route_names/route_args then ["route_ids_in"] / [its ids]): the
   gate_up kernel reads the ids, outputs no routing, and route_given is returned. shared_rows:
-  see ``moe_decode_routed``. gate_up_touch: arrays whose pages the gate_up kernel's programs
-  touch (``_common.pallas_call(touch=)``). shared_with_topk: see ``moe_decode_routed``
+  see ``moe_decode_routed``. shared_with_topk: see ``moe_decode_routed``
   (route_names/route_args then ["logits"]).
   y [U + 1, M, D] (down_split) or out [M, D]; MoERoute or None."""
   C.check(slot_rows in (None, "all", "token"),
@@ -1081,15 +1080,13 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
   tag += ("_token" if token else "") + ("_shtok" if shared_token else "")
   tag += f"{n_tok}" if n_tok > 1 else ""
   suffix = f"{'_x16' if x16 else ''}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
-  gate_up_touch = tuple(gate_up_touch)
   down_parts = 1 if finish else sk  # the down kernel reads h (or h finished) or the partials
   if shared_with_topk:
     C.check(route is not None and route_given is None and route_names == ["logits"]
-            and token and shared_token and sk == 1 and n_tok == 1 and not gate_up_touch,
+            and token and shared_token and sk == 1 and n_tok == 1,
             "shared_with_topk needs the routed path with per-token slots and the shared expert "
             "per token (slot_rows and shared_rows 'token'), the routing computed here (no "
-            "route given, prerouted not False), shared_tokens 1, gate_up_split_k 1 and no "
-            "gate_up_touch")
+            "route given, prerouted not False), shared_tokens 1 and gate_up_split_k 1")
     route_out, h_parts = _launch_topk_shared_then_routed(
         in_names, in_args, h_out, hs_out, gu_kw, m=m, u=u, n_i=inter // bn,
         n_shared=(inter_s // bn) * m, num_warps=num_warps, num_stages=num_stages,
@@ -1102,11 +1099,9 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
           grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
           input_output_aliases=aliases,
           compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-          touch=len(gate_up_touch),
           name=f"flint_moe_gate_up{tag}{suffix}"
-               + (f"_splitk{sk}" if sk > 1 else "") + ("_finish" if finish else "")
-               + ("_touch" if gate_up_touch else ""),
-      )(*args, *gate_up_touch)
+               + (f"_splitk{sk}" if sk > 1 else "") + ("_finish" if finish else ""),
+      )(*args)
     res = list(res)
     counter_out = res.pop() if finish else None
     n_h = len(out_shape) - (2 if route is not None and route_given is None else 0) - finish
@@ -1188,7 +1183,6 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
       combine=combine_kw, shared_first=shared_first and down_split, shared_token=shared_token,
       h16=h16, interpret=interpret)
   if down_split:
-    down_prefetch = tuple(down_prefetch)
     out_shape = [jax.ShapeDtypeStruct(((u + 1) * m, d), x.dtype)]
     aliases = {}
     if combine is not None:
@@ -1208,13 +1202,11 @@ def _launch(x, experts, shared, fe, fs, m, d, inter, inter_s, u, route_names, ro
           out_shape=tuple(out_shape),
           input_output_aliases=aliases,
           compiler_params=C.compiler_params(num_warps_down, num_stages_down), interpret=interpret,
-          prefetch=len(down_prefetch),
           name=(f"flint_moe_down_split{tag}{'_h16' if h16 else ''}_{fe}_{fs}_{method_down}_bn{bn_dn}"
                 f"{f'_sc{down_shared_cols}' if down_shared_cols > 1 else ''}"
                 f"{'' if combine is None else '_combine' if c_norm else '_residual'}"
-                f"{'_x16' if combine is not None and c_x16 else ''}"
-                f"{'_pf' if down_prefetch else ''}"),
-      )(*args, *down_prefetch)
+                f"{'_x16' if combine is not None and c_x16 else ''}"),
+      )(*args)
     y = res[0].reshape(u + 1, m, d)
     if combine is not None:
       return (y, *res[1:]), route_out, counter_out
@@ -1319,8 +1311,7 @@ def _launch_routed(x, logits, experts, shared, options, **extra):
   arguments (its ``locals()``); the routing knobs resolved here (``_routed_defaults``, the
   routing inputs), the tuning knobs passed through, ``extra`` added (the combine)."""
   opts = {k: v for k, v in options.items()
-          if k in _ROUTED_KNOBS + _TUNING + ("gate_up_counter", "down_prefetch", "gate_up_touch",
-                                             "x16_rows")}
+          if k in _ROUTED_KNOBS + _TUNING + ("gate_up_counter", "x16_rows")}
   top_k = opts.pop("top_k")
   fe, fs, m, d, n_exp, inter, inter_s = _shapes(x, experts, shared)
   _check_logits(logits, m, n_exp, top_k)
@@ -1352,11 +1343,11 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
                       num_stages: int | None = None,
                       block_k_down: int | None = None, num_warps_down: int | None = None,
                       num_stages_down: int | None = None, gate_up_split_k: int | None = None,
-                      gate_up_counter=None, down_prefetch=(),
+                      gate_up_counter=None,
                       down_shared_cols: int | None = None, asm_down: str | None = None,
                       prerouted: bool | None = None, shared_first: bool | None = None,
                       shared_rows: str | None = None, route: MoERoute | None = None,
-                      gate_up_touch=(), shared_tokens: int | None = None,
+                      shared_tokens: int | None = None,
                       gate_up_f16: bool | None = None, x16_rows=None,
                       down_f16: bool | None = None, shared_with_topk: bool | None = None,
                       codes_ahead: bool | None = None, interpret: bool = False):
@@ -1383,11 +1374,6 @@ def moe_decode_routed(x, logits, experts, shared, *, top_k: int = 6, slot_rows: 
   ``gate_up_split_k`` > 1): int32 zeros [>= the gate_up kernel's programs]; the gate_up kernel
   then finishes h itself (the last K slice of each tile sums the partials) and the down kernel
   loads h as usual; returns (y, route, counter), the counter zeroed again for the next call.
-  ``down_prefetch``: arrays (a later kernel's weights, e.g. the next layer's q|k|v) the down
-  kernel's programs ask the L2 to fetch while they work (``_common.pallas_call``).
-  ``gate_up_touch``: arrays (e.g. the stacked down weights) whose 2 MiB pages the gate_up
-  kernel's programs touch, 16 bytes each, so that the down kernel's first loads find their
-  address translations cached (``l2_prefetch.touch_pages``); no result changes.
   ``down_shared_cols``: the shared expert's down columns of each block cut over this many
   programs (its K is I_s / I times a routed expert's), each >= 16 columns wide; None = 1 (2
   measured no faster in the step, H200 run 58).
@@ -1466,10 +1452,10 @@ def moe_decode_routed_combine(x, logits, experts, shared, h, w_next, counter, *,
                               num_warps_down: int | None = None,
                               num_stages_down: int | None = None,
                               gate_up_split_k: int | None = None,
-                              down_shared_cols: int | None = None, down_prefetch=(),
+                              down_shared_cols: int | None = None,
                               asm_down: str | None = None, prerouted: bool | None = None,
                               shared_first: bool | None = None, shared_rows: str | None = None,
-                              route: MoERoute | None = None, gate_up_touch=(),
+                              route: MoERoute | None = None,
                               shared_tokens: int | None = None,
                               gate_up_f16: bool | None = None, x16_rows=None,
                               down_f16: bool | None = None,

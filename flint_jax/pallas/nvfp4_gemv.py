@@ -490,32 +490,10 @@ f16_sums = config.enum_state(
     help="how the NVFP4 f16 blocks K step sums its products")
 
 
-#: How the f16 ``blocks`` K step loads its x16 operand: "tile" (default: one load per half,
-#: [nb, 2, 16], split into the four code words' pieces in registers) or "words" (one load per
-#: word and half, [nb, 2, 4]). Triton lays a load out for coalescing and converts it to the
-#: layout its consumer needs through shared memory (a store, a CTA barrier, loads); a load of
-#: fewer elements than the CTA has threads it instead places straight in the consumer's layout
-#: (``isExpensiveLoadOrStore``), here every lane of a warp reading the same x. Nsight Compute
-#: on the 8x f16 MoE gate_up (H200 run 173): 12 CTA barriers per K step, 12% of its warps'
-#: stall samples at them. Read when a kernel is traced (as ``f16_sums``); the decode step sets
-#: it from ``DecodeOptions.x16_loads``. With the "pair" sums (small tiles) the tile is loaded.
-#: **Measured slower** (H200 run 176): the per-lane broadcast loads (8 per K step instead of 2)
-#: cost more than the barriers they remove: the 8x1K gate_up 29.8 -> 37.0 us per layer, the
-#: batch-1 LM head 58.8 -> 101; 8x1K 4.254 -> 4.688 ms, 1x1K 1.714 -> 1.905. For measurements.
-x16_loads = config.enum_state(
-    "flint_jax_nvfp4_x16_loads", ["tile", "words"], default="tile",
-    include_in_trace_context=True, include_in_jit_key=True,
-    help="how the NVFP4 f16 blocks K step loads its x16 operand")
-
-
 def _x16_words(v):
-  """An x16 half as the four code words' pieces: a loaded [nb, 2, 16] tile split in registers,
-  or the pieces loaded one by one (``x16_loads`` "words")."""
-  return list(v) if isinstance(v, (list, tuple)) else jnp.split(v, 4, axis=-1)
-
-
-def _x16_whole(v):
-  return jnp.concatenate(list(v), axis=-1) if isinstance(v, (list, tuple)) else v
+  """An x16 half ([nb, 2, 16], loaded whole) as the four code words' pieces, split in
+  registers."""
+  return jnp.split(v, 4, axis=-1)
 
 
 _F16_MIN_BYTES = 4   # code bytes per thread the f16 K step's asm needs (one pack of 4)
@@ -666,7 +644,7 @@ def f16_block_lane_sums(q, xl, xh, decode):
   bytes 0 and 1 of each word, lane 1 bytes 2 and 3). GPU: inline PTX, the four words split off
   the loaded tile (``jnp.split``: register moves); interpret: jnp."""
   if decode != "asm":
-    return _f16_block_lane_sums(q, _x16_whole(xl), _x16_whole(xh))
+    return _f16_block_lane_sums(q, xl, xh)
   words = q.shape[:-1] + (4,)
   qs = jnp.split(q, 4, axis=-1)
   xls, xhs = _x16_words(xl), _x16_words(xh)
@@ -712,8 +690,7 @@ def _scale_x128(s, decode="asm"):
 
 def blocks_fma_f16(acc, codes, x_half, decode, x_scales=None):
   """The ``blocks`` K step on f16 products: acc [BN, nb, 2] + per 16-value block, s x 2^7 times
-  the sum of its ``f16_lane_sums`` (x_half(h): the ``x16_operand`` half h, f16 [nb, 2, 16], or
-  its four code words' pieces [nb, 2, 4] as loaded under ``x16_loads`` "words").
+  the sum of its ``f16_lane_sums`` (x_half(h): the ``x16_operand`` half h, f16 [nb, 2, 16]).
   The result carries ``F16_DECODE_FACTOR`` times x16's row scale; or, with ``x_scales`` (the
   low and high nibbles' x block factors, f32 [nb, 2] each: ``store_x16_blocks``' inv), the
   factor only."""
@@ -739,13 +716,7 @@ def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *,
       C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
       if codes is None:
         codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
-      # [nb, 2, 4] per code word (x16_loads); the block sums only: the pair sums take the x
-      # halves whole, and Triton cannot join four pieces back (2-argument concatenate only)
-      if x16_loads.value == "words" and f16_sums.value == "block":
-        x_half = lambda h: [x_ref[(*x_idx, 0, blk, h, ds, pl.ds(4 * i, 4))]  # noqa: E731
-                            for i in range(4)]
-      else:
-        x_half = lambda h: x_ref[(*x_idx, 0, blk, h, ds, ds)]             # noqa: E731
+      x_half = lambda h: x_ref[(*x_idx, 0, blk, h, ds, ds)]               # noqa: E731
       x_scales = (None if x_scale_ref is None else
                   tuple(x_scale_ref[(*x_idx, 0, blk, half, ds)] for half in (0, 1)))
       return blocks_fma_f16(acc, codes, x_half, decode, x_scales)

@@ -9,7 +9,8 @@ before its predecessor has finished -- as soon as every CTA of the predecessor h
 predecessor has completed and its writes are visible. Measured on the H200 (run 47,
 ``benchmarks/pdl_triton_probe.py``): a kernel's first instruction after that wait runs
 0.6-0.8 us after its predecessor's last one, with or without an early trigger; a Pallas kernel
-cannot run anything (e.g. its weight loads) before the wait XLA puts in front of it.
+cannot run anything (e.g. its weight loads) before the wait XLA puts in front of it. (The
+probe and its ``griddepcontrol.wait`` / ``%globaltimer`` primitives were retired after 35c0874.)
 
 What is left to a kernel is to *trigger early*: ``launch_dependents()`` at its start lets the
 next kernel's CTAs be placed and reach their entry wait while this one works (a chain of
@@ -23,14 +24,10 @@ and waiting (no chain of waiting CTAs can crowd out a predecessor's unplaced CTA
 ``tests/test_pallas_pdl.py`` checks the entry wait on the GPU: a consumer that does not wait
 itself still reads what its triggering producer wrote last.
 
-- ``launch_dependents()``: ``griddepcontrol.launch_dependents``.
-- ``grid_dependency_wait()``: ``griddepcontrol.wait`` (redundant after XLA's entry wait; for
-  probes, and for a jaxlib that stops inserting it).
-- ``global_timer_lo()``: the low 32 bits of ``%globaltimer`` (ns), for probes.
-
-The griddepcontrol ops are side-effecting jaxpr primitives (kept by dead-code elimination) lowered
-to non-pure inline asm with a memory clobber, so neither LLVM nor Triton moves memory accesses
-across them; each returns an int32 zero. All three are no-ops (zeros) in interpret mode.
+``launch_dependents()`` is ``griddepcontrol.launch_dependents``: a side-effecting jaxpr primitive
+(kept by dead-code elimination) lowered to non-pure inline asm with a memory clobber, so neither
+LLVM nor Triton moves memory accesses across it; it returns an int32 zero, and is a no-op (a
+zero) in interpret mode.
 """
 
 from __future__ import annotations
@@ -48,8 +45,8 @@ from jax._src.lib.mlir import ir
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.lib.triton import dialect as tt_dialect
 
-__all__ = ["grid_dependency_wait", "launch_dependents", "global_timer_lo", "with_early_trigger",
-           "early_trigger", "early_trigger_kernels", "triggers"]
+__all__ = ["launch_dependents", "with_early_trigger", "early_trigger", "early_trigger_kernels",
+           "triggers"]
 
 #: Whether ``_common.pallas_call`` makes a flint_jax kernel trigger its dependents at its start:
 #: ``with pdl.early_trigger(False): ...`` around the code that traces the kernels (part of jax's
@@ -113,17 +110,9 @@ def _asm_primitive(name: str, asm: str, constraints: str):
   return prim
 
 
-_wait_p = _asm_primitive("flint_griddepcontrol_wait",
-                         "griddepcontrol.wait;\n\tmov.u32 $0, 0;", "=r,~{memory}")
 _launch_p = _asm_primitive("flint_griddepcontrol_launch_dependents",
                            "griddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;",
                            "=r,~{memory}")
-_timer_p = _asm_primitive("flint_globaltimer_lo", "mov.u32 $0, %globaltimer_lo;", "=r")
-
-
-def grid_dependency_wait():
-  """``griddepcontrol.wait`` in a Pallas Triton kernel; returns an int32 0."""
-  return _wait_p.bind()
 
 
 def launch_dependents():
@@ -140,8 +129,3 @@ def with_early_trigger(kernel):
     return kernel(*refs, **kw)
 
   return body
-
-
-def global_timer_lo():
-  """Low 32 bits of the GPU's global nanosecond timer (int32; 0 in interpret mode)."""
-  return _timer_p.bind()

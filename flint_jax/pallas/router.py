@@ -16,16 +16,6 @@ version multiplied ``[Mp, 1, BK] * [1, block_e, BK]`` in 3-D: 9.5-10.3 us at bat
 where XLA's split-K GEMM + reduce take 7.0-7.6.)
 The result differs from XLA's ``Precision.HIGHEST`` dot only in the fp32 summation order.
 
-``router_logits_topk(x, router_w, counter, top_k=...)``: the same kernel, and its last program
-(an arrival counter in ``counter[counter_base]``, ``atomic_add`` after a CTA barrier, reset to
-zero by that program) also selects each token's top-k experts from the logits the others
-stored (``moe.MoERoute``, ``lax.top_k`` order, ties by lowest index): the routing that
-``moe_decode_routed(route=...)`` takes, without ``moe_topk_route_pallas``'s own launch (one
-kernel less per MoE layer at batch > 1). Measured slower on the H200 (run 107, M = 8: 7.9 us
-against 3.5 + 2.2 for the router and top-k kernels; the one program's top-k over all rows runs
-after every other program, where the top-k kernel gives each row its own program), so the
-decode step leaves it off (``DecodeOptions.router_topk``).
-
 Shapes: x [M, D] (bf16 or f32), router_w [E, D] (fp32, or bf16 upcast); D a multiple of
 ``block_k``, E of ``block_e``. Returns f32 [M, E].
 """
@@ -41,19 +31,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
-from flint_jax.pallas.moe import MoERoute, moe_router_logits, moe_topk_route, topk_select
+from flint_jax.pallas.moe import moe_router_logits
 
-__all__ = ["router_logits", "router_logits_reference", "router_logits_topk",
-           "router_logits_topk_reference"]
+__all__ = ["router_logits", "router_logits_reference"]
 
 MAX_ROWS = 16
 
 
-def _kernel(x_ref, w_ref, *refs, m, mp, block_e, block_k, d, top_k=None, n_exp=None, base=0,
-            interpret=False):
-  """One program: block_e router rows times all M rows of x. With top_k: refs = (counter in,
-  logits, ids, top logits, counter out), and the last program to finish runs the top-k."""
-  o_ref = refs[0] if top_k is None else refs[1]
+def _kernel(x_ref, w_ref, o_ref, *, m, mp, block_e, block_k, d):
+  """One program: block_e router rows times all M rows of x."""
   e0 = pl.multiple_of(pl.program_id(0) * block_e, block_e)
   rows = C.row_load_index(m, mp)
 
@@ -69,33 +55,6 @@ def _kernel(x_ref, w_ref, *refs, m, mp, block_e, block_k, d, top_k=None, n_exp=N
   r, rmask = C.row_store_index(m, mp)
   for e, acc in enumerate(accs):
     plgpu.store(o_ref.at[r, e0 + e], jnp.sum(acc, axis=1), mask=rmask)      # [Mp]
-  if top_k is None:
-    return
-  _, _, ids_ref, top_ref, cnt_ref = refs
-  if not interpret:   # every thread's stores precede the atomic (no CPU lowering)
-    plgpu.debug_barrier()
-  old = plgpu.atomic_add(cnt_ref, (jnp.int32(base),), jnp.int32(1))
-
-  @pl.when(old == pl.num_programs(0) - 1)
-  def _():
-    plgpu.store(cnt_ref.at[jnp.int32(base)], jnp.int32(0))
-    _topk_rows(o_ref, ids_ref, top_ref, m=m, mp=mp, top_k=top_k, n_exp=n_exp)
-
-
-def _topk_rows(l_ref, ids_ref, top_ref, *, m, mp, top_k, n_exp):
-  """ids / top [M, top_k] of the logits l_ref [M, E] (written by the other programs of this
-  kernel: volatile loads), all M rows at once (``moe.topk_select`` on an [Mp, next_pow2(E)]
-  tile)."""
-  ep = C.next_pow2(n_exp)
-  cols = jnp.arange(ep, dtype=jnp.int32)
-  rows = C.row_load_index(m, mp)
-  lg = plgpu.load(l_ref.at[rows[:, None], jnp.minimum(cols, n_exp - 1)[None, :]],
-                  volatile=True)                                          # [Mp, Ep]
-  taken = jnp.broadcast_to((cols >= n_exp)[None, :], (mp, ep))
-  r, rmask = C.row_store_index(m, mp)
-  for j, (idx, mx) in enumerate(topk_select(lg, cols, taken, top_k, n_exp)):   # [Mp] each
-    plgpu.store(ids_ref.at[r, j], idx, mask=rmask)
-    plgpu.store(top_ref.at[r, j], mx, mask=rmask)
 
 
 def default_router_blocks(m: int, n_exp: int, d: int) -> tuple[int, int]:
@@ -115,32 +74,6 @@ def default_router_blocks(m: int, n_exp: int, d: int) -> tuple[int, int]:
 def router_logits(x, router_w, *, block_e: int | None = None, block_k: int | None = None,
                   num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
   """f32 [M, E] = f32(x) . f32(router_w)^T; see the module docstring."""
-  return _router_call(x, router_w, None, block_e=block_e, block_k=block_k, num_warps=num_warps,
-                      num_stages=num_stages, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("top_k", "counter_base", "block_e", "block_k",
-                                             "num_warps", "num_stages", "interpret"))
-def router_logits_topk(x, router_w, counter, *, top_k: int = 6, counter_base: int = 0,
-                       block_e: int | None = None, block_k: int | None = None,
-                       num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
-  """(logits f32 [M, E], ``MoERoute(ids [M, top_k] int32, logits [M, top_k] f32)``, counter):
-  ``router_logits`` and ``moe.moe_topk_route`` of its result in one kernel (module docstring).
-  counter: int32 [>= counter_base + 1] whose entry ``counter_base`` is zero on entry; it is
-  returned (updated in place) with that entry back at zero, for the next kernel that counts."""
-  C.check(counter.dtype == jnp.int32 and counter.ndim == 1 and 0 <= counter_base
-          < counter.shape[0], f"counter must be int32 [> counter_base={counter_base}], got "
-          f"{counter.shape} {counter.dtype}")
-  C.check(1 <= top_k <= router_w.shape[0],
-          f"need 1 <= top_k <= E, got {top_k=} E={router_w.shape[0]}")
-  logits, ids, top, counter = _router_call(
-      x, router_w, counter, top_k=top_k, counter_base=counter_base, block_e=block_e,
-      block_k=block_k, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-  return logits, MoERoute(ids, top), counter
-
-
-def _router_call(x, router_w, counter, *, top_k=None, counter_base=0, block_e, block_k,
-                 num_warps, num_stages, interpret):
   C.check(x.ndim == 2, f"x must be [M, D], got {x.shape=}")
   m, d = x.shape
   C.check(1 <= m <= MAX_ROWS, f"router_logits handles 1..{MAX_ROWS} rows, got M={m}")
@@ -156,19 +89,11 @@ def _router_call(x, router_w, counter, *, top_k=None, counter_base=0, block_e, b
   C.check(C.is_pow2(block_k) and d % block_k == 0,
           f"block_k must be a power of two dividing D={d}, got {block_k=}")
   mp = C.next_pow2(m)
-  kernel = functools.partial(_kernel, m=m, mp=mp, block_e=block_e, block_k=block_k, d=d,
-                             top_k=top_k, n_exp=n_exp, base=counter_base, interpret=interpret)
-  name = f"flint_router_m{m}_be{block_e}_bk{block_k}"
-  out_shape, args, aliases = jax.ShapeDtypeStruct((m, n_exp), jnp.float32), (x, router_w), {}
-  if top_k is not None:   # + ids, top logits and the counter (in place)
-    out_shape = (out_shape, jax.ShapeDtypeStruct((m, top_k), jnp.int32),
-                 jax.ShapeDtypeStruct((m, top_k), jnp.float32),
-                 jax.ShapeDtypeStruct(counter.shape, jnp.int32))
-    args, aliases, name = (x, router_w, counter), {2: 3}, f"{name}_top{top_k}"
+  kernel = functools.partial(_kernel, m=m, mp=mp, block_e=block_e, block_k=block_k, d=d)
   return C.pallas_call(
-      kernel, grid=(n_exp // block_e,), out_shape=out_shape, input_output_aliases=aliases,
+      kernel, grid=(n_exp // block_e,), out_shape=jax.ShapeDtypeStruct((m, n_exp), jnp.float32),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=name)(*args)
+      name=f"flint_router_m{m}_be{block_e}_bk{block_k}")(x, router_w)
 
 
 def router_logits_reference(x, router_w, **unused_tuning):
@@ -176,9 +101,3 @@ def router_logits_reference(x, router_w, **unused_tuning):
   del unused_tuning
   return moe_router_logits(x, router_w)
 
-
-def router_logits_topk_reference(x, router_w, counter, *, top_k: int = 6, **unused_tuning):
-  """Plain jnp: (``moe_router_logits``, ``moe_topk_route`` of it, the counter unchanged)."""
-  del unused_tuning
-  logits = moe_router_logits(x, router_w)
-  return logits, moe_topk_route(logits, top_k=top_k), counter

@@ -237,10 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="fewer layers (quick runs)")
     p.add_argument("--steps", type=int, default=50, help="timed decode steps per case")
     p.add_argument("--paths", nargs="+", default=["xla", "pallas"],
-                   choices=["xla", "pallas", "pallas_v1", "pallas_fused"],
-                   help="decode paths to time side by side: xla (reference), pallas (default "
-                        "kernels), pallas_v1 (the first Pallas step), pallas_fused (every "
-                        "fusion, including those not yet measured)")
+                   help="decode paths to time side by side: xla (reference), pallas (the "
+                        "measured plan, fast_decode.decode_plan), or a plan variant such as "
+                        "pallas_early_trigger=false (benchmarks/decode_bench.make_handle)")
     p.add_argument("--config", default="flint", help="preset name (tiny for a CPU smoke run)")
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--trace", action="store_true", help="count kernels with the profiler")

@@ -38,7 +38,8 @@ class Flint:
     `nnx.split` of the module tree), `dtype`, `quant` (NVFP4 linear layers), `kernels` ("xla" or
     "pallas"), `mesh` (or None), `max_length` (the longest sequence a cache may hold),
     `generation_config` (dict from generation_config.json), `source` (path loaded),
-    `decode_options` (`fast_decode.DecodeOptions` of the Pallas step, or None for the defaults).
+    `decode_plan` (a function (quant, batch) -> `fast_decode.DecodePlan` for the Pallas step, or
+    None for `fast_decode.decode_plan`, the measured choices).
     """
 
     config: FlintConfig
@@ -53,9 +54,9 @@ class Flint:
     generation_config: dict = dataclasses.field(default_factory=dict)
     source: str = ""
     cache_sharding: Any = None
-    # fast_decode.DecodeOptions for the Pallas step (None: the defaults); may be changed at any
-    # time (the jitted steps are keyed by it).
-    decode_options: Any = None
+    # (quant, batch) -> fast_decode.DecodePlan for the Pallas step (None: fast_decode.decode_plan);
+    # may be changed at any time (the jitted steps are keyed by it).
+    decode_plan: Any = None
 
     def __post_init__(self):
         if not self.max_length:
@@ -115,7 +116,7 @@ class Flint:
         the host's per-call cost is paid once per `n_steps` tokens); the cache and the seen-token
         mask are donated. The returned key continues the chain.
         """
-        key = ("decode", params, with_seen, self.kernels, self.decode_options, n_steps)
+        key = ("decode", params, with_seen, self.kernels, self.decode_plan, n_steps)
         if key not in self._jit_cache:
             step = self.decode_logits_fn_raw()
             unflatten = self._unflatten()
@@ -166,12 +167,12 @@ class Flint:
             from flint_jax import fast_decode
             return fast_decode.make_decode_step(graphdef, cfg, fallback=xla_step,
                                                 interpret=jax.default_backend() != "gpu",
-                                                options=self.decode_options)
+                                                plan=self.decode_plan)
         return xla_step
 
     def decode_logits_fn(self):
         """jit(leaves, cache, tokens [B]) -> (f32 logits [B, V], cache), cache donated."""
-        key = ("decode_logits", self.kernels, self.decode_options)
+        key = ("decode_logits", self.kernels, self.decode_plan)
         if key not in self._jit_cache:
             step, unflatten = self.decode_logits_fn_raw(), self._unflatten()
             self._jit_cache[key] = jax.jit(

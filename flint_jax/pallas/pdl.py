@@ -14,9 +14,10 @@ probe and its ``griddepcontrol.wait`` / ``%globaltimer`` primitives were retired
 
 What is left to a kernel is to *trigger early*: ``launch_dependents()`` at its start lets the
 next kernel's CTAs be placed and reach their entry wait while this one works (a chain of
-norm -> GEMV kernels: -0.1 us per kernel, run 47). ``_common.pallas_call`` does that for every
-flint_jax kernel traced under ``early_trigger`` (on by default; the decode step sets it per
-format, ``DecodeOptions.early_trigger``). It is
+norm -> GEMV kernels: -0.1 us per kernel, run 47). ``_common.pallas_call`` does that for a
+kernel whose wrapper is called with ``early_trigger=True`` (every kernel wrapper's static
+argument; the decode step passes ``DecodePlan.early_trigger``: on for BF16 weights, off for
+NVFP4). It is
 safe because every kernel XLA launches with PDL waits at its entry before touching memory, and
 a kernel launched without PDL (a memset, a library GEMM) starts after its predecessor ends
 anyway; and because the trigger comes after the entry wait, at most one kernel ahead is placed
@@ -37,7 +38,6 @@ import functools
 import numpy as np
 
 import jax.numpy as jnp
-from jax._src import config
 from jax._src import core as jax_core
 from jax._src import effects
 from jax._src.interpreters import mlir
@@ -45,40 +45,7 @@ from jax._src.lib.mlir import ir
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.lib.triton import dialect as tt_dialect
 
-__all__ = ["launch_dependents", "with_early_trigger", "early_trigger", "early_trigger_kernels",
-           "triggers"]
-
-#: Whether ``_common.pallas_call`` makes a flint_jax kernel trigger its dependents at its start:
-#: ``with pdl.early_trigger(False): ...`` around the code that traces the kernels (part of jax's
-#: trace context and of the jit key, so jitted kernel wrappers traced under either value are
-#: cached apart: jax 0.11 keys a top-level jitted call on ``include_in_jit_key`` states only);
-#: the default comes from the env var ``FLINT_JAX_PDL_EARLY_TRIGGER`` (on).
-early_trigger = config.bool_state(
-    "flint_jax_pdl_early_trigger", default=True, include_in_trace_context=True,
-    include_in_jit_key=True,
-    help="flint_jax Pallas kernels execute griddepcontrol.launch_dependents at their start")
-
-#: Which kernels trigger under ``early_trigger``: "all", "latency" (the latency-bound ones:
-#: attention, merge, norms, MoE combine -- ``LATENCY_KERNELS``) or "streams" (the others: the
-#: weight-streaming GEMV / MoE kernels). For measurements (``DecodeOptions.early_trigger``).
-early_trigger_kernels = config.enum_state(
-    "flint_jax_pdl_early_trigger_kernels", ["all", "latency", "streams"], default="all",
-    include_in_trace_context=True, include_in_jit_key=True,
-    help="which flint_jax kernels trigger early")
-
-#: Name prefixes of the latency-bound kernels (the ``name`` of their ``pallas_call``).
-LATENCY_KERNELS = ("flint_qk_norm", "flint_decode_attn", "flint_add_rms_norm", "flint_rms_norm",
-                   "flint_moe_combine")
-
-
-def triggers(name: str) -> bool:
-  """Whether a kernel called ``name`` triggers early under the current ``early_trigger`` /
-  ``early_trigger_kernels`` (read when the kernel is traced)."""
-  if not early_trigger.value:
-    return False
-  kinds = early_trigger_kernels.value
-  return kinds == "all" or (kinds == "latency") == name.startswith(LATENCY_KERNELS)
-
+__all__ = ["launch_dependents", "with_early_trigger"]
 
 class GridDependencyEffect(effects.Effect):
   """griddepcontrol / timer reads: not pure, so jaxpr dead-code elimination keeps them."""

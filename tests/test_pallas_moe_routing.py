@@ -1,4 +1,4 @@
-"""The fp32 MoE router GEMV kernel (``pallas.router``) against its reference, interpret mode on
+"""The fp32 MoE router GEMV kernel (``pallas.moe.routing``) against its reference, interpret mode on
 CPU (and compiled on the GPU with ``JAX_PLATFORMS=cuda``)."""
 
 import jax
@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flint_jax.pallas.moe import moe_topk_route
-from flint_jax.pallas.router import router_logits, router_logits_reference
-from flint_jax.pallas.testing import lower_for_h200
+from flint_jax.pallas.moe.routing import moe_topk_route
+from flint_jax.pallas.moe.routing import router_logits, router_logits_reference
+from pallas_testing import lower_for_h200
 
 INTERPRET = jax.default_backend() in ("cpu", "tpu")
 

@@ -1,6 +1,5 @@
-"""Test and benchmark helpers for the Pallas kernels (random inputs, tolerances, GPU lowering).
-
-Used by ``tests/test_pallas_*.py`` and ``benchmarks/kernels.py``; not imported by runtime code.
+"""Test helpers for the Pallas kernels (random inputs, tolerances, lowering for an H200 on a
+CPU host): ``import pallas_testing`` from the tests (pytest puts ``tests/`` on the path).
 """
 
 from __future__ import annotations

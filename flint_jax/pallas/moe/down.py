@@ -50,7 +50,6 @@ def _down_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, n_slots_max,
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   dt = r["out"].dtype
   kw = dict(decode=decode, method=method, f16_sums=f16_sums)
-  C.acc_zeros(mp, bn, C.finish_method(method))   # TEMP (jaxpr parity with 35c0874)
   if token_method is None:
     m_u, mp_u, method_u = m, mp, method
   else:

@@ -29,7 +29,7 @@ from flax import nnx
 
 from flint_jax.cache import KVCache, cache_shapes
 from flint_jax.config import FlintConfig, preset
-from flint_jax.engine import Flint
+from flint_jax.decode import Flint
 from flint_jax.model import FlintForCausalLM
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (spec section 9)

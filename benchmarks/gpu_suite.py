@@ -27,7 +27,7 @@ import numpy as np
 import decode_bench
 from flint_jax.config import preset
 from flint_jax.decode import prefill
-from flint_jax.engine import Flint
+from flint_jax.decode import Flint
 
 
 def copy_tree(tree):

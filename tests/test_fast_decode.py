@@ -163,7 +163,7 @@ def test_decode_compiles_once():
         cfg = flint_jax.preset("tiny", num_hidden_layers=1)
         h = flint_jax.from_module(FlintForCausalLM(cfg, rngs=nnx.Rngs(0)), kernels="pallas")
         flint_jax.generate(h, [[1, 2, 3]], max_new_tokens=4, temperature=0, stop_token_ids=[])
-        print(sorted((k[0], f._cache_size()) for k, f in h._jit_cache.items()))"""
+        print(sorted((k[0], f._cache_size()) for k, f in h.steps.items()))"""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

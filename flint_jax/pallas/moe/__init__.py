@@ -51,8 +51,8 @@ from flint_jax.pallas.moe import tiling as T
 from flint_jax.pallas.moe.combine import (moe_combine_add_rms_norm,
                                           moe_combine_add_rms_norm_reference)
 from flint_jax.pallas.moe.down import down
-from flint_jax.pallas.moe.gate_up import _ref_linear, _selected_experts, gate_up
-from flint_jax.pallas.moe.routing import (MoERoute, _check_logits, moe_route_from_logits,
+from flint_jax.pallas.moe.gate_up import ref_linear, selected_experts, gate_up
+from flint_jax.pallas.moe.routing import (MoERoute, check_logits, moe_route_from_logits,
                                           moe_route_weights, moe_router_logits, moe_topk_route,
                                           moe_topk_route_pallas, router_logits,
                                           router_logits_reference)
@@ -68,9 +68,9 @@ __all__ = ["moe_decode_routed", "moe_decode_routed_combine", "moe_decode_routed_
 def _routed(x, logits, experts, shared, top_k, plan, decode, early_trigger, interpret,
             gate_up_counter=None, x16_rows=None, combine=None):
   """The launches of ``moe_decode_routed`` / ``_combine``: (down's outputs, route, counter)."""
-  dims = T._shapes(x, experts, shared)  # pylint: disable=protected-access
+  dims = T.moe_shapes(x, experts, shared)
   fe, fs, m, _, n_exp, _, _ = dims
-  _check_logits(logits, m, n_exp, top_k)
+  check_logits(logits, m, n_exp, top_k)
   plan = plan or moe_plan(fe, fs, m)
   C.check(isinstance(plan, MoEPlan) and (plan.experts, plan.shared, plan.rows) == (fe, fs, m),
           f"plan must be the MoEPlan of these weights at M={m} (experts {fe}, shared {fs}), "
@@ -164,12 +164,12 @@ def moe_decode_routed_reference(x, logits, experts, shared, *, top_k: int = 6,
 
 @functools.partial(jax.jit, static_argnames=("top_k",))
 def _moe_decode_routed_reference(x, logits, experts, shared, *, top_k):
-  fe, fs, m, d, _, inter, _ = T._shapes(x, experts, shared)  # pylint: disable=protected-access
+  fe, fs, m, d, _, inter, _ = T.moe_shapes(x, experts, shared)
   dt = x.dtype
   hi = lax.Precision.HIGHEST
   route = moe_topk_route(logits, top_k=top_k)
   ids = route.ids.reshape(-1)                                         # [U], slot order
-  gu, dn, s_gu, s_dn = _selected_experts(experts, ids, fe)           # [U, ...]
+  gu, dn, s_gu, s_dn = selected_experts(experts, ids, fe)           # [U, ...]
   g = jnp.einsum("md,uid->umi", x, gu[:, :inter], preferred_element_type=jnp.float32,
                  precision=hi) * s_gu[:, None, 0:1]
   u = jnp.einsum("md,uid->umi", x, gu[:, inter:], preferred_element_type=jnp.float32,
@@ -177,7 +177,7 @@ def _moe_decode_routed_reference(x, logits, experts, shared, *, top_k):
   h = C.silu_mul_f32(g, u).astype(dt)                                  # [U, M, I]
   y = (jnp.einsum("umi,udi->umd", h, dn, preferred_element_type=jnp.float32, precision=hi)
        * s_dn[:, None, None]).astype(dt)                               # [U, M, D]
-  hs = C.silu_mul_f32(_ref_linear(x, shared["gate_proj"], fs),
-                      _ref_linear(x, shared["up_proj"], fs)).astype(dt)
-  y_s = _ref_linear(hs, shared["down_proj"], fs).astype(dt)
+  hs = C.silu_mul_f32(ref_linear(x, shared["gate_proj"], fs),
+                      ref_linear(x, shared["up_proj"], fs)).astype(dt)
+  y_s = ref_linear(hs, shared["down_proj"], fs).astype(dt)
   return jnp.concatenate([y, y_s[None]], axis=0), route

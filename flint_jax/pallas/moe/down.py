@@ -28,7 +28,7 @@ from flint_jax.pallas import _common as C
 from flint_jax.pallas import nvfp4_gemv as NV
 from flint_jax.pallas.moe import tiling as T
 from flint_jax.pallas.moe.combine import down_combine_finish
-from flint_jax.pallas.moe.gate_up import _ref_linear, _selected_experts
+from flint_jax.pallas.moe.gate_up import ref_linear, selected_experts
 
 __all__ = ["down", "down_reference"]
 
@@ -220,11 +220,11 @@ def down_reference(h, hs, experts, shared, ids, *, slot_rows: str = "all"):
   dt = hs.dtype
   top_k = ids.shape[1]
   m = ids.shape[0]
-  _, dn, _, s_dn = _selected_experts(experts, ids.reshape(-1), fe)     # [U, D, I]
+  _, dn, _, s_dn = selected_experts(experts, ids.reshape(-1), fe)     # [U, D, I]
   y = (jnp.einsum("umi,udi->umd", h, dn, preferred_element_type=jnp.float32,
                   precision=lax.Precision.HIGHEST) * s_dn[:, None, None]).astype(dt)
   if slot_rows == "token":
     uu = m * top_k
     y = jnp.zeros((uu, m, y.shape[-1]), dt).at[jnp.arange(uu), jnp.arange(uu) // top_k].set(y[:, 0])
-  y_s = _ref_linear(hs, shared["down_proj"], fs).astype(dt)
+  y_s = ref_linear(hs, shared["down_proj"], fs).astype(dt)
   return jnp.concatenate([y, y_s[None]], axis=0)

@@ -3,7 +3,7 @@
 One program per (slot, ``block_n`` rows of the intermediate dim), plus programs for the shared
 expert's gate / up. Slot u = t * top_k + j is token t's j-th expert (no de-duplication): the
 program picks its expert from the routing (``route_ids_in`` with ``MoEPlan.prerouted``, else
-token t's top-k of the router ``logits``, ``routing._slot_route``, whose first row block stores
+token t's top-k of the router ``logits``, ``routing.slot_route``, whose first row block stores
 the routing as two more outputs), indexes the stacked weight ``w[e]`` (dynamic ref indexing:
 only the selected experts' weights are read) and writes
 
@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from flint_jax.pallas import _common as C
 from flint_jax.pallas import nvfp4_gemv as NV
 from flint_jax.pallas.moe import tiling as T
-from flint_jax.pallas.moe.routing import MoERoute, _slot_route
+from flint_jax.pallas.moe.routing import MoERoute, slot_route
 
 __all__ = ["gate_up", "gate_up_reference"]
 
@@ -47,7 +47,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
                     shared_first=False, shared_token=False, x16=False, h16=False,
                     f16_sums="block", interpret=False):
   """route = (top_k, n_exp, ep): slot u's expert is ``route_ids_in[u // top_k, u % top_k]``
-  when that input is given, else computed from the ``logits`` (``_slot_route``) and stored by
+  when that input is given, else computed from the ``logits`` (``slot_route``) and stored by
   the slot's j == 0 program at ``route_ids`` / ``route_logits`` [u // top_k, u % top_k].
   shared_first: the shared expert's programs take the first program ids. shared_token (with
   token_method): the shared expert as M one-token parts, one program per (token, row block) on
@@ -121,7 +121,7 @@ def _gate_up_kernel(*refs, names, m, mp, inter, inter_s, bn, bk, bk_s, d, fe, fs
     if "route_ids_in" in r:
       e = r["route_ids_in"][u // route[0], u % route[0]]
     else:
-      e, lg = _slot_route(r["logits"], u, route)
+      e, lg = slot_route(r["logits"], u, route)
       top_k = route[0]
 
       @pl.when((j == 0) & (ks == 0))  # one program per slot stores the routing (scalars)
@@ -166,7 +166,7 @@ def gate_up(x, experts, shared, plan: T.MoEPlan, dims, *, route, route_ids=None,
             logits=None, x16_rows=None, counter=None, decode="asm", early_trigger=True,
             interpret=False):
   """Launches the gate_up kernel. ``dims``: (fe, fs, m, d, n_exp, inter, inter_s) of the weights
-  (``tiling._shapes``); ``route`` = (top_k, n_exp, ep). The routing comes as ``route_ids``
+  (``tiling.moe_shapes``); ``route`` = (top_k, n_exp, ep). The routing comes as ``route_ids``
   [M, top_k] (``plan.prerouted``: the top-k kernel's) or is computed from ``logits`` [M, E] and
   returned. ``x16_rows``: (x16 [M, D] f16, inv [M] f32), the f16 operand of x
   (``add_rms_norm(x16=True)``; None: an XLA op here). ``counter`` (``plan.gate_up_split_k`` >
@@ -297,10 +297,10 @@ def gate_up_reference(x, experts, shared, ids, *, slot_rows: str = "all"):
   u = t * top_k + j): h[u] = bf16(silu(g) * u) of expert ids[t, j] for every token (``slot_rows``
   "all") or token t only ("token": [U, 1, I]), g / u each rounded to bf16; hs the shared
   expert's (the contract of ``gate_up`` before the f16 operand's rounding)."""
-  fe, fs, m, _, _, inter, _ = T._shapes(x, experts, shared)  # pylint: disable=protected-access
+  fe, fs, m, _, _, inter, _ = T.moe_shapes(x, experts, shared)
   dt = x.dtype
   hi = lax.Precision.HIGHEST
-  gu, _, s_gu, _ = _selected_experts(experts, ids.reshape(-1), fe)     # [U, ...]
+  gu, _, s_gu, _ = selected_experts(experts, ids.reshape(-1), fe)     # [U, ...]
   g = jnp.einsum("md,uid->umi", x, gu[:, :inter], preferred_element_type=jnp.float32,
                  precision=hi) * s_gu[:, None, 0:1]
   u = jnp.einsum("md,uid->umi", x, gu[:, inter:], preferred_element_type=jnp.float32,
@@ -309,12 +309,12 @@ def gate_up_reference(x, experts, shared, ids, *, slot_rows: str = "all"):
   if slot_rows == "token":
     top_k = ids.shape[1]
     h = h[jnp.arange(m * top_k), jnp.arange(m * top_k) // top_k][:, None]
-  hs = C.silu_mul_f32(_ref_linear(x, shared["gate_proj"], fs),
-                      _ref_linear(x, shared["up_proj"], fs)).astype(dt)
+  hs = C.silu_mul_f32(ref_linear(x, shared["gate_proj"], fs),
+                      ref_linear(x, shared["up_proj"], fs)).astype(dt)
   return h, hs
 
 
-def _ref_linear(x, w, fmt):
+def ref_linear(x, w, fmt):
   """fp32 x . W^T (times scale_2 for NVFP4); w: bf16 [N, K] or (q, s, s2)."""
   if fmt == "bf16":
     return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
@@ -322,7 +322,7 @@ def _ref_linear(x, w, fmt):
   return NV.nvfp4_gemv_reference(x, *w, out_dtype=jnp.float32)
 
 
-def _selected_experts(experts, ids, fe):
+def selected_experts(experts, ids, fe):
   """Dense weights of the experts ``ids`` (any int shape S): gate_up [*S, 2I, D], down
   [*S, D, I] (NVFP4 decoded exactly) and their fp32 tensor scales [*S, 2], [*S] (ones for bf16)."""
   if fe == "bf16":

@@ -23,7 +23,7 @@ Kernels:
   (``_topk_logits``: repeated max + lowest-index argmax over E padded to a power of two;
   Triton has no top_k / sort). The decode step's MoE runs it once per layer with per-token
   slots at batch > 1 (``MoEPlan.prerouted``); elsewhere every gate_up program computes its
-  slot's expert itself (``_slot_route``). (Its fusion into the router kernel's last program,
+  slot's expert itself (``slot_route``). (Its fusion into the router kernel's last program,
   ``router_logits_topk``, measured slower and was retired after 35c0874: run 107.)
 
 Shapes: x [M, D] (bf16 or f32), router_w [E, D] (fp32, or bf16 upcast); logits f32 [M, E].
@@ -197,7 +197,7 @@ def topk_select(lg, cols, taken, top_k, n_exp):
     yield idx, mx
 
 
-def _slot_route(l_ref, u, route):
+def slot_route(l_ref, u, route):
   """(expert id, its logit) of slot u = t * top_k + rank from the logits l_ref [M, E]
   (route = (top_k, n_exp, ep)): token t's rank-th ``_topk_logits`` pair."""
   top_k, n_exp, ep = route
@@ -210,7 +210,7 @@ def _slot_route(l_ref, u, route):
   return e, lg
 
 
-def _check_logits(logits, m, n_exp, top_k):
+def check_logits(logits, m, n_exp, top_k):
   C.check(logits.shape == (m, n_exp) and logits.dtype == jnp.float32,
           f"logits must be f32 [M={m}, E={n_exp}], got {logits.shape=} {logits.dtype=}")
   C.check(1 <= top_k <= n_exp, f"need 1 <= top_k <= E, got {top_k=} {n_exp=}")
@@ -232,7 +232,7 @@ def moe_topk_route_pallas(logits, *, top_k: int = 6, num_warps: int = 1,
   logits f32 [M, E] -> ``MoERoute(ids [M, top_k] int32, logits [M, top_k] f32)``, equal to
   ``moe_topk_route``'s (ties: lowest index first)."""
   m, n_exp = logits.shape
-  _check_logits(logits, m, n_exp, top_k)
+  check_logits(logits, m, n_exp, top_k)
   ids, top = C.pallas_call(
       functools.partial(_topk_kernel, top_k=top_k, n_exp=n_exp, ep=C.next_pow2(n_exp)),
       grid=(m,),

@@ -230,7 +230,8 @@ def _lin_format(w) -> str:
   return "bf16"
 
 
-def _shapes(x, experts, shared):
+def moe_shapes(x, experts, shared):
+  """(experts format, shared format, M, D, E, I, I_s) of the MoE's inputs, checked."""
   fe = expert_format(experts)
   fs = _lin_format(shared["gate_proj"])
   C.check(_lin_format(shared["up_proj"]) == fs == _lin_format(shared["down_proj"]),

@@ -168,7 +168,7 @@ def _tile_mask(rmask, method):
 
 def store_tile(o_ref, lead, acc, n0, bn, m, mp, method, row0=0):
   """Stores the real rows of an accumulator in ``acc_shape`` layout at
-  o_ref[*lead, row0:row0+m, n0:n0+bn] (row0 may be traced); ``lanes`` accumulators must have
+  o_ref[*lead, row0:row0+m, n0:n0+bn] (row0 may be traced); ``blocks`` accumulators must have
   been through ``finish_acc``."""
   r, rmask, cols = _tile_rows_cols(n0, bn, m, mp, row0)
   acc = acc.astype(o_ref.dtype)

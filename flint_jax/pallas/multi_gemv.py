@@ -234,7 +234,7 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
         xt = C.load_x(x_ref, (), m, mp, pl.ds(k0, bk))          # [Mp, BK]
         w = w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]                # [BN, BK]
         return acc + C.mm_tile(xt, w, method)
-      lanes = (bk,)
+      lanes = ()
     else:
       q_ref, s_ref = w_refs[i]
       nb = bk // 64

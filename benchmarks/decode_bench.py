@@ -18,7 +18,6 @@ import gzip
 import glob
 import json
 import os
-import re
 import statistics
 import tempfile
 import time
@@ -30,7 +29,7 @@ from flax import nnx
 
 from flint_jax.cache import KVCache, cache_shapes
 from flint_jax.config import FlintConfig, preset
-from flint_jax.engine import Flint
+from flint_jax.decode import Flint
 from flint_jax.model import FlintForCausalLM
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (spec section 9)
@@ -282,244 +281,52 @@ def _fixed_routing(state):
     return nnx.from_flat_state(pairs)
 
 
-#: Short names of the tile keys in "pallas_mt-..." / "pallas_lm-..." paths.
-_TILE_ABBREV = {"bn": "block_n", "bk": "block_k", "w": "num_warps", "s": "num_stages",
-                "bnd": "block_n_down", "bkd": "block_k_down", "wd": "num_warps_down",
-                "sd": "num_stages_down", "sk": "split_k", "ca": "codes_ahead"}
+def plan_variant(variant: str):
+    """A ``fast_decode.decode_plan`` variant from a path's "field=value[,field=value]" tail:
+    ``DecodePlan`` fields (``early_trigger=0``, ``layer_end=norm``, ``qkv_split_k=2``, ...) and
+    ``moe.`` + ``MoEPlan`` fields (``moe.slot_rows=all``, ``moe.block_n_down=32``). Returns a
+    function (quant, batch) -> DecodePlan for ``Flint.decode_plan``."""
+    import dataclasses
+    from flint_jax.fast_decode import decode_plan
 
+    def value(v: str):
+        if v.lstrip("-").isdigit():
+            return int(v)
+        return {"true": True, "false": False, "none": None}.get(v.lower(), v)
 
-def tiling_options(variant: str):
-    """`DecodeOptions` of a tile-override path variant: "osk8" (`o_proj_split_k=8`),
-    "mt-bnd32-wd8" (`moe_tiling`: block_n_down 32, num_warps_down 8; the token "f16" adds
-    `moe_gate_up_f16`, e.g. "mt-f16-w8", and "shtopk" `moe_shared_with_topk`) or
-    "lm-bn64-w4-dot" (`lm_head_tiling`; a bare word is the tile method, except "x16":
-    `lm_head_f16`, e.g. "lm-x16-bk512-w4"). Keys: ``_TILE_ABBREV``."""
-    import re
-    from flint_jax.fast_decode import DecodeOptions
-    if variant.startswith("osk"):
-        return DecodeOptions(o_proj_split_k=int(variant[3:]))
-    kind, *tokens = variant.split("-")
-    pairs, extra = [], {}
-    for tok in tokens:
-        if kind == "mt" and tok == "f16":
-            extra["moe_gate_up_f16"] = True
-            continue
-        if kind == "mt" and tok == "shtopk":
-            extra["moe_shared_with_topk"] = True
-            continue
-        if kind == "lm" and tok == "x16":
-            extra["lm_head_f16"] = True
-            continue
-        match = re.fullmatch(r"([a-z]+?)(\d+)", tok)
-        if match and match[1] in _TILE_ABBREV:
-            pairs.append((_TILE_ABBREV[match[1]], int(match[2])))
-        elif kind == "lm" and tok.isalpha():
-            pairs.append(("method", tok))
-        else:
-            raise ValueError(f"bad tile token {tok!r} in path variant {variant!r}; keys: "
-                             f"{sorted(_TILE_ABBREV)}")
-    field = "moe_tiling" if kind == "mt" else "lm_head_tiling"
-    return DecodeOptions(**{field: tuple(pairs)}, **extra)
+    top, moe = {}, {}
+    for item in variant.split(","):
+        key, sep, v = item.partition("=")
+        if not sep:
+            raise ValueError(f"bad plan variant {item!r} in {variant!r}: want field=value")
+        (moe if key.startswith("moe.") else top)[key.removeprefix("moe.")] = value(v)
+
+    def plan(quant: bool, batch: int):
+        p = decode_plan(quant, batch)
+        if moe:
+            top["moe"] = dataclasses.replace(p.moe, **moe)
+        return dataclasses.replace(p, **top)
+
+    plan.variant = variant
+    return plan
 
 
 def make_handle(cfg, graphdef, state, quant, path: str) -> Flint:
-    """A model handle for a benchmark path: "xla", "pallas" (default `DecodeOptions`),
-    "pallas_v1" (the session-1 Pallas step: three projection GEMVs, MoE routing in XLA) or
-    "pallas_fused" (every fusion, including those off by default until measured), "pallas_nq"
-    / "pallas_nonq" (`norm_in_qkv` forced on / off; the default: on for BF16 at batch 1), "pallas_fa" / "pallas_faa" (attention "fused" /
-    "fused_atomic"), "pallas_nqfa" / "pallas_nqfaa" (both), "pallas_sp" (attention "split": the
-    session-2 default step), "pallas_rsN" (the sliding layers' attention in N splits,
-    `DecodeOptions.ring_splits`), "pallas_aw2" / "pallas_aw8" / "pallas_aw16"
-    (`attention_num_warps`: the fused attention kernels on 2 / 8 / 16 warps per program instead
-    of 4), "pallas_rmsq" / "pallas_normsq" (`rms_in_qkv` on / off: the MoE layers' next RMSNorm
-    applied by the next q|k|v kernel as it loads the residual; on by default at batch 1), "pallas_qw" (`qkv_wait`: each layer's end and the next q|k|v as one producer /
-    consumer kernel), "pallas_allrows" / "pallas_tokrows" (the routed MoE's
-    `moe_slot_rows` forced to "all" / "token"), "pallas_tokpre" / "pallas_tokpresf" /
-    "pallas_allpresf" (`moe_slot_rows` "token" / "all" with `moe_prerouted`, and
-    `moe_shared_first`), "pallas_nopresf" (both off: the batch 2-4 default before run 100),
-    "pallas_shtok" / "pallas_shall" (`moe_shared_rows` "token": the shared expert per token on
-    the M = 1 tiles, the NVFP4 default since run 102 / "all": its rows on one program per row
-    block), "pallas_tokshtok" (per-token slots and shared expert: the NVFP4 batch > 1 MoE, for
-    BF16 experts), "pallas_toknopre" / "pallas_toknopresf" (per-token slots with the routing in
-    every gate_up program, no top-k kernel; and the shared expert's programs not first),
-    "pallas_rtopk" / "pallas_notopk" (`router_topk` on / off: the MoE's top-k in the router
-    kernel's last program / in its own kernel, the default), "pallas_qkvdot" /
-    "pallas_qkvrows" (`nvfp4_qkv_method`: the NVFP4 q|k|v at batch > 1 on dot / rows tiles),
-    "pallas_rows" (`nvfp4_rows`: CUDA-core tiles for
-    the NVFP4 GEMVs at batch > 1), "pallas_lanes" / "pallas_reduce" / "pallas_blocks" (`nvfp4_m1_method`: the
-    NVFP4 GEMVs and MoE at batch 1 on the "lanes" / "reduce" / "blocks" tile method), "pallas_rin"
-    (`router_in_norm` forced on: add + norm + router GEMV in one kernel; the default at batch 1
-    only), "pallas_norin" (forced off), "pallas_xgu" (`bf16_dense_pallas=False`: the BF16 dense
-    gate|up on XLA at batch 1 too), "pallas_gusk2" / "pallas_gusk4" (`moe_gate_up_split_k`: the
-    BF16 MoE gate_up kernel's K in 2 / 4 slices), "pallas_qsk1/2/4/8/16" (`qkv_split_k`: the
-    fused q|k|v kernel's K in 1 to 16 slices, `norm_qkv` or `multi_gemv`, its partials summed
-    by the attention kernel), "pallas_qfin" (`qkv_finish`: the q|k|v kernel's last K slice of
-    each tile sums the partials itself), "pallas_osk8" (`o_proj_split_k`), "pallas_mt-bnd32-wd8" /
-    "pallas_lm-bn64-w4" (`moe_tiling` / `lm_head_tiling` at batch > 1, `tiling_options`),
-    "pallas_lm-x16" / "pallas_lm-x16-bk512-w4" (`lm_head_f16` forced on: the batch-1 NVFP4 LM
-    head on f16x2 products, the default since run 164, with its tiles), "pallas_nolm16" (off:
-    the f32 blocks tiles),
-    "pallas_x16w" (`x16_loads="words"`: the f16 K step's operand loaded per code word),
-    "pallas_ls3" / "pallas_ls3-moe" / "pallas_ls2-gemv" (`load_stages` / `load_stage_kernels`:
-    the dot-free K loops software-pipelined in that many stages, in all / the MoE / the dense
-    NVFP4 GEMV kernels),
-    "pallas_sht2" / "pallas_sht4" / "pallas_sht8" (`moe_shared_tokens`: the shared expert's
-    gate_up programs each decode their tile once for 2 / 4 / 8 tokens), "pallas_mt-f16"
-    (`moe_gate_up_f16` forced on: the MoE gate_up's f16x2 products, the default at batch > 1;
-    with tile tokens, e.g. "pallas_mt-f16-bn32"), "pallas_nogu16" (forced off), "pallas_dn16"
-    (`moe_down_f16`: the MoE down kernel's f16x2 products too; on by default since run 158),
-    "pallas_nodn16" (off), "pallas_f16blk" / "pallas_dn16blk" (`moe_f16_sums="block"`, the
-    default: those kernels' f16 sums over whole blocks), "pallas_f16pair" (session 24's pair
-    sums), "pallas_gu16pair" (session 24's default: pair sums, the down kernel in f32),
-    "pallas_b1f16" / "pallas_b1gu16" (`moe_gate_up_f16=True`: the f16 MoE kernels, at batch 1
-    the default since run 160, with / without the f16 down kernel), "pallas_nogu16" for the
-    f32 sums at every batch, "pallas_shtopk" (`moe_shared_with_topk`: at batch > 1 the shared
-    expert's gate_up programs in the top-k kernel, the gate_up kernel only the routed slots),
-    "pallas_trig" / "pallas_notrig" (`early_trigger` forced on / off: every kernel's early PDL
-    trigger, `pallas.pdl`), "pallas_triglat" / "pallas_trigstr" (only the latency-bound / only
-    the weight-streaming kernels trigger), "pallas_pf" (`l2_prefetch=True`: later kernels'
-    weights fetched into the L2 by the attention, router and MoE down kernels),
-    "pallas_pfa" / "pallas_pfr" / "pallas_pfd" / "pallas_pfad" / "pallas_pfkv" (only those
-    sites; kv: the sliding layers' attention programs fetch their first K / V blocks),
-    "pallas_xrouter" / "pallas_prouter" (`router_pallas` forced off / on: the batch > 1 router
-    GEMV on XLA / the Pallas kernel), "pallas_po" / "pallas_xo" (`bf16_o_proj_pallas` on / off:
-    the BF16 o_proj at batch > 1 on the Pallas gemv, partials summed by the norm kernel),
-    "pallas_sc1" / "pallas_sc2" (`moe_down_shared_cols`: the shared expert's down columns over 1
-    / 2 programs per block), "pallas_cd" / "pallas_nocd" (`moe_combine_in_down` on / off: the
-    MoE combine + add + norm in the down kernel's last program), "pallas_rincd" /
-    "pallas_rincdnopre" / "pallas_cdnopre" (the batch-1 layer end at batch > 1: the router in
-    the norm kernel and / or the combine in the down kernel, with or without the top-k
-    kernel), "pallas_ffi" (`launch="ffi"`:
-    every kernel compiled by the triton package and launched by flint_jax's FFI call),
-    "pallas_noswap" (`nvfp4_swap=False`: the NVFP4 MoE gate_up and LM head at batch > 1 on
-    session 11's dot tiles), "pallas_shift" (`nvfp4_asm="shift"`: the NVFP4 decode's session-11 instruction sequence),
-    "pallas_mulbf16" (`nvfp4_asm="mul_bf16"`: the multiply decode without the f32 outputs),
-    "pallas_post" (`nvfp4_asm="post"`: the batch-1 blocks tiles scale each block's sum instead of
-    each decoded weight, in every kernel), "pallas_mul" (`nvfp4_asm="mul"` in every kernel: the
-    default until run 91, which gives q|k|v and the MoE down kernel "post"),
-    "pallas_e4m3" (NVFP4: the default step on the state's e4m3 block scales; every other Pallas
-    path gets them pre-scaled to bf16, `nvfp4.prescale_state`, as `flint_jax.load` does),
-    "pallas_tlba" / "pallas_tlbr" / "pallas_tlbg" / "pallas_tlbrg" / "pallas_tlbarg"
-    (`tlb_touch` "attn" / "router" / "gate_up" / both / all three: kernels touch every 2 MiB
-    page of the MoE experts before the kernels that read them), "xla_fixroute" /
-    "pallas_fixroute" (the router weights zeroed: every token of every step selects experts 0-5,
-    so the step reads the same expert pages each time; what a first-touch cost per expert is
-    worth)."""
-    from flint_jax.fast_decode import FUSED_OPTIONS, V1_OPTIONS, DecodeOptions
+    """A model handle for a benchmark path: "xla", "pallas" (``fast_decode.decode_plan``, the
+    measured choices), "pallas_e4m3" (NVFP4: the default step on the state's e4m3 block scales;
+    every other Pallas path gets them pre-scaled to bf16, ``nvfp4.prescale_state``, as
+    ``flint_jax.load`` does), "pallas_<field>=<value>,..." (a plan variant, ``plan_variant``:
+    e.g. "pallas_early_trigger=false", "pallas_moe.slot_rows=all"), "xla_fixroute" /
+    "pallas_fixroute" (the router weights zeroed: every token of every step selects experts
+    0-5, so the step reads the same expert pages each time)."""
     kernels, _, variant = path.partition("_")
     if kernels == "pallas" and quant and variant != "e4m3":
         state = _prescaled(state)   # as `flint_jax.load` holds it for the Pallas path on a GPU
     if variant == "fixroute":    # shares every other array with the state
         state, variant = _fixed_routing(state), ""
-    if variant.startswith("rs"):
-        return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
-                     decode_options=DecodeOptions(ring_splits=int(variant[2:])))
-    if re.fullmatch(r"ls\d+(-(all|moe|gemv))?", variant):   # load_stages[-kernels]
-        n, _, kinds = variant[2:].partition("-")
-        return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
-                     decode_options=DecodeOptions(load_stages=int(n),
-                                                  load_stage_kernels=kinds or "all"))
-    if variant.startswith("sht") and variant[3:].isdigit():
-        return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
-                     decode_options=DecodeOptions(moe_shared_tokens=int(variant[3:])))
-    if variant.startswith(("osk", "mt-", "lm-")):
-        return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
-                     decode_options=tiling_options(variant))
-    options = {"": None, "v1": V1_OPTIONS, "fused": FUSED_OPTIONS,
-               "nq": DecodeOptions(norm_in_qkv=True),
-               "nogu16": DecodeOptions(moe_gate_up_f16=False),
-               "dn16": DecodeOptions(moe_down_f16=True),
-               "nodn16": DecodeOptions(moe_down_f16=False),
-               "f16pair": DecodeOptions(moe_f16_sums="pair"),
-               "f16blk": DecodeOptions(moe_f16_sums="block"),
-               "dn16blk": DecodeOptions(moe_down_f16=True, moe_f16_sums="block"),
-               "gu16pair": DecodeOptions(moe_down_f16=False, moe_f16_sums="pair"),
-               "b1f16": DecodeOptions(moe_gate_up_f16=True),
-               "b1gu16": DecodeOptions(moe_gate_up_f16=True, moe_down_f16=False),
-               "shtopk": DecodeOptions(moe_shared_with_topk=True),
-               "nolm16": DecodeOptions(lm_head_f16=False),
-               "x16w": DecodeOptions(x16_loads="words"),
-               "nonq": DecodeOptions(norm_in_qkv=False),
-               "sp": DecodeOptions(attention="split"),
-               "fa": DecodeOptions(attention="fused"),
-               "faa": DecodeOptions(attention="fused_atomic"),
-               "nqfaa": DecodeOptions(norm_in_qkv=True, attention="fused_atomic"),
-               "nqfa": DecodeOptions(norm_in_qkv=True, attention="fused"),
-               "qw": DecodeOptions(qkv_wait=True),
-               "allrows": DecodeOptions(moe_slot_rows="all"),
-               "tokrows": DecodeOptions(moe_slot_rows="token"),
-               "tokpre": DecodeOptions(moe_slot_rows="token", moe_prerouted=True),
-               "tokpresf": DecodeOptions(moe_slot_rows="token", moe_prerouted=True,
-                                         moe_shared_first=True),
-               "allpresf": DecodeOptions(moe_slot_rows="all", moe_prerouted=True,
-                                         moe_shared_first=True),
-               "nopresf": DecodeOptions(moe_prerouted=False, moe_shared_first=False),
-               "shtok": DecodeOptions(moe_shared_rows="token"),
-               "shall": DecodeOptions(moe_shared_rows="all"),
-               "rmsq": DecodeOptions(rms_in_qkv=True),
-               "normsq": DecodeOptions(rms_in_qkv=False),
-               "aw2": DecodeOptions(attention_num_warps=2),
-               "aw8": DecodeOptions(attention_num_warps=8),
-               "aw16": DecodeOptions(attention_num_warps=16),
-               "tokshtok": DecodeOptions(moe_slot_rows="token", moe_shared_rows="token"),
-               "toknopre": DecodeOptions(moe_slot_rows="token", moe_prerouted=False),
-               "toknopresf": DecodeOptions(moe_slot_rows="token", moe_prerouted=False,
-                                           moe_shared_first=False),
-               "notopk": DecodeOptions(router_topk=False),
-               "rtopk": DecodeOptions(router_topk=True),
-               "qkvdot": DecodeOptions(nvfp4_qkv_method="dot"),
-               "qkvrows": DecodeOptions(nvfp4_qkv_method="rows"),
-               "rows": DecodeOptions(nvfp4_rows=True),
-               "rin": DecodeOptions(router_in_norm=True),
-               "norin": DecodeOptions(router_in_norm=False),
-               "xgu": DecodeOptions(bf16_dense_pallas=False),
-               "lanes": DecodeOptions(nvfp4_m1_method="lanes"),
-               "shift": DecodeOptions(nvfp4_asm="shift"),
-               "mulbf16": DecodeOptions(nvfp4_asm="mul_bf16"),
-               "post": DecodeOptions(nvfp4_asm="post"),
-               "mul": DecodeOptions(nvfp4_asm="mul"),
-               "noswap": DecodeOptions(nvfp4_swap=False),
-               "reduce": DecodeOptions(nvfp4_m1_method="reduce"),
-               "blocks": DecodeOptions(nvfp4_m1_method="blocks"),
-               "gusk2": DecodeOptions(moe_gate_up_split_k=2),
-               "gusk4": DecodeOptions(moe_gate_up_split_k=4),
-               "qsk1": DecodeOptions(qkv_split_k=1),
-               "qsk2": DecodeOptions(qkv_split_k=2),
-               "qsk4": DecodeOptions(qkv_split_k=4),
-               "qsk8": DecodeOptions(qkv_split_k=8),
-               "qsk16": DecodeOptions(qkv_split_k=16),
-               "qfin": DecodeOptions(qkv_finish=True),
-               "trig": DecodeOptions(early_trigger=True),
-               "notrig": DecodeOptions(early_trigger=False),
-               "triglat": DecodeOptions(early_trigger="latency"),
-               "trigstr": DecodeOptions(early_trigger="streams"),
-               "pf": DecodeOptions(l2_prefetch=True),
-               "pfa": DecodeOptions(l2_prefetch="attn"),
-               "pfr": DecodeOptions(l2_prefetch="router"),
-               "pfd": DecodeOptions(l2_prefetch="down"),
-               "pfad": DecodeOptions(l2_prefetch="attn,down"),
-               "pfkv": DecodeOptions(l2_prefetch="kv"),
-               "xrouter": DecodeOptions(router_pallas=False),
-               "prouter": DecodeOptions(router_pallas=True),
-               "po": DecodeOptions(bf16_o_proj_pallas=True),
-               "xo": DecodeOptions(bf16_o_proj_pallas=False),
-               "sc1": DecodeOptions(moe_down_shared_cols=1),
-               "sc2": DecodeOptions(moe_down_shared_cols=2),
-               "cd": DecodeOptions(moe_combine_in_down=True),
-               "rincd": DecodeOptions(router_in_norm=True, moe_combine_in_down=True),
-               "rincdnopre": DecodeOptions(router_in_norm=True, moe_combine_in_down=True,
-                                           moe_prerouted=False),
-               "cdnopre": DecodeOptions(moe_combine_in_down=True, moe_prerouted=False),
-               "nocd": DecodeOptions(moe_combine_in_down=False),
-               "ffi": DecodeOptions(launch="ffi"),
-               "tlba": DecodeOptions(tlb_touch="attn"),
-               "tlbr": DecodeOptions(tlb_touch="router"),
-               "tlbg": DecodeOptions(tlb_touch="gate_up"),
-               "tlbrg": DecodeOptions(tlb_touch="router,gate_up"),
-               "tlbarg": DecodeOptions(tlb_touch="attn,router,gate_up"),
-               "e4m3": None}[variant]
+    plan = None if variant in ("", "e4m3") else plan_variant(variant)
     return Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels=kernels,
-                 decode_options=options)
+                 decode_plan=plan)
 
 
 def run_case(cfg, graphdef, state, quant, batch, context, paths, steps, trace, loop_block=8):

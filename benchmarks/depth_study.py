@@ -22,7 +22,7 @@ from flax import nnx
 
 import flint_jax
 from flint_jax.decode import prefill
-from flint_jax.engine import Flint
+from flint_jax.decode import Flint
 from flint_jax.model import FlintForCausalLM
 
 

@@ -34,7 +34,7 @@ from decode_bench import rel_l2
 from gpu_suite import copy_tree
 from flint_jax.config import preset
 from flint_jax.decode import prefill
-from flint_jax.engine import Flint
+from flint_jax.decode import Flint
 
 
 def tree_diff(a, b) -> dict:

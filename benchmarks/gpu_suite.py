@@ -27,7 +27,7 @@ import numpy as np
 import decode_bench
 from flint_jax.config import preset
 from flint_jax.decode import prefill
-from flint_jax.engine import Flint
+from flint_jax.decode import Flint
 
 
 def copy_tree(tree):
@@ -151,12 +151,6 @@ def main():
     ap.add_argument("--parity-batch", type=int, default=2)
     ap.add_argument("--cases", default="1x1024,8x1024,1x100000,8x100000,1x8192,8x8192",
                     help="comma-separated BATCHxCONTEXT, in order")
-    ap.add_argument("--v1-cases", default="1x1024,8x1024",
-                    help="cases that also run the session-1 Pallas step (path pallas_v1)")
-    ap.add_argument("--fused-cases", default="1x1024,8x1024",
-                    help="cases that also run every fusion, measured or not (path pallas_fused)")
-    ap.add_argument("--fused-paths", default="pallas_fused",
-                    help="the variant paths the --fused-cases run (decode_bench.make_handle)")
     ap.add_argument("--paths", default="xla,pallas",
                     help="paths every case runs (xla = the reference path, pallas = the default "
                          "Pallas step); drop xla for a quick diagnostic run")
@@ -212,16 +206,14 @@ def main():
             continue
         batch, context = (int(v) for v in case.split("x"))
         t0 = time.perf_counter()
-        paths = a.paths.split(",") + (["pallas_v1"] if case in a.v1_cases.split(",") else []) + (
-            a.fused_paths.split(",") if case in a.fused_cases.split(",") else [])
+        paths = a.paths.split(",")
         row = decode_bench.run_case(cfg, graphdef, state, quant, batch, context, paths,
                                     a.steps, a.trace)
         row["case_s"] = time.perf_counter() - t0
         res["cases"].append(row)
         print(decode_bench.format_row(row, paths) + f" [{row['case_s']:.0f} s]", flush=True)
         save()
-    print(decode_bench.table(res["cases"], ["xla", "pallas", "pallas_v1"]
-                             + a.fused_paths.split(",")))
+    print(decode_bench.table(res["cases"], a.paths.split(",")))
     save()
 
 

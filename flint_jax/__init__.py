@@ -5,6 +5,7 @@
     text = flint_jax.generate(model, "Hello", max_new_tokens=32)
     logits = flint_jax.forward(model, ids)             # fp32 [B, T, vocab]
     reply = flint_jax.chat(model, [{"role": "user", "content": "Hi"}])
+    flint_jax.convert.convert("path/to/flint", "flint-jax-bf16")   # a flint_jax checkpoint
 
 The first call for new shapes compiles (a notice goes to the `flint_jax` logger at INFO);
 `text.stats` holds the call's time to first token and tokens/s.
@@ -13,11 +14,11 @@ The first call for new shapes compiles (a notice goes to the `flint_jax` logger 
 from flint_jax.chat_api import chat
 from flint_jax.chat_format import parse_assistant
 from flint_jax.config import FlintConfig, preset
-from flint_jax.decode import (GeneratedText, GenerationOutput, GenerationStats,
+from flint_jax.decode import (Flint, GeneratedText, GenerationOutput, GenerationStats,
                               MaxNewTokensClampedWarning, StreamEvent, forward, generate)
-from flint_jax.engine import Flint
 from flint_jax.loading import from_module, load
 from flint_jax.sampling import SamplingParams
+from flint_jax import convert  # noqa: E402  (the module: convert.convert(src, dst))
 
 __version__ = "0.1.0"
 
@@ -28,9 +29,6 @@ def __getattr__(name):
                 "ExpertUsage"):
         from flint_jax import research
         return getattr(research, name)
-    if name == "convert":
-        from flint_jax.convert import convert
-        return convert
     raise AttributeError(f"module 'flint_jax' has no attribute {name!r}")
 
 

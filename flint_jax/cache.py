@@ -23,8 +23,8 @@ from flint_jax.config import FlintConfig, human_bytes, kv_cache_bytes
 
 #: Entries of `KVCache.counters` (>= the programs of the largest counting kernel: the BF16 MoE
 #: gate_up in K slices, 6 * 16 slots x 512 / 16 + 1024 / 16 = 3136 at its smallest tiles; the MoE
-#: down kernel's combine uses entries 3584 .. 3584 + D / its block_n (per token at batch > 1:
-#: up to 3584 + 16 * 128), the router kernel's top-k entry 6144, ``fast_decode``).
+#: down kernel's combine uses entries 3584 .. 3584 + 1 + D / its block_n, ``fast_decode``; the
+#: size is part of the cache's shape, kept from the retired counting kernels' days).
 COUNTER_ENTRIES = 8192
 
 

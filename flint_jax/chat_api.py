@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from flint_jax import chat_format
 from flint_jax.decode import generate
-from flint_jax.engine import Flint
+from flint_jax.decode import Flint
 
 
 def render_prompt(model: Flint, messages: Sequence[Mapping], *, tools=None,

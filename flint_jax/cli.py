@@ -361,10 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None,
                    help="timed decode steps per window (default 50)")
     p.add_argument("--paths", nargs="+", default=["xla", "pallas"],
-                   choices=["xla", "pallas", "pallas_v1", "pallas_fused"],
-                   help="decode paths to time side by side: xla (reference), pallas (default "
-                        "kernels), pallas_v1 (the first Pallas step), pallas_fused (every "
-                        "fusion, including those not yet measured)")
+                   help="decode paths to time side by side: xla (reference), pallas (the "
+                        "measured plan, fast_decode.decode_plan), or a plan variant such as "
+                        "pallas_early_trigger=false (benchmarks/decode_bench.make_handle)")
     p.add_argument("--config", default="flint",
                    help="flint (full size, the default; a GPU), a smaller preset (tiny, "
                         "tiny-gqa8, small: every case of the grid, minutes on a CPU), or smoke: "

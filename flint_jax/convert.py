@@ -1,14 +1,16 @@
 """`flint-jax convert`: a HF directory or an NVFP4 GGUF file -> a flint_jax (orbax) checkpoint.
 
-    flint_jax.convert("RecursiveSI/flint", "flint-jax-bf16")
-    flint_jax.convert("flint-nvfp4.gguf", "flint-jax-nvfp4", hf_config="RecursiveSI/flint")
-    model = flint_jax.load("flint-jax-nvfp4", mesh=mesh)
+    from flint_jax import convert
+    convert.convert("RecursiveSI/flint", "flint-jax-bf16")
+    convert.convert("flint-nvfp4.gguf", "flint-jax-nvfp4", hf_config="RecursiveSI/flint")
+    model = flint_jax.load("flint-jax-nvfp4", mesh=mesh)   # loading.load_converted
 
 The format is described in `flint_jax.checkpoint`. Conversion streams: every parameter is a
 `LazyTensor` read (and for GGUF, repacked) only when orbax writes it, a few at a time, so a 40B
 checkpoint converts with a few GiB of host memory. The result goes to a temporary directory beside
 DST, renamed at the end; on any error or interrupt nothing is left behind (`flint_jax.output_path`:
-also the destinations refused, such as one containing the source).
+also the destinations refused, such as one containing the source). (Loading a converted checkpoint or a
+GGUF file directly is `flint_jax.loading`'s: `load_converted`, `load_gguf`.)
 
 Sources:
 
@@ -37,7 +39,6 @@ import dataclasses
 import os
 import re
 import shutil
-import sys
 import time
 from typing import Any
 
@@ -493,100 +494,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, hf_config: str | 
     return dst
 
 
-# ---- loading (called by flint_jax.load) -----------------------------------------------------------
-
-def _abstract(cfg: FlintConfig, dtype, quant: bool):
-    from flint_jax import loading
-    return loading.abstract_model(cfg, dtype, quant)
-
-
-def expected_leaves(cfg: FlintConfig, quant: bool) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """{parameter name: (shape, in-memory dtype of a bf16 model)} from the NNX tree."""
-    import jax.numpy as jnp
-    _, _, names = _abstract(cfg, jnp.bfloat16, quant)
-    out = {}
-    for n, (_, var) in names.items():
-        v = var.get_value()
-        out[n] = (tuple(v.shape), np.dtype(v.dtype))
-    return out
-
-
-def check_leaves(path: str, cfg: FlintConfig, quant: bool,
-                 stored: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
-    """A converted checkpoint's stored leaves against the NNX tree of `cfg` (first problem)."""
-    want = expected_leaves(cfg, quant)
-    for n in stored:
-        if n not in want:
-            hint = ""
-            m = re.match(r"model\.layers\.(\d+)\.", n)
-            if m and int(m.group(1)) >= cfg.num_hidden_layers:
-                hint = f" (config.json has {cfg.num_hidden_layers} layers)"
-            elif n.endswith(("qweight", "weight_scale", "weight_scale_2")) != quant:
-                hint = f" (the manifest says quant={quant})"
-            raise ConvertError(f"{path}: unexpected tensor {n!r}{hint}")
-    for n, (shape, dt) in want.items():
-        if n not in stored:
-            raise ConvertError(f"{path}: missing tensor {n!r}")
-        s_shape, s_dt = stored[n]
-        if tuple(s_shape) != tuple(shape):
-            raise ConvertError(f"{path}: tensor {n!r} has shape {list(s_shape)}, expected "
-                               f"{list(shape)} for its config.json")
-        if n.endswith(("qweight", "weight_scale")) and s_dt != dt:
-            raise ConvertError(f"{path}: tensor {n!r} has dtype {s_dt}, expected {dt}")
-        if not n.endswith(("qweight", "weight_scale")) and s_dt not in (BF16, F32, F16):
-            raise ConvertError(f"{path}: tensor {n!r} has dtype {s_dt}, expected a float")
-
-
-def load_converted(path: str, *, dtype, mesh=None, kernels: str = "xla",
-                   max_length: int | None = None, rules=None):
-    """Restores a flint_jax checkpoint straight onto `mesh` (or the default device): one orbax
-    restore with a `ShapeDtypeStruct(shape, dtype, sharding)` target per parameter."""
-    import jax
-    from flax import nnx
-    from flint_jax import loading
-    from flint_jax.sharding import ShardingRules, param_sharding
-    manifest = checkpoint.read_manifest(path)
-    cfg = FlintConfig.from_json(path)
-    quant = bool(manifest.get("quant"))
-    params_dir = os.path.join(path, checkpoint.PARAMS_DIR)
-    stored = checkpoint.params_metadata(params_dir)
-    check_leaves(path, cfg, quant, stored)
-    graphdef, _, names = _abstract(cfg, dtype, quant)
-    if mesh is not None:
-        rules = rules or ShardingRules.for_mesh(mesh)
-    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    targets = {}
-    for n, (_, var) in names.items():
-        want = var.get_value()
-        dt = loading.param_dtype(n, np.dtype(want.dtype), dtype)
-        sh = param_sharding(n, want.shape, mesh, rules) if mesh is not None else single
-        targets[n] = jax.ShapeDtypeStruct(want.shape, dt, sharding=sh)
-    try:
-        arrays = checkpoint.restore_params(params_dir, targets)
-    except (ValueError, OSError):
-        raise
-    except Exception as e:
-        raise ConvertError(f"{path}: restoring the parameters failed: {type(e).__name__}: "
-                           f"{e}") from e
-    state = nnx.from_flat_state([(p, var.replace(value=arrays[n])) for n, (p, var) in names.items()])
-    return loading.make_handle(cfg, graphdef, state, dtype=dtype, quant=quant, kernels=kernels,
-                               mesh=mesh, rules=rules, max_length=max_length, meta_dir=path,
-                               source=path)
-
-
-def load_gguf(path: str, *, hf_config: str | None, dtype, mesh=None, kernels: str = "xla",
-              max_length: int | None = None, rules=None, mixed: str = "refuse",
-              progress: bool = False):
-    """Loads an NVFP4 (or BF16) GGUF file directly: tensors are read and repacked one at a time
-    and placed on their devices (`loading.build_state`)."""
-    from flint_jax import loading
-    plan = plan_gguf(path, hf_config, mixed=mixed)
-    graphdef, state = loading.build_state(plan.cfg, dtype, plan.quant,
-                                          ((t.name, t.produce()) for t in plan.tensors),
-                                          mesh=mesh, rules=rules, source=path, progress=progress)
-    return loading.make_handle(plan.cfg, graphdef, state, dtype=dtype, quant=plan.quant,
-                               kernels=kernels, mesh=mesh, rules=rules, max_length=max_length,
-                               meta_dir=hf_config, source=path)
 
 
 def describe(path: str) -> dict[str, Any]:
@@ -594,16 +501,5 @@ def describe(path: str) -> dict[str, Any]:
     return checkpoint.read_manifest(path)
 
 
-__all__ = ["ConvertError", "Plan", "convert", "gguf_expected", "load_converted", "load_gguf",
-           "make_plan", "plan_gguf", "plan_hf", "read_gguf_tensor"]
-
-
-# `flint_jax.convert(src, dst, ...)` is the public function, but importing this submodule (as
-# `flint_jax.load` does) rebinds the package attribute `flint_jax.convert` to the module: make the
-# module callable as the function so both spellings keep working.
-class _CallableModule(sys.modules[__name__].__class__):
-    def __call__(self, *args, **kwargs):
-        return convert(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+__all__ = ["ConvertError", "Plan", "convert", "gguf_expected", "make_plan", "plan_gguf", "plan_hf",
+           "read_gguf_tensor"]

@@ -248,7 +248,7 @@ def _inspect_gguf(path: str, config: str | None, check_blocks: bool) -> Report:
 # ---- converted ---------------------------------------------------------------------------------------
 
 def _inspect_converted(path: str, config: str | None) -> Report:
-    from flint_jax import checkpoint, convert
+    from flint_jax import checkpoint, loading
     manifest = checkpoint.read_manifest(path)
     stored = checkpoint.params_metadata(os.path.join(path, checkpoint.PARAMS_DIR))
     rows = [TensorRow(n, str(dt), tuple(s), int(np.prod(s, dtype=np.int64)) * np.dtype(dt).itemsize)
@@ -258,7 +258,7 @@ def _inspect_converted(path: str, config: str | None) -> Report:
     problems: list[str] = []
     if cfg is not None:
         quant = bool(manifest.get("quant"))
-        want = convert.expected_leaves(cfg, quant)
+        want = loading.expected_leaves(cfg, quant)
         present = {n: (s, str(dt)) for n, (s, dt) in stored.items()}
 
         def dtype_ok(n, dt):

@@ -1,5 +1,10 @@
 """`flint_jax.load`: a HF directory, a converted flint_jax checkpoint, or an NVFP4 GGUF file.
 
+All loading lives here: the HF path (`hf_io`), converted checkpoints (`load_converted`: the
+parameters checked against the NNX tree, restored onto their devices) and GGUF files
+(`load_gguf`, on `convert.plan_gguf`'s reading and repacking). `convert` writes checkpoints and
+imports nothing from here.
+
 The module tree is built abstractly (`nnx.eval_shape`: nothing allocated), then each parameter
 is read, cast and placed on its device(s) one at a time, so the host never holds a full copy.
 """
@@ -8,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 
 import jax
@@ -15,11 +21,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flint_jax import checkpoint
 from flint_jax.config import FlintConfig
-from flint_jax.engine import Flint, resolve_kernels
+from flint_jax.convert import BF16, F16, F32, ConvertError, plan_gguf
+from flint_jax.decode import Flint
 from flint_jax.model import FlintForCausalLM
 from flint_jax.sharding import ShardingRules, cache_shardings, param_sharding
 from flint_jax.tokenizer import Tokenizer
+
+KERNEL_CHOICES = ("auto", "pallas", "xla")
+
+
+def resolve_kernels(kernels: str) -> str:
+    """"auto" is the Pallas path on GPU and the XLA path elsewhere."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if kernels == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return kernels
+
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
            "fp32": jnp.float32, "f32": jnp.float32}
@@ -124,11 +144,10 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
     kernels = resolve_kernels(kernels)
     mesh = auto_mesh(mesh)
     if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
-        from flint_jax import convert
         if hf_config is None:
             hf_config = find_gguf_config(path)
-        return convert.load_gguf(path, hf_config=hf_config, dtype=dtype, mesh=mesh,
-                                 kernels=kernels, max_length=max_length, rules=rules)
+        return load_gguf(path, hf_config=hf_config, dtype=dtype, mesh=mesh, kernels=kernels,
+                         max_length=max_length, rules=rules)
     if not os.path.isdir(path):
         hint = ""
         if not os.path.isabs(path) and path.count("/") == 1 and not os.path.exists(
@@ -137,9 +156,8 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
                     f"first, e.g. `hf download {path} --local-dir DIR`, and pass DIR)")
         raise FileNotFoundError(f"{path}: no such checkpoint directory or .gguf file{hint}")
     if os.path.exists(os.path.join(path, "flint_jax.json")):
-        from flint_jax import convert
-        return convert.load_converted(path, dtype=dtype, mesh=mesh, kernels=kernels,
-                                      max_length=max_length, rules=rules)
+        return load_converted(path, dtype=dtype, mesh=mesh, kernels=kernels,
+                              max_length=max_length, rules=rules)
     from flint_jax import hf_io
     cfg = FlintConfig.from_json(path)
     ckpt = hf_io.HFCheckpoint(path)
@@ -224,3 +242,88 @@ def from_module(module: FlintForCausalLM, *, tokenizer: Tokenizer | None = None,
               max_length=min(max_length or cfg.max_position_embeddings, cfg.max_position_embeddings),
               generation_config=generation_config or {}, source="<module>")
     return h
+
+
+# ---- converted checkpoints and GGUF files ------------------------------------------------------
+
+def expected_leaves(cfg: FlintConfig, quant: bool) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{parameter name: (shape, in-memory dtype of a bf16 model)} from the NNX tree."""
+    _, _, names = abstract_model(cfg, jnp.bfloat16, quant)
+    out = {}
+    for n, (_, var) in names.items():
+        v = var.get_value()
+        out[n] = (tuple(v.shape), np.dtype(v.dtype))
+    return out
+
+
+def check_leaves(path: str, cfg: FlintConfig, quant: bool,
+                 stored: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+    """A converted checkpoint's stored leaves against the NNX tree of `cfg` (first problem)."""
+    want = expected_leaves(cfg, quant)
+    for n in stored:
+        if n not in want:
+            hint = ""
+            m = re.match(r"model\.layers\.(\d+)\.", n)
+            if m and int(m.group(1)) >= cfg.num_hidden_layers:
+                hint = f" (config.json has {cfg.num_hidden_layers} layers)"
+            elif n.endswith(("qweight", "weight_scale", "weight_scale_2")) != quant:
+                hint = f" (the manifest says quant={quant})"
+            raise ConvertError(f"{path}: unexpected tensor {n!r}{hint}")
+    for n, (shape, dt) in want.items():
+        if n not in stored:
+            raise ConvertError(f"{path}: missing tensor {n!r}")
+        s_shape, s_dt = stored[n]
+        if tuple(s_shape) != tuple(shape):
+            raise ConvertError(f"{path}: tensor {n!r} has shape {list(s_shape)}, expected "
+                               f"{list(shape)} for its config.json")
+        if n.endswith(("qweight", "weight_scale")) and s_dt != dt:
+            raise ConvertError(f"{path}: tensor {n!r} has dtype {s_dt}, expected {dt}")
+        if not n.endswith(("qweight", "weight_scale")) and s_dt not in (BF16, F32, F16):
+            raise ConvertError(f"{path}: tensor {n!r} has dtype {s_dt}, expected a float")
+
+
+def load_converted(path: str, *, dtype, mesh=None, kernels: str = "xla",
+                   max_length: int | None = None, rules=None):
+    """Restores a flint_jax checkpoint straight onto `mesh` (or the default device): one orbax
+    restore with a `ShapeDtypeStruct(shape, dtype, sharding)` target per parameter."""
+    manifest = checkpoint.read_manifest(path)
+    cfg = FlintConfig.from_json(path)
+    quant = bool(manifest.get("quant"))
+    params_dir = os.path.join(path, checkpoint.PARAMS_DIR)
+    stored = checkpoint.params_metadata(params_dir)
+    check_leaves(path, cfg, quant, stored)
+    graphdef, _, names = abstract_model(cfg, dtype, quant)
+    if mesh is not None:
+        rules = rules or ShardingRules.for_mesh(mesh)
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = {}
+    for n, (_, var) in names.items():
+        want = var.get_value()
+        dt = param_dtype(n, np.dtype(want.dtype), dtype)
+        sh = param_sharding(n, want.shape, mesh, rules) if mesh is not None else single
+        targets[n] = jax.ShapeDtypeStruct(want.shape, dt, sharding=sh)
+    try:
+        arrays = checkpoint.restore_params(params_dir, targets)
+    except (ValueError, OSError):
+        raise
+    except Exception as e:
+        raise ConvertError(f"{path}: restoring the parameters failed: {type(e).__name__}: "
+                           f"{e}") from e
+    state = nnx.from_flat_state([(p, var.replace(value=arrays[n])) for n, (p, var) in names.items()])
+    return make_handle(cfg, graphdef, state, dtype=dtype, quant=quant, kernels=kernels, mesh=mesh,
+                       rules=rules, max_length=max_length, meta_dir=path, source=path)
+
+
+def load_gguf(path: str, *, hf_config: str | None, dtype, mesh=None, kernels: str = "xla",
+              max_length: int | None = None, rules=None, mixed: str = "refuse",
+              progress: bool = False):
+    """Loads an NVFP4 (or BF16) GGUF file directly: tensors are read and repacked one at a time
+    and placed on their devices (`build_state`; the GGUF reading and repacking is
+    `convert.plan_gguf`'s)."""
+    plan = plan_gguf(path, hf_config, mixed=mixed)
+    graphdef, state = build_state(plan.cfg, dtype, plan.quant,
+                                  ((t.name, t.produce()) for t in plan.tensors),
+                                  mesh=mesh, rules=rules, source=path, progress=progress)
+    return make_handle(plan.cfg, graphdef, state, dtype=dtype, quant=plan.quant, kernels=kernels,
+                       mesh=mesh, rules=rules, max_length=max_length, meta_dir=hf_config,
+                       source=path)

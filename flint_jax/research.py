@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flint_jax.decode import _as_rows, _check_rows, bucket_length, forward
-from flint_jax.engine import Flint
+from flint_jax.decode import Flint
 from flint_jax.model import CAPTURABLE
 
 F32 = jnp.float32
@@ -96,8 +96,7 @@ def sink_mass(model: Flint, ids, *, lengths=None) -> jax.Array:
 
 def _head_fn(model: Flint):
     """jit(state, h [..., D]) -> f32 logits [..., V]: the model's final norm then lm_head."""
-    key = ("research.head",)
-    if key not in model._jit_cache:
+    def build():
         from flax import nnx
         graphdef = model.graphdef
 
@@ -105,8 +104,8 @@ def _head_fn(model: Flint):
             m = nnx.merge(graphdef, state)
             return m.lm_head(m.model.norm(h), out_dtype=F32)
 
-        model._jit_cache[key] = jax.jit(run)
-    return model._jit_cache[key]
+        return jax.jit(run)
+    return model.jitted(("research.head",), build)
 
 
 def logit_lens(model: Flint, ids, *, lengths=None, positions=None) -> jax.Array:

@@ -25,19 +25,6 @@ def golden(name: str):
     return np.load(GOLDEN / name / "golden.npz")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked `knob` (step options that are off by default and measured no faster, each
-    step comparison costing 15-90 s of interpret-mode compiles) run compiled on a GPU, and on
-    the CPU only with FLINT_TEST_KNOBS=1: the README's CPU command stays near 15 minutes."""
-    if not ON_CPU or os.environ.get("FLINT_TEST_KNOBS") == "1":
-        return
-    skip = pytest.mark.skip(reason="off-by-default step option: FLINT_TEST_KNOBS=1 runs it on "
-                                   "the CPU (it always runs on a GPU)")
-    for item in items:
-        if "knob" in item.keywords:
-            item.add_marker(skip)
-
-
 @pytest.fixture(scope="session")
 def fp32_models():
     """flint_jax handles of the golden checkpoints in fp32 (XLA path), loaded once."""

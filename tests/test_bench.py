@@ -103,42 +103,22 @@ def test_fixed_routing_zeroes_only_the_routers():
     assert routers == 1
 
 
-def test_tiling_options_parse_the_path_variants():
-    """Tile-override bench paths: "osk8", "mt-..." and "lm-..." become `DecodeOptions` fields;
-    an unknown key is refused with the list of keys."""
-    opts = decode_bench.tiling_options("osk8")
-    assert opts.o_proj_split_k == 8 and opts.moe_tiling == () == opts.lm_head_tiling
-    opts = decode_bench.tiling_options("mt-bn32-bkd128-wd8-s3")
-    assert opts.moe_tiling == (("block_n", 32), ("block_k_down", 128), ("num_warps_down", 8),
-                               ("num_stages", 3))
-    assert decode_bench.tiling_options("lm-bn64-sk2-dot").lm_head_tiling == (
-        ("block_n", 64), ("split_k", 2), ("method", "dot"))
-    opts = decode_bench.tiling_options("mt-f16-bn32")
-    assert opts.moe_gate_up_f16 and opts.moe_tiling == (("block_n", 32),)
-    assert decode_bench.tiling_options("mt-f16").moe_gate_up_f16
-    with pytest.raises(ValueError, match="bad tile token 'q4'"):
-        decode_bench.tiling_options("mt-q4")
-
-
-def test_make_handle_path_variants():
-    """Bench path names become the handle's `DecodeOptions` (a prefix shared by two variants,
-    "sht2" and "shtopk", resolves to each one's own option)."""
-    from flint_jax.fast_decode import DecodeOptions
+def test_make_handle_plan_variants():
+    """Bench path names: "pallas" is the measured plan (``decode_plan``), "pallas_<field>=<value>,
+    ..." a plan variant (``DecodePlan`` fields, ``moe.`` + ``MoEPlan`` fields); a bad one is
+    refused."""
+    from flint_jax.fast_decode import decode_plan
     cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
     graphdef, state = decode_bench.build_state(cfg, quant=False)
-    want = {"pallas_sht2": DecodeOptions(moe_shared_tokens=2),
-            "pallas_shtopk": DecodeOptions(moe_shared_with_topk=True),
-            "pallas_mt-shtopk-w8": DecodeOptions(moe_shared_with_topk=True,
-                                                 moe_tiling=(("num_warps", 8),)),
-            "pallas_mt-ca1-bn16": DecodeOptions(moe_tiling=(("codes_ahead", 1),
-                                                            ("block_n", 16))),
-            "pallas_lm-x16": DecodeOptions(lm_head_f16=True),
-            "pallas_lm-x16-bk512-w4": DecodeOptions(lm_head_f16=True, lm_head_tiling=(
-                ("block_k", 512), ("num_warps", 4))),
-            "pallas_nolm16": DecodeOptions(lm_head_f16=False),
-            "pallas_rs8": DecodeOptions(ring_splits=8)}
-    for path, opts in want.items():
-        assert decode_bench.make_handle(cfg, graphdef, state, False, path).decode_options == opts
+    assert decode_bench.make_handle(cfg, graphdef, state, False, "pallas").decode_plan is None
+    h = decode_bench.make_handle(cfg, graphdef, state, False,
+                                 "pallas_early_trigger=false,qkv_split_k=2,moe.slot_rows=all")
+    p = h.decode_plan(False, 8)
+    want = decode_plan(False, 8)
+    assert (p.early_trigger, p.qkv_split_k, p.moe.slot_rows) == (False, 2, "all")
+    assert p.layer_end == want.layer_end and p.moe.block_n == want.moe.block_n
+    with pytest.raises(ValueError, match="want field=value"):
+        decode_bench.make_handle(cfg, graphdef, state, False, "pallas_notrig")
 
 
 def test_step_kernel_bytes_add_up_to_the_step_floor():

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flint_jax.pallas import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
-from flint_jax.pallas.testing import assert_close, randn, rng
+from flint_jax.pallas.add_rms_norm import (add_rms_norm, add_rms_norm_reference, rms_norm,
+                                           rms_norm_reference)
+from pallas_testing import assert_close, randn, rng
 
 INTERPRET = jax.default_backend() == "cpu"
 
@@ -70,7 +71,7 @@ def test_add_rms_norm_x16(m, d, scale):
   f16 operand, permuted and scaled per row) bit for bit, with s and out unchanged (D = 300: a
   padded row); lowered for an H200."""
   from flint_jax.pallas.nvfp4_gemv import x16_operand
-  from flint_jax.pallas.testing import triton_modules
+  from pallas_testing import triton_modules
   gen = rng("x16", m, d)
   h, y = randn(gen, (m, d), jnp.bfloat16, 4.0), randn(gen, (m, d), jnp.bfloat16)
   w = (randn(gen, (d,), jnp.float32, 0.3) + 1) * scale

@@ -1,19 +1,17 @@
-"""add_rms_norm_router (residual add + RMSNorm + fp32 router GEMV in one kernel) and
-moe_block_from_attention vs their references."""
+"""add_rms_norm_router (residual add + RMSNorm + fp32 router GEMV in one kernel) vs its
+reference."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flint_jax.pallas import (add_rms_norm, add_rms_norm_reference, add_rms_norm_router,
-                              add_rms_norm_router_reference,
-                              moe_block_from_attention, moe_block_from_attention_reference,
-                              moe_router_logits)
-from flint_jax.pallas.testing import assert_close, randn, random_moe_weights, rng
+from flint_jax.pallas.add_rms_norm import add_rms_norm, add_rms_norm_reference
+from flint_jax.pallas.add_rms_norm_router import add_rms_norm_router, add_rms_norm_router_reference
+from flint_jax.pallas.moe import moe_router_logits
+from pallas_testing import assert_close, randn, rng
 
 INTERPRET = jax.default_backend() == "cpu"
-DECODE = "fp8" if INTERPRET else "asm"
 F32_TOL = dict(atol=1e-5, rtol=1e-5)   # fp32 summation order only (relative to max|logit|)
 
 
@@ -68,7 +66,7 @@ def test_add_rms_norm_router_x16(m, d, e, kw):
   operand) bit for bit, the other outputs unchanged; lowered for an H200 (in column chunks too:
   x is formed whole in each row either way)."""
   from flint_jax.pallas.nvfp4_gemv import x16_operand
-  from flint_jax.pallas.testing import triton_modules
+  from pallas_testing import triton_modules
   _, h, a, w, router = _inputs(m, d, e, "x16", tuple(kw.items()))
   s, x, logits, x16, inv = add_rms_norm_router(h, a, w, router, x16=True, interpret=INTERPRET,
                                                **kw)
@@ -129,29 +127,6 @@ def test_eps_is_used():
   ref = add_rms_norm_router_reference(h, a, w, router, eps=1e-2)
   np.testing.assert_array_equal(f32(out[1]), f32(ref[1]))
   assert not np.array_equal(f32(out[1]), f32(add_rms_norm_router_reference(h, a, w, router)[1]))
-
-
-@pytest.mark.parametrize("fmt,m,e,top_k,d,inter,inter_s", [
-    ("bf16", 3, 20, 4, 320, 64, 128),    # odd D, E not a power of two
-    ("nvfp4", 2, 16, 6, 128, 64, 128),
-])
-def test_moe_block_from_attention(fmt, m, e, top_k, d, inter, inter_s):
-  """The 4-launch MoE layer from the attention output vs the unfused path's contract
-  (add_rms_norm_router_reference's s, x -> moe_block_add_rms_norm_reference)."""
-  gen, h, a, w, router = _inputs(m, d, e, "block", fmt, top_k)
-  experts, shared = random_moe_weights(fmt, e, d, inter, inter_s, gen)
-  w_next = randn(gen, (d,), scale=0.3) + 1
-  s2, x2 = moe_block_from_attention(h, a, w, router, experts, shared, w_next, top_k=top_k,
-                                    decode=DECODE, interpret=INTERPRET)
-  s_ref, x_ref = moe_block_from_attention_reference(h, a, w, router, experts, shared, w_next,
-                                                    top_k=top_k)
-  assert s2.shape == x2.shape == (m, d)
-  assert_close(s2, s_ref, what=f"s2 {fmt}")
-  assert_close(x2, x_ref, what=f"x2 {fmt}")
-  # the routing really happened: the layer output depends on which experts were picked
-  s_0, _ = moe_block_from_attention_reference(h, a, w, -router, experts, shared, w_next,
-                                              top_k=top_k)
-  assert not np.allclose(f32(s_0), f32(s_ref), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("change,msg", [

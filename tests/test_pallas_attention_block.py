@@ -1,10 +1,10 @@
 """qk_norm_rope_attention (norm + RoPE + cache write + split-KV attention, fused) vs the reference
 composition qk_norm_rope_reference -> decode_attention_reference.
 
-The caches after the call must be bit-identical to the reference's (same code as qk_norm_rope);
-the attention output close with decode_attention's tolerance. Unattended slots and the slot being
-written hold NaN keys / inf values (stale memory): the kernel must never read the old contents of
-the current slot, and must mask everything else like decode_attention.
+The caches after the call must be bit-identical to the reference's; the attention output close.
+Unattended slots and the slot being written hold NaN keys / inf values (stale memory): the kernel
+must never read the old contents of the current slot, and must mask everything else like the
+reference.
 """
 
 import jax
@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flint_jax.pallas import (qk_norm_rope, qk_norm_rope_attention,
-                              qk_norm_rope_attention_reference)
-from flint_jax.pallas.testing import assert_close, randn, random_kv_caches, rng
+from flint_jax.pallas.attention_block import (qk_norm_rope_attention,
+                                              qk_norm_rope_attention_reference)
+from pallas_testing import assert_close, randn, random_kv_caches, rng
 
 INTERPRET = jax.default_backend() == "cpu"
 DH = 128
@@ -45,13 +45,12 @@ def inputs(b, h, kvh, s_len, positions, *, ring, window, garbage, stacked, dh=DH
   return q, k, v, wq, wk, pos, kc, vc, sinks, layer
 
 
-def check(got, ref, merge, exact=INTERPRET):
-  """out close; caches (and counter) bit-identical. On a GPU the norm's rsqrt is not XLA's, so
-  there cache values are only close (like test_pallas_qk_norm_rope), with the same non-finite
-  (garbage) slots."""
-  assert len(got) == len(ref) == (3 if merge == "kernel" else 4)
+def check(got, ref, exact=INTERPRET):
+  """out close; caches bit-identical. On a GPU the norm's rsqrt is not XLA's, so there cache
+  values are only close, with the same non-finite (garbage) slots."""
+  assert len(got) == len(ref) == 3
   assert_close(got[0], ref[0], what="attention out")
-  for g, w, name in zip(got[1:], ref[1:], ("k_cache", "v_cache", "counter")):
+  for g, w, name in zip(got[1:], ref[1:], ("k_cache", "v_cache")):
     assert g.shape == w.shape and g.dtype == w.dtype, name
     g, w = np.asarray(g), np.asarray(w)
     if g.dtype != jnp.bfloat16:
@@ -68,41 +67,31 @@ def check(got, ref, merge, exact=INTERPRET):
 
 
 def run(b, h, kvh, s_len, positions, *, ring, rope, window=None, garbage=True, stacked=False,
-        merge="kernel", vs_kernel=False, **kw):
+        **kw):
   args = inputs(b, h, kvh, s_len, positions, ring=ring, window=window, garbage=garbage,
                 stacked=stacked)
-  counter = None
-  if merge == "atomic":
-    counter = jnp.zeros(((3,) if stacked else ()) + (b, kvh), jnp.int32)
-  opts = dict(rope=rope, ring=ring, window=window, merge=merge, **kw)
-  got = qk_norm_rope_attention(*args, counter, interpret=INTERPRET, **opts)
-  ref = qk_norm_rope_attention_reference(*args, counter, **opts)
-  check(got[:-1] if kw.get("return_cos_sin") else got, ref, merge)
-  if vs_kernel:   # the caches also bit-identical to what the qk_norm_rope kernel writes
-    _, kc, vc = qk_norm_rope(*args[:8], args[9], rope=rope, ring=ring, interpret=INTERPRET)
-    check((got[0], kc, vc), (ref[0], *got[1:3]), "kernel")
+  opts = dict(rope=rope, ring=ring, window=window, **kw)
+  got = qk_norm_rope_attention(*args, interpret=INTERPRET, **opts)
+  ref = qk_norm_rope_attention_reference(*args, **opts)
+  check(got[:-1] if kw.get("return_cos_sin") else got, ref)
   return got
 
 
-@pytest.mark.parametrize("merge", ["kernel", "atomic"])
-def test_full(merge):
+def test_full():
   """G=4, B=8: first token, position 1, around 512, the last slot and p >= S (write dropped)."""
-  run(8, 32, 8, 768, [0, 1, 511, 512, 513, 700, 767, 800], ring=False, rope=False, merge=merge,
-      block_k=64)
+  run(8, 32, 8, 768, [0, 1, 511, 512, 513, 700, 767, 800], ring=False, rope=False, block_k=64)
 
 
-@pytest.mark.parametrize("merge", ["kernel", "atomic"])
-def test_ring(merge):
+def test_ring():
   """Sliding layer, B=8, layer-stacked: ring not yet full, exactly the window (512), the oldest
   slot dropping out (513), wrapped rings (p > R, p >> R)."""
   run(8, 32, 4, 576, [0, 1, 511, 512, 513, 1000, 5000, 70000], ring=True, rope=True,
-      window=513, merge=merge, stacked=True, vs_kernel=merge == "kernel")
+      window=513, stacked=True)
 
 
 @pytest.mark.parametrize("num_warps", [2, 8, 16])
 def test_num_warps(num_warps):
-  """Other warp counts per program (``DecodeOptions.attention_num_warps``), on the step's
-  shapes: a layer-stacked 576-slot ring (B=2, one ring wrapped, cos / sin returned) and a
+  """Other warp counts per program than the step's 4, on the step's shapes: a layer-stacked 576-slot ring (B=2, one ring wrapped, cos / sin returned) and a
   full cache (B=3, around position 512); compiled on a GPU, where the warps change the
   layouts and reductions."""
   run(2, 32, 4, 576, [300, 9000], ring=True, rope=True, window=513, stacked=True,
@@ -111,50 +100,19 @@ def test_num_warps(num_warps):
       num_warps=num_warps)
 
 
-@pytest.mark.parametrize("merge", ["kernel", "atomic"])
-def test_ring_kv_prefetch(merge):
-  """kv_prefetch (each program first asks the L2 for its first K / V blocks) changes no result:
-  layer-stacked rings at B=3, one not yet full, one wrapped (interpret mode runs the request as
-  a no-op; the GPU run compares the compiled kernel)."""
-  run(3, 32, 4, 576, [40, 513, 9000], ring=True, rope=True, window=513, merge=merge,
-      stacked=True, kv_prefetch=True)
-
-
-def test_kv_prefetch_in_the_lowered_kernel():
-  """Lowered for an H200: the K and V requests are in the kernel with kv_prefetch and absent
-  without; caches of 2 GB or more (int32 byte offsets) are refused with a clear error."""
-  from flint_jax.pallas.testing import triton_modules  # pylint: disable=g-import-not-at-top
-  S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-
-  def mods(cache_len, layers=35, **kw):
-    cache = S((layers, 1, 4, cache_len, DH), bf)
-    args = (S((1, 32, DH), bf), S((1, 4, DH), bf), S((1, 4, DH), bf), S((DH,), bf), S((DH,), bf),
-            S((1,), jnp.int32), cache, cache, S((32,), jnp.float32), S((), jnp.int32))
-    fn = lambda *a: qk_norm_rope_attention(*a, rope=True, ring=True, window=513, **kw)  # noqa
-    return triton_modules(fn, *args)
-
-  with_pf = [m for m in mods(576, kv_prefetch=True) if "attn_ring" in m["name"]]
-  assert len(with_pf) == 1 and with_pf[0]["name"].endswith("_kvpf")
-  assert with_pf[0]["asm"].count("cp.async.bulk.prefetch.L2.global") == 2
-  assert all("cp.async.bulk.prefetch" not in m["asm"] for m in mods(576))
-  with pytest.raises(ValueError, match="kv_prefetch needs caches under 2 GB"):
-    mods(1 << 16, layers=1024, kv_prefetch=True)
-
-
-@pytest.mark.parametrize("merge", ["kernel", "atomic"])
-def test_rope_cos_sin_handed_on(merge):
+def test_rope_cos_sin_handed_on():
   """return_cos_sin: the kernel also returns RoPE's cos / sin [B, 2, Dh/2] (those of
   ``rope_cos_sin_table``: XLA's on the CPU, libdevice's within a few ulps on the GPU); a second layer
   given them (rope_cos_sin=) computes what it computes without them. B=3, layer-stacked ring."""
   from flint_jax.pallas.attention_block import rope_cos_sin_table  # pylint: disable=g-import-not-at-top
   pos = [40, 513, 9000]
-  got = run(3, 32, 4, 576, pos, ring=True, rope=True, window=513, merge=merge, stacked=True,
+  got = run(3, 32, 4, 576, pos, ring=True, rope=True, window=513, stacked=True,
             return_cos_sin=True)
   cs = got[-1]
   want = rope_cos_sin_table(jnp.asarray(pos, jnp.int32), DH, 10000.0)
   assert cs.shape == (3, 2, DH // 2) and cs.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(cs), np.asarray(want), rtol=0, atol=2e-6)
-  again = run(3, 32, 4, 576, pos, ring=True, rope=True, window=513, merge=merge, stacked=True,
+  again = run(3, 32, 4, 576, pos, ring=True, rope=True, window=513, stacked=True,
               rope_cos_sin=cs)
   for a, b in zip(got[:-1], again):   # bit for bit (the caches' dead slots hold NaN garbage)
     a, b = np.asarray(a), np.asarray(b)
@@ -181,25 +139,21 @@ def test_single_split_ring():
   run(1, 32, 4, 576, [511], ring=True, rope=True, window=513, num_splits=1)
 
 
-def test_single_split_full_atomic():
-  """num_splits=1 with merge='atomic': no merge, the counter comes back untouched. G=1, B=3,
-  RoPE on a full layer, layer-stacked, one row past the cache (write dropped)."""
-  got = run(3, 8, 8, 256, [1, 255, 300], ring=False, rope=True, merge="atomic", num_splits=1,
-            stacked=True)
-  assert int(np.asarray(got[3]).max()) == 0
+def test_single_split_full():
+  """num_splits=1 on a full layer: G=1, B=3, RoPE, layer-stacked, one row past the cache (write
+  dropped)."""
+  run(3, 8, 8, 256, [1, 255, 300], ring=False, rope=True, num_splits=1, stacked=True)
 
 
 def test_full_long_context():
-  """A few thousand keys over 32 splits (run-time chunking), clean cache, atomic merge."""
-  got = run(1, 32, 4, 4096, [3999], ring=False, rope=False, garbage=False, num_splits=32,
-            merge="atomic")
-  np.testing.assert_array_equal(np.asarray(got[3]), np.full((1, 4), 32, np.int32))
+  """A few thousand keys over 32 splits (run-time chunking), clean cache."""
+  run(1, 32, 4, 4096, [3999], ring=False, rope=False, garbage=False, num_splits=32)
 
 
-def test_counter_threads_through_layers():
-  """One zeroed [L, B, KVH] counter for all layers, indexed by counter_layer (not the cache
-  layer): three layers of one stacked cache in another order. G=3 (heads not a power of two:
-  padded q and merge rows), B=3, 4 splits of 16-key blocks."""
+def test_layers_of_a_stacked_cache():
+  """Three layers of one stacked cache, in another order, each call on the caches the last
+  returned. G=3 (heads not a power of two: padded q and merge rows), B=3, 4 splits of 16-key
+  blocks."""
   b, kvh, h, s_len, positions = 3, 8, 24, 64, [0, 40, 63]
   q, k, v, wq, wk, pos, _, _, sinks, _ = inputs(b, h, kvh, s_len, positions, ring=False,
                                                 window=None, garbage=False, stacked=False)
@@ -208,21 +162,18 @@ def test_counter_threads_through_layers():
   kc = jnp.where(dead, jnp.nan, randn(gen, (3, b, kvh, s_len, DH), scale=2.0))
   vc = jnp.where(dead, jnp.inf, randn(gen, (3, b, kvh, s_len, DH)))
   kc, vc = kc.astype(jnp.bfloat16), vc.astype(jnp.bfloat16)
-  counter = jnp.zeros((3, b, kvh), jnp.int32)
-  kw = dict(rope=True, ring=False, merge="atomic", num_splits=4, block_k=16)
-  for layer, cl in ((0, 0), (2, 1), (1, 2)):
-    got = qk_norm_rope_attention(q, k, v, wq, wk, pos, kc, vc, sinks, layer, counter,
-                                 counter_layer=cl, interpret=INTERPRET, **kw)
-    ref = qk_norm_rope_attention_reference(q, k, v, wq, wk, pos, kc, vc, sinks, layer,
-                                           counter, counter_layer=cl, **kw)
-    check(got, ref, "atomic")
-    _, kc, vc, counter = got
-  np.testing.assert_array_equal(np.asarray(counter), np.full((3, b, kvh), 4, np.int32))
+  kw = dict(rope=True, ring=False, num_splits=4, block_k=16)
+  for layer in (0, 2, 1):
+    got = qk_norm_rope_attention(q, k, v, wq, wk, pos, kc, vc, sinks, layer, interpret=INTERPRET,
+                                 **kw)
+    ref = qk_norm_rope_attention_reference(q, k, v, wq, wk, pos, kc, vc, sinks, layer, **kw)
+    check(got, ref)
+    _, kc, vc = got
 
 
-@pytest.mark.parametrize("ring,merge,splits", [(True, "kernel", 2), (False, "atomic", 3)])
-def test_split_k_partials(ring, merge, splits):
-  """q / k / v as fp32 split-K partials [S, ...] (norm_qkv(split_k=S, sum_splits=False)): the
+@pytest.mark.parametrize("ring,splits", [(True, 2), (False, 3)])
+def test_split_k_partials(ring, splits):
+  """q / k / v as fp32 split-K partials [S, ...] (multi_gemv(split_k=S, sum_splits=False)): the
   kernel sums and rounds them to the caches' dtype itself. Bit-identical (out and caches) to
   the kernel given the summed bf16 q / k / v, and close to the reference."""
   b, h, kvh, s_len = 2, 32, 4, 576
@@ -233,42 +184,35 @@ def test_split_k_partials(ring, merge, splits):
   parts = [jnp.asarray(gen.standard_normal((splits, *a.shape)) * (1.5 / splits), jnp.float32)
            for a in args[:3]]
   summed = [jnp.sum(p, axis=0).astype(jnp.bfloat16) for p in parts]
-  counter = jnp.zeros((3, b, kvh), jnp.int32) if merge == "atomic" else None
-  opts = dict(rope=ring, ring=ring, window=window, merge=merge)
-  got = qk_norm_rope_attention(*parts, *args[3:], counter, interpret=INTERPRET, **opts)
-  want = qk_norm_rope_attention(*summed, *args[3:], counter, interpret=INTERPRET, **opts)
-  for g, w, name in zip(got, want, ("out", "k_cache", "v_cache", "counter")):
+  opts = dict(rope=ring, ring=ring, window=window)
+  got = qk_norm_rope_attention(*parts, *args[3:], interpret=INTERPRET, **opts)
+  want = qk_norm_rope_attention(*summed, *args[3:], interpret=INTERPRET, **opts)
+  for g, w, name in zip(got, want, ("out", "k_cache", "v_cache")):
     assert g.shape == w.shape and g.dtype == w.dtype, name
     g, w = np.asarray(g), np.asarray(w)
     if g.dtype == jnp.bfloat16:
       g, w = g.view(np.uint16), w.view(np.uint16)
     np.testing.assert_array_equal(g, w, err_msg=f"{name}: partials vs summed bf16 inputs")
-  check(got, qk_norm_rope_attention_reference(*parts, *args[3:], counter, **opts), merge)
+  check(got, qk_norm_rope_attention_reference(*parts, *args[3:], **opts))
   with pytest.raises(ValueError, match="split-K partials"):
-    qk_norm_rope_attention(parts[0], *summed[1:], *args[3:], counter, interpret=True, **opts)
+    qk_norm_rope_attention(parts[0], *summed[1:], *args[3:], interpret=True, **opts)
 
 
 def test_validation():
   q, k, v, wq, wk, pos, kc, vc, sinks, layer = inputs(1, 8, 2, 64, [3], ring=False, window=None,
                                                       garbage=False, stacked=False)
   args = (q, k, v, wq, wk, pos, kc, vc, sinks)
-  with pytest.raises(ValueError, match="counter"):
-    qk_norm_rope_attention(*args, rope=False, ring=False, merge="atomic", interpret=True)
-  with pytest.raises(ValueError, match="counter"):
-    qk_norm_rope_attention(*args, None, jnp.zeros((1, 1, 2), jnp.int32), rope=False, ring=False,
-                           merge="atomic", interpret=True)
-  with pytest.raises(ValueError, match="merge"):
-    qk_norm_rope_attention(*args, rope=False, ring=False, merge="tree", interpret=True)
+  with pytest.raises(ValueError, match="num_splits"):
+    qk_norm_rope_attention(*args, rope=False, ring=False, num_splits=3, interpret=True)
   with pytest.raises(ValueError, match="window"):
     qk_norm_rope_attention(*args, rope=True, ring=True, interpret=True)
 
 
 @pytest.mark.skipif(INTERPRET, reason="128K-key context is slow in interpret mode")
-@pytest.mark.parametrize("merge", ["kernel", "atomic"])
 @pytest.mark.parametrize("b", [1, 8])
-def test_flint_size(b, merge):
+def test_flint_size(b):
   s_len = 131072 if b == 1 else 32768
   run(b, 32, 4, s_len, [s_len - 1 - 3001 * i for i in range(b)], ring=False, rope=False,
-      garbage=False, merge=merge, stacked=True)
+      garbage=False, stacked=True)
   run(b, 32, 4, 576, [100 + 7919 * i for i in range(b)], ring=True, rope=True, window=513,
-      merge=merge, stacked=True)
+      stacked=True)

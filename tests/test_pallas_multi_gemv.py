@@ -1,4 +1,4 @@
-"""multi_gemv (fused q|k|v GEMVs sharing x) vs its reference and vs per-matrix gemv / nvfp4_gemv.
+"""multi_gemv (fused q|k|v GEMVs sharing x) vs its reference and vs per-matrix nvfp4_gemv.
 
 Interpret mode starts every Pallas output as NaN, so a row block that no program writes (a wrong
 branch range) fails the finiteness check of ``assert_close``. The NVFP4 ``asm`` decode runs only
@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flint_jax.pallas import (gemv, multi_gemv, multi_gemv_reference, nvfp4_gemv,
-                              nvfp4_gemv_reference)
-from flint_jax.pallas.multi_gemv import default_multi_gemv_blocks
-from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
+from flint_jax.pallas.multi_gemv import (default_multi_gemv_blocks, multi_gemv,
+                                         multi_gemv_reference)
+from flint_jax.pallas.nvfp4_gemv import nvfp4_gemv, nvfp4_gemv_reference
+from pallas_testing import assert_close, randn, random_nvfp4, rng
 
 INTERPRET = jax.default_backend() == "cpu"
 DECODE = "fp8" if INTERPRET else "asm"
@@ -37,8 +37,8 @@ def check_all(out, ref, ns, m, what):
 
 @pytest.mark.parametrize("m,ns,k,kw", [
     (1, (256, 64, 64), 256, {}),                                   # default swap
-    (1, (128, 64), 128, dict(method="reduce")),
     (1, (128, 64), 256, dict(method="dot", block_k=64)),
+    (3, (128, 64), 256, dict(method="rows", block_n=16)),          # CUDA-core rows
     (3, (256, 64, 64), 128, {}),                                   # odd M
     (3, (128, 64), 256, dict(method="swap", block_n=32)),
     (8, (256, 64, 64), 256, {}),
@@ -56,13 +56,11 @@ def test_multi_gemv_bf16(m, ns, k, kw):
 
 
 @pytest.mark.parametrize("m,ns,k,kw", [
-    (1, (256, 64, 64), 256, {}),                                   # default reduce
-    (1, (256, 64, 64), 384, dict(method="lanes", block_k=128)),    # per-lane FFMAs, 3 K steps
+    (1, (256, 64, 64), 256, {}),                                   # default blocks
     (1, (256, 64, 64), 384, dict(method="blocks", block_k=128)),   # per-block sums, 3 K steps
+    (1, (256, 64, 64), 384, dict(block_k=128, post_scale=True)),   # (the asm decode's option)
     (1, (128, 64), 128, dict(method="swap")),
-    (1, (128, 64), 256, dict(layout="chunk", block_k=64)),
-    (3, (256, 64, 64), 128, {}),                                   # odd M
-    (3, (128, 64), 256, dict(layout="chunk", block_n=32, block_k=128)),
+    (3, (256, 64, 64), 128, {}),                                   # odd M: rows
     (3, (128, 64), 256, dict(method="rows", block_n=16)),           # CUDA-core rows
     (8, (256, 64, 64), 256, dict(method="rows", block_n=32, block_k=128)),
     (8, (256, 64, 64), 256, {}),
@@ -97,26 +95,21 @@ def test_multi_gemv_flint_qkv(fmt):
   check_all(out, multi_gemv_reference(x, ws), ns, 1, f"flint qkv {fmt}")
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m,method", [(1, None), (1, "dot"), (8, None), (8, "swap")])
-def test_matches_single_matrix_kernels(fmt, m, method):
-  """Bit-compatible with gemv / nvfp4_gemv per matrix for the same tile knobs (split_k=1)."""
+def test_matches_single_matrix_kernel(m, method):
+  """Bit-compatible with nvfp4_gemv per matrix for the same tile knobs (split_k=1)."""
   ns, k = (256, 64, 64), 256
-  g = rng("single", fmt, m, method)
+  g = rng("single", "nvfp4", m, method)
   x = randn(g, (m, k))
-  bn, bk, warps = default_multi_gemv_blocks(ns, k, m=m, fmt=fmt)
+  bn, bk, warps = default_multi_gemv_blocks(ns, k, m=m, fmt="nvfp4")
   knobs = dict(block_n=bn, block_k=bk, method=method, num_warps=warps, interpret=INTERPRET)
-  if fmt == "bf16":
-    ws = bf16_weights(g, ns, k)
-    single = [gemv(x, w, split_k=1, **knobs) for w in ws]
-  else:
-    ws = nvfp4_weights(g, ns, k)
-    single = [nvfp4_gemv(x, *w, split_k=1, decode=DECODE, **knobs) for w in ws]
+  ws = nvfp4_weights(g, ns, k)
+  single = [nvfp4_gemv(x, *w, split_k=1, decode=DECODE, **knobs) for w in ws]
   out = multi_gemv(x, ws, decode=DECODE, **knobs)
   for i, (o, s) in enumerate(zip(out, single)):
     assert_close(o, s, what=f"vs single [{i}]")
     np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(s, np.float32),
-                                  err_msg=f"{fmt} matrix {i}: not bit-equal to the single kernel")
+                                  err_msg=f"matrix {i}: not bit-equal to the single kernel")
 
 
 def test_default_blocks():
@@ -135,22 +128,15 @@ def test_default_blocks():
 
 
 def test_default_methods():
-  """The measured tile-method defaults (runs 25, 30, 84, 85, 108): NVFP4 q|k|v on rows at M = 2..3 and
-  on blocks at M = 1 (lanes in norm_qkv, which has no blocks; reduce with the chunk layout and
-  in kernels with neither), NVFP4 single GEMVs on rows at M = 2 below 16384 rows, blocks at M = 1
-  (reduce with the chunk layout); tensor cores otherwise."""
-  from flint_jax.pallas import _common as C
+  """The measured tile-method defaults (runs 25, 30, 84, 85, 108): NVFP4 q|k|v on rows at M =
+  2..3 and on blocks at M = 1, NVFP4 single GEMVs on rows at M = 2 below 16384 rows, blocks at
+  M = 1; tensor cores otherwise (bf16: swap-AB at M = 1)."""
   from flint_jax.pallas.multi_gemv import resolve_method
   from flint_jax.pallas.nvfp4_gemv import default_method
-  assert [resolve_method("nvfp4", m, None, "tile", "asm", False)[0]
+  assert [resolve_method("nvfp4", m, None, "asm", False)[0]
           for m in (1, 2, 3, 4, 5, 8)] == ["blocks", "rows", "rows", "dot", "dot", "dot"]
-  no_blocks = tuple(x for x in C.METHODS if x != "blocks")
-  assert resolve_method("nvfp4", 1, None, "tile", "asm", False, allowed=no_blocks)[0] == "lanes"
-  assert resolve_method("nvfp4", 1, None, "chunk", "asm", False)[0] == "reduce"
-  assert resolve_method("nvfp4", 1, None, "tile", "asm", False, allowed=C.NO_LANES)[0] == "reduce"
-  assert resolve_method("bf16", 2, None, "tile", "asm", False)[0] != "rows"
+  assert [resolve_method("bf16", m, None, "asm", False)[0] for m in (1, 2)] == ["swap", "dot"]
   assert [default_method(m, 2048) for m in (1, 2, 3, 8)] == ["blocks", "rows", "dot", "dot"]
-  assert default_method(1, 2048, "chunk") == "reduce"
   assert [default_method(m, 150144) for m in (1, 2, 8)] == ["blocks", "swap", "swap"]   # LM head
 
 
@@ -179,8 +165,8 @@ def test_multi_gemv_rejects_bad_inputs():
     multi_gemv(x, (w, w.astype(jnp.float32)), interpret=True)
   with pytest.raises(ValueError, match="multiple of 64"):
     multi_gemv(randn(g, (2, 96)), (random_nvfp4(g, (32, 96)),), interpret=True)
-  with pytest.raises(ValueError, match="reduce"):
-    multi_gemv(x, (w,), method="reduce", interpret=True)
+  with pytest.raises(ValueError, match="method"):
+    multi_gemv(x, (w,), method="blocks", interpret=True)
 
 
 def test_reference_matches_per_matrix():
@@ -204,8 +190,7 @@ def _rms_case(g, k, n_parts, m=1):
 @pytest.mark.parametrize("m,ns,k,n_parts,kw", [
     (1, (256, 64, 64), 256, 16, {}),                                # default blocks, 16 blocks
     (1, (256, 64, 64), 384, 3, dict(method="blocks", block_k=128)),  # 3 parts (not a power of 2)
-    (1, (128, 64), 256, 4, dict(method="reduce")),
-    (1, (128, 64), 256, 1, dict(method="lanes", block_k=128)),
+    (1, (128, 64), 256, 1, dict(post_scale=True, block_k=128)),
     (8, (256, 64, 64), 256, 16, {}),                     # batch 8's default: tensor-core dot
     (5, (128, 64), 384, 3, dict(method="dot", block_k=128)),        # padded rows (Mp = 16)
     (3, (128, 64), 256, 4, dict(method="rows")),                    # CUDA-core rows
@@ -214,7 +199,7 @@ def test_multi_gemv_rms(m, ns, k, n_parts, kw):
   """x given as the residual s with the sums of squares of its column blocks: the kernel's
   output equals the reference of x = bf16(w * (s * rsqrt(mean + eps))) row by row, and that x
   equals add_rms_norm's up to one bf16 ulp (the mean square's fp32 summation order)."""
-  from flint_jax.pallas import add_rms_norm_reference
+  from flint_jax.pallas.add_rms_norm import add_rms_norm_reference
   g = rng("rms", m, ns, k, n_parts, kw)
   s, w, sumsq = _rms_case(g, k, n_parts, m)
   ws = nvfp4_weights(g, ns, k)
@@ -297,42 +282,3 @@ def test_multi_gemv_split_k_rejects_bad_slices():
   ws = nvfp4_weights(g, (128, 64), 256)
   with pytest.raises(ValueError, match="block_k \\* split_k dividing K"):
     multi_gemv(x, ws, split_k=3, block_k=64, interpret=INTERPRET)
-
-
-@pytest.mark.parametrize("fmt,m,ns,k,split_k,kw", [
-    ("nvfp4", 8, (256, 64, 64), 512, 4, {}),
-    ("nvfp4", 3, (128, 64), 512, 2, dict(method="rows", block_n=16)),
-    ("nvfp4", 1, (256, 64, 64), 1024, 2, dict(method="blocks")),
-    ("bf16", 5, (128, 64, 64), 256, 2, {}),
-])
-def test_multi_gemv_split_k_finish(fmt, m, ns, k, split_k, kw):
-  """counter=: the last slice of each tile sums the partials (in slice order) into the bf16
-  output and zeroes its counter entry; the outputs equal the partials summed the same way."""
-  g = rng("finish", fmt, m, ns, k, split_k, kw)
-  x = randn(g, (m, k))
-  ws = nvfp4_weights(g, ns, k) if fmt == "nvfp4" else bf16_weights(g, ns, k)
-  dec = dict(decode=DECODE) if fmt == "nvfp4" else {}
-  counter = jnp.zeros((600,), jnp.int32)
-  outs, counter = multi_gemv(x, ws, split_k=split_k, counter=counter, counter_base=100,
-                             interpret=INTERPRET, **dec, **kw)
-  assert not np.asarray(counter).any(), "the counter must come back zeroed"
-  parts = multi_gemv(x, ws, split_k=split_k, sum_splits=False, interpret=INTERPRET, **dec, **kw)
-  for i, (o, p) in enumerate(zip(outs, parts)):
-    tot = p[0]
-    for s in range(1, split_k):
-      tot = tot + p[s]
-    assert o.shape == (m, ns[i]) and o.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(o, np.float32),
-                                  np.asarray(tot.astype(jnp.bfloat16), np.float32))
-  check_all(outs, multi_gemv_reference(x, ws), ns, m, "multi_gemv finish")
-
-
-def test_multi_gemv_finish_rejects_bad_counters():
-  g = rng("finish-bad")
-  x = randn(g, (2, 256))
-  ws = nvfp4_weights(g, (128, 64), 256)
-  with pytest.raises(ValueError, match="needs split_k > 1"):
-    multi_gemv(x, ws, counter=jnp.zeros((64,), jnp.int32), interpret=INTERPRET)
-  with pytest.raises(ValueError, match="entries 60 .. "):
-    multi_gemv(x, ws, split_k=2, counter=jnp.zeros((64,), jnp.int32), counter_base=60,
-               interpret=INTERPRET)

@@ -12,7 +12,7 @@ MoE mode takes the selected router logits [M, top_k] (``moe_decode_routed``'s ``
 here ``moe_topk_route``'s: equal bit for bit, tests/test_pallas_moe.py).
 
 Interpret mode starts every Pallas output as NaN, so a tile or a row no program writes fails the
-equality checks. The NVFP4 ``asm`` decode runs only compiled on a GPU (``fp8`` in interpret mode).
+equality checks. BF16 weights only (the NVFP4 form was retired after 35c0874).
 """
 
 import jax
@@ -20,22 +20,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flint_jax.pallas import (add_rms_norm, moe_combine_add_rms_norm, moe_topk_route, multi_gemv,
-                              norm_qkv, norm_qkv_reference, rms_norm)
-from flint_jax.pallas.norm_qkv import _k_slice
-from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng, tie_logits
+from flint_jax.pallas.add_rms_norm import add_rms_norm, rms_norm
+from flint_jax.pallas.moe import moe_combine_add_rms_norm, moe_topk_route
+from flint_jax.pallas.multi_gemv import multi_gemv
+from flint_jax.pallas.norm_qkv import norm_qkv, norm_qkv_reference
+from pallas_testing import assert_close, randn, random_nvfp4, rng, tie_logits
 
 INTERPRET = jax.default_backend() == "cpu"
-DECODE = "fp8" if INTERPRET else "asm"
 QKV_SMALL = (128, 64, 64)
 
 
 def make_case(fmt, mode, m, d, e, top_k, ns, ties, *params):
   gen = rng("norm_qkv", fmt, mode, m, d, e, top_k, ns, ties, *params)
-  if fmt == "bf16":
-    ws = tuple(randn(gen, (n, d), scale=(i + 1) * d ** -0.5) for i, n in enumerate(ns))
-  else:   # distinct tensor scales: a swapped weight_scale_2 shows up
-    ws = tuple(random_nvfp4(gen, (n, d), scale_2=(i + 1) * d ** -0.5) for i, n in enumerate(ns))
+  ws = tuple(randn(gen, (n, d), scale=(i + 1) * d ** -0.5) for i, n in enumerate(ns))
   h = randn(gen, (m, d), scale=4.0)
   w = randn(gen, (d,), scale=0.3) + 1
   kw = {}
@@ -73,24 +70,16 @@ CASES = [
     ("bf16", "moe", 8, 256, 16, 2, QKV_SMALL, False, dict(block_k=64, block_d=128)),
     ("bf16", "dense", 3, 256, 0, 0, QKV_SMALL, False, {}),
     ("bf16", "dense", 8, 192, 0, 0, (64, 32, 32, 16), False, dict(method="swap", block_d=64)),
-    ("bf16", "norm", 1, 256, 0, 0, QKV_SMALL, False, dict(method="reduce")),
-    ("bf16", "dense", 1, 128, 0, 0, (64, 32), False, dict(method="lanes", block_k=64)),
-    ("nvfp4", "moe", 1, 256, 20, 6, QKV_SMALL, True, {}),                         # lanes
-    ("nvfp4", "moe", 1, 128, 16, 6, (64, 32), False, dict(method="reduce", block_k=64)),
-    ("nvfp4", "norm", 1, 256, 0, 0, QKV_SMALL, False, dict(block_k=128, block_d=64)),  # lanes
-    ("nvfp4", "moe", 3, 256, 16, 3, QKV_SMALL, False, dict(block_d=256)),         # dot
-    ("nvfp4", "moe", 8, 128, 16, 2, (64, 32), True, dict(layout="chunk", block_k=64)),
-    ("nvfp4", "dense", 1, 128, 0, 0, (64, 32), False, dict(method="swap", block_d=32)),
-    ("nvfp4", "dense", 8, 256, 0, 0, QKV_SMALL, False, dict(method="swap")),
-    ("nvfp4", "norm", 3, 192, 0, 0, (64, 32, 32), False, {}),
+    ("bf16", "norm", 1, 256, 0, 0, QKV_SMALL, False, dict(method="dot")),
+    ("bf16", "dense", 1, 128, 0, 0, (64, 32), False, dict(block_k=64, block_d=32)),
+    ("bf16", "norm", 3, 192, 0, 0, (64, 32, 32), False, {}),
 ]
 
 
 @pytest.mark.parametrize("fmt,mode,m,d,e,top_k,ns,ties,kw", CASES)
 def test_norm_qkv(fmt, mode, m, d, e, top_k, ns, ties, kw):
   h, ws, w, ykw = make_case(fmt, mode, m, d, e, top_k, ns, ties, kw)
-  s, outs, x = norm_qkv(h, ws, w, **ykw, decode=DECODE, return_x=True, interpret=INTERPRET,
-                        **kw)
+  s, outs, x = norm_qkv(h, ws, w, **ykw, return_x=True, interpret=INTERPRET, **kw)
   s_ref, outs_ref = norm_qkv_reference(h, ws, w, **ykw)
   s_k, x_k = unfused(mode, h, w, ykw)
   assert_equal(s, s_k, "s vs unfused kernel")
@@ -99,55 +88,13 @@ def test_norm_qkv(fmt, mode, m, d, e, top_k, ns, ties, kw):
   # excess precision
   assert_close(s, s_ref, what="s vs reference")
   assert_equal(x, x_k, "x vs unfused kernel")
-  want = multi_gemv(x_k, ws, decode=DECODE, interpret=INTERPRET,
+  want = multi_gemv(x_k, ws, interpret=INTERPRET,
                     **{k: v for k, v in kw.items() if k != "block_d"})
   assert isinstance(outs, tuple) and len(outs) == len(ns)
   for i, (o, r, wr) in enumerate(zip(outs, outs_ref, want)):
     assert o.shape == (m, ns[i])
     assert_equal(o, wr, f"out[{i}] vs multi_gemv(x)")
     assert_close(o, r, what=f"out[{i}] vs reference")
-
-
-SPLIT_CASES = [
-    # fmt, mode, m, d, split_k, kw
-    ("bf16", "moe", 1, 256, 2, dict(block_k=64)),                                  # swap
-    ("bf16", "dense", 3, 512, 4, dict(block_k=64, block_d=128)),                   # dot
-    ("bf16", "norm", 1, 256, 2, dict(block_k=128, method="reduce")),
-    ("nvfp4", "moe", 1, 256, 2, dict(block_k=64)),                                 # lanes
-    ("nvfp4", "dense", 2, 256, 2, dict(block_k=64)),                               # rows
-]
-
-
-@pytest.mark.parametrize("fmt,mode,m,d,split_k,kw", SPLIT_CASES)
-def test_norm_qkv_split_k(fmt, mode, m, d, split_k, kw):
-  """split_k programs per tile: fp32 partials, each equal to multi_gemv on its K slice of the
-  kernel's x and the weights (same tiles); summed by XLA with sum_splits."""
-  h, ws, w, ykw = make_case(fmt, mode, m, d, 16, 6 if mode == "moe" else 0, QKV_SMALL, False,
-                            split_k)
-  s, parts, x = norm_qkv(h, ws, w, **ykw, decode=DECODE, return_x=True, split_k=split_k,
-                         sum_splits=False, interpret=INTERPRET, **kw)
-  s_k, x_k = unfused(mode, h, w, ykw)
-  assert_equal(s, s_k, "s vs unfused kernel")
-  assert_equal(x, x_k, "x vs unfused kernel")
-  _, parts_ref = norm_qkv_reference(h, ws, w, **ykw, split_k=split_k, sum_splits=False)
-  c = d // split_k
-  gemv_kw = {k: v for k, v in kw.items() if k != "block_d"}
-  for j in range(split_k):
-    ws_j = tuple(_k_slice(wi, j * c, (j + 1) * c) for wi in ws)
-    want = multi_gemv(x_k[:, j * c:(j + 1) * c], ws_j, out_dtype=jnp.float32, decode=DECODE,
-                      interpret=INTERPRET, **gemv_kw)
-    for i, (p, wr) in enumerate(zip(parts, want)):
-      assert p.shape == (split_k, m, QKV_SMALL[i]) and p.dtype == jnp.float32
-      # equal up to an fp32 ulp (interpret mode: XLA:CPU may compile the slice's loop, whose
-      # bounds are traced here and static there, with a different association)
-      assert_close(p[j], wr, atol=1e-6, rtol=1e-6,
-                   what=f"partial {j} of out[{i}] vs multi_gemv on the K slice")
-  for i, (p, r) in enumerate(zip(parts, parts_ref)):
-    # bf16 tolerance: the reference's x may differ from the kernel's by a bf16 ulp (docstring)
-    assert_close(p, r, dtype=jnp.bfloat16, what=f"partials of out[{i}] vs reference")
-  _, summed = norm_qkv(h, ws, w, **ykw, decode=DECODE, split_k=split_k, interpret=INTERPRET, **kw)
-  for i, (o, p) in enumerate(zip(summed, parts)):
-    assert_equal(o, jnp.sum(p, axis=0).astype(jnp.bfloat16), f"summed out[{i}]")
 
 
 def test_norm_qkv_f32_out():
@@ -192,9 +139,7 @@ def test_norm_qkv_bad_inputs():
       (dict(y=h.astype(jnp.float32)), "y must have h's dtype"),
       (dict(block_d=96), "block_d"),
       (dict(block_k=48), "block_k"),
-      (dict(method="reduce"), "reduce"),
-      (dict(split_k=3), "split_k"),
-      (dict(split_k=2, block_k=128), "split_k"),
+      (dict(method="blocks"), "method"),
   ]
   for kw, msg in bad:
     with pytest.raises(ValueError, match=msg):
@@ -207,3 +152,5 @@ def test_norm_qkv_bad_inputs():
     norm_qkv(h, (ws[0][:, :64],), w, interpret=True)
   with pytest.raises(ValueError, match="mix formats"):
     norm_qkv(h, (ws[0], random_nvfp4(rng("mix"), (32, 128))), w, interpret=True)
+  with pytest.raises(ValueError, match="bf16 weights"):
+    norm_qkv(h, (random_nvfp4(rng("nv"), (32, 128)),), w, interpret=True)

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flint_jax.pallas import (dequantize_nvfp4_reference, nvfp4_gemv, nvfp4_gemv_reference,
-                              nvfp4_gemv_silu_mul, nvfp4_gemv_silu_mul_reference)
-from flint_jax.pallas.nvfp4_gemv import _e2m1_to_bf16
-from flint_jax.pallas.testing import assert_close, randn, random_nvfp4, rng
+from flint_jax.pallas.nvfp4_gemv import (_e2m1_to_bf16, dequantize_nvfp4_reference, nvfp4_gemv,
+                                         nvfp4_gemv_reference, nvfp4_gemv_silu_mul,
+                                         nvfp4_gemv_silu_mul_reference)
+from pallas_testing import assert_close, randn, random_nvfp4, rng
 
 INTERPRET = jax.default_backend() == "cpu"
 DECODES = ["fp8"] if INTERPRET else ["fp8", "asm"]
@@ -45,61 +45,53 @@ def test_dequantize_matches_codec():
 
 
 @pytest.mark.parametrize("decode", DECODES)
-@pytest.mark.parametrize("m,n,k,layout,out_dtype,kw", [
-    (1, 64, 256, "tile", jnp.bfloat16, {}),                         # default: reduce
-    (1, 64, 256, "chunk", jnp.bfloat16, dict(method="reduce", block_k=128)),
-    (1, 48, 256, "tile", jnp.bfloat16, dict(method="lanes", block_n=16, block_k=128)),
-    (1, 64, 512, "tile", jnp.float32, dict(method="lanes", split_k=2, block_k=128)),
-    (1, 32, 2048, "tile", jnp.bfloat16, dict(method="lanes", block_k=1024)),   # one K step
-    (1, 48, 384, "tile", jnp.bfloat16, dict(method="blocks", block_n=16, block_k=128)),
-    (1, 64, 512, "tile", jnp.float32, dict(method="blocks", split_k=2, block_k=128)),
-    (1, 32, 256, "tile", jnp.bfloat16, dict(method="dot", split_k=2, block_k=64)),
-    (3, 48, 128, "chunk", jnp.bfloat16, dict(block_n=16, block_k=64)),
-    (3, 64, 256, "tile", jnp.bfloat16, dict(method="swap")),
-    (3, 48, 256, "tile", jnp.bfloat16, dict(method="rows", block_n=16, block_k=128)),
-    (8, 64, 512, "tile", jnp.float32, dict(method="rows", split_k=2, block_k=128)),
-    (5, 32, 256, "chunk", jnp.bfloat16, dict(method="rows", block_k=64)),
-    (8, 64, 512, "tile", jnp.float32, dict(block_k=128, split_k=2)),
-    (8, 256, 2048, "tile", jnp.bfloat16, {}),
-    (2, 96, 4096, "tile", jnp.bfloat16, {}),                      # M = 2 default: rows, split-K
-    (1, 2048, 2048, "tile", jnp.bfloat16, {}),                    # Flint size
+@pytest.mark.parametrize("m,n,k,out_dtype,kw", [
+    (1, 64, 256, jnp.bfloat16, {}),                         # default: blocks
+    (1, 48, 384, jnp.bfloat16, dict(method="blocks", block_n=16, block_k=128)),
+    (1, 64, 512, jnp.float32, dict(method="blocks", split_k=2, block_k=128)),
+    (1, 32, 2048, jnp.bfloat16, dict(block_k=1024)),       # one K step
+    (1, 32, 256, jnp.bfloat16, dict(method="dot", split_k=2, block_k=64)),
+    (3, 64, 256, jnp.bfloat16, dict(method="swap")),
+    (3, 48, 256, jnp.bfloat16, dict(method="rows", block_n=16, block_k=128)),
+    (8, 64, 512, jnp.float32, dict(method="rows", split_k=2, block_k=128)),
+    (8, 64, 512, jnp.float32, dict(block_k=128, split_k=2)),
+    (8, 256, 2048, jnp.bfloat16, {}),
+    (2, 96, 4096, jnp.bfloat16, {}),                      # M = 2 default: rows, split-K
+    (1, 2048, 2048, jnp.bfloat16, {}),                    # Flint size
 ])
-def test_nvfp4_gemv(decode, m, n, k, layout, out_dtype, kw):
-  g = rng(decode, m, n, k, layout, kw)
+def test_nvfp4_gemv(decode, m, n, k, out_dtype, kw):
+  g = rng(decode, m, n, k, kw)
   x = randn(g, (m, k))
   w = random_nvfp4(g, (n, k))
-  out = nvfp4_gemv(x, *w, out_dtype=out_dtype, decode=decode, layout=layout,
-                   interpret=INTERPRET, **kw)
+  out = nvfp4_gemv(x, *w, out_dtype=out_dtype, decode=decode, interpret=INTERPRET, **kw)
   assert_close(out, nvfp4_gemv_reference(x, *w, out_dtype=out_dtype), what="nvfp4_gemv")
 
 
 @pytest.mark.parametrize("decode", DECODES)
-@pytest.mark.parametrize("m,n,k,layout,block_k,method", [(1, 64, 256, "tile", None, None),
-                                                         (8, 96, 512, "chunk", 64, None),
-                                                         (2, 64, 512, "tile", None, None),  # rows
-                                                         (1, 80, 384, "tile", 128, "lanes"),
-                                                         (1, 48, 256, "tile", 64, "blocks")])
-def test_nvfp4_gemv_silu_mul(decode, m, n, k, layout, block_k, method):
-  gen = rng(decode, m, n, k, layout, method)
+@pytest.mark.parametrize("m,n,k,block_k,method", [(1, 64, 256, None, None),
+                                                  (8, 96, 512, 64, None),
+                                                  (2, 64, 512, None, None),   # rows
+                                                  (1, 48, 256, 64, "blocks")])
+def test_nvfp4_gemv_silu_mul(decode, m, n, k, block_k, method):
+  gen = rng(decode, m, n, k, method)
   x = randn(gen, (m, k))
   g, u = random_nvfp4(gen, (n, k)), random_nvfp4(gen, (n, k))
-  out = nvfp4_gemv_silu_mul(x, g, u, decode=decode, layout=layout, interpret=INTERPRET,
+  out = nvfp4_gemv_silu_mul(x, g, u, decode=decode, interpret=INTERPRET,
                             block_n=16 if n % 32 else None, block_k=block_k, method=method)
   assert_close(out, nvfp4_gemv_silu_mul_reference(x, g, u), what="nvfp4_gemv_silu_mul")
 
 
 def test_default_tiles_at_batch_one():
-  """The M = 1 defaults measured on the H200 (runs 84-85): the blocks method on the tile layout
-  (reduce on the chunk layout), with its own tiles: LM head bn16 bk256 w4, o_proj / dense down
-  K steps of 512 with split-K, dense gate|up bn16 bk1024 w8; reduce keeps its bk1024 o_proj."""
+  """The M = 1 defaults measured on the H200 (runs 84-85): the blocks method with its own tiles:
+  LM head bn16 bk256 w4, o_proj / dense down K steps of 512 with split-K, dense gate|up bn16
+  bk1024 w8 (the rows tiles at M = 2 take the M = 1 row sums' tiles: bk1024 o_proj)."""
   from flint_jax.pallas.nvfp4_gemv import default_method, default_nvfp4_blocks
-  assert default_method(1, 150144) == "blocks" and default_method(1, 2048, "chunk") == "reduce"
+  assert default_method(1, 150144) == "blocks" and default_method(2, 2048) == "rows"
   assert default_nvfp4_blocks(150144, 2048, method="blocks") == (16, 256, 1, 4)
   # the f16 operand (run 164): bk512 on 4 warps for the LM head
   assert default_nvfp4_blocks(150144, 2048, method="blocks", x16=True) == (16, 512, 1, 4)
-  assert default_nvfp4_blocks(150144, 2048, method="reduce") == (32, 256, 1, 4)
   assert default_nvfp4_blocks(2048, 4096, method="blocks") == (16, 512, 4, 8)
-  assert default_nvfp4_blocks(2048, 4096, method="reduce") == (16, 1024, 4, 8)
+  assert default_nvfp4_blocks(2048, 4096, m=2, method="rows") == (16, 1024, 4, 8)
 
 
 def test_default_tiles_at_batch_eight():
@@ -162,41 +154,6 @@ def test_nvfp4_gemv_sum_splits_without_split_k():
   assert_close(out, ref, what="nvfp4_gemv split_k=1")
 
 
-@pytest.mark.parametrize("decode", DECODES)
-@pytest.mark.parametrize("m,n,k,kw", [
-    (1, 80, 192, dict(block_n=16, block_k=64, programs=3)),        # 5 tiles x 3 K steps, a tail
-    (1, 96, 256, dict(block_n=16, block_k=256, programs=4)),       # one K step per tile
-    (1, 48, 128, dict(block_n=16, block_k=64, programs=7)),        # more programs than tiles
-    (1, 64, 256, dict(block_n=32, block_k=128, programs=2, preload=False)),
-    (1, 48, 256, dict(method="lanes", block_n=16, block_k=128, programs=2)),
-    (1, 48, 256, dict(method="blocks", block_n=16, block_k=64, programs=2)),
-    (3, 64, 128, dict(method="rows", block_n=16, block_k=64, programs=3)),
-    (8, 64, 256, dict(block_n=16, block_k=128, programs=3)),       # dot
-    (1, 2048, 2048, dict(block_n=16, block_k=1024, programs=132)),  # Flint size
-])
-def test_nvfp4_gemv_streamed(decode, m, n, k, kw):
-  """programs=: persistent programs walking the row tiles (and their K steps) in one loop,
-  optionally loading each step's weights one step ahead, equal the reference; pre-scaled
-  block scales too."""
-  from flint_jax.nvfp4 import prescale_block_scales
-  g = rng("stream", decode, m, n, k, kw)
-  x = randn(g, (m, k))
-  w = random_nvfp4(g, (n, k))
-  ref = nvfp4_gemv_reference(x, *w)
-  assert_close(nvfp4_gemv(x, *w, decode=decode, interpret=INTERPRET, **kw), ref,
-               what="streamed nvfp4_gemv")
-  wp = (w.qweight, prescale_block_scales(w.weight_scale), w.weight_scale_2)
-  assert_close(nvfp4_gemv(x, *wp, decode=decode, interpret=INTERPRET, **kw), ref,
-               what="streamed nvfp4_gemv, pre-scaled scales")
-
-
-def test_nvfp4_gemv_streamed_rejects_split_k():
-  g = rng("stream_sk")
-  w = random_nvfp4(g, (32, 256))
-  with pytest.raises(ValueError, match="split_k must be 1"):
-    nvfp4_gemv(randn(g, (1, 256)), *w, programs=2, split_k=2, block_k=64, interpret=True)
-
-
 def _rel_l2(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -206,73 +163,39 @@ def _rel_l2(a, b):
 @pytest.mark.parametrize("scales", ["e4m3", "bf16"])
 @pytest.mark.parametrize("n,k,kw", [(256, 1024, {}), (48, 384, dict(block_n=16, block_k=128)),
                                     (2048, 4096, {}), (64, 512, dict(split_k=2, block_k=128))])
-def test_post_scale_blocks_decode(scales, n, k, kw):
-  """``asm_decode("post")``: the blocks tiles decode without the scale multiply (the code 0.5 as
-  an f32 subnormal) and scale each 16-value block's sum. Same products as "mul", summed in
-  another order: within f32 rounding of it and of the reference -- a flushed subnormal (every
-  code +-0.5, 1 in 8) would be a percent-level error."""
+def test_post_scale_multi_gemv(scales, n, k, kw):
+  """``multi_gemv(post_scale=True)`` (the batch-1 NVFP4 q|k|v): the blocks tiles decode without
+  the scale multiply (the code 0.5 as an f32 subnormal) and scale each 16-value block's sum.
+  Same products, summed in another order: within f32 rounding of the scaled decode and of the
+  reference -- a flushed subnormal (every code +-0.5, 1 in 8) would be a percent-level error."""
   from flint_jax.nvfp4 import prescale_block_scales
-  from flint_jax.pallas.nvfp4_gemv import asm_decode
+  from flint_jax.pallas.multi_gemv import multi_gemv, multi_gemv_reference
   g = rng("post", n, k, scales, tuple(kw.items()))
   x = randn(g, (1, k))
   w = random_nvfp4(g, (n, k))
   s = w.weight_scale if scales == "e4m3" else prescale_block_scales(w.weight_scale)
-  outs = {}
-  for asm in ("mul", "post"):
-    with asm_decode(asm):
-      outs[asm] = nvfp4_gemv(x, w.qweight, s, w.weight_scale_2, decode="asm", method="blocks",
-                             out_dtype=jnp.float32, **kw)
-  assert _rel_l2(outs["post"], outs["mul"]) < 1e-5
-  assert_close(outs["post"], nvfp4_gemv_reference(x, *w, out_dtype=jnp.float32),
+  ws = ((w.qweight, s, w.weight_scale_2),)
+  outs = {post: multi_gemv(x, ws, decode="asm", method="blocks", out_dtype=jnp.float32,
+                           post_scale=post, **kw)[0] for post in (False, True)}
+  assert _rel_l2(outs[True], outs[False]) < 1e-5
+  assert_close(outs[True], multi_gemv_reference(x, (tuple(w),), out_dtype=jnp.float32)[0],
                what="post-scaled blocks decode")
 
 
 @pytest.mark.skipif(INTERPRET, reason="the asm decode runs only compiled on a GPU")
-def test_post_scale_blocks_silu_mul_and_multi_gemv():
-  """The dense gate|up (``nvfp4_gemv_silu_mul``) and the q|k|v ``multi_gemv`` on the blocks tiles
-  with the post-scaled decode against the scaled one and the references."""
-  from flint_jax.pallas import multi_gemv, multi_gemv_reference
-  from flint_jax.pallas.nvfp4_gemv import asm_decode
-  g = rng("post_fused")
-  x = randn(g, (1, 512))
-  gate, up = random_nvfp4(g, (96, 512)), random_nvfp4(g, (96, 512))
-  qkv = tuple(random_nvfp4(g, (rows, 512)) for rows in (256, 64, 64))
-  outs = {}
-  for asm in ("mul", "post"):
-    with asm_decode(asm):
-      outs[asm] = (nvfp4_gemv_silu_mul(x, gate, up, decode="asm", method="blocks"),
-                   multi_gemv(x, qkv, decode="asm", method="blocks"))
-  assert _rel_l2(outs["post"][0], outs["mul"][0]) < 1e-2    # bf16 outputs: rounding flips
-  assert_close(outs["post"][0], nvfp4_gemv_silu_mul_reference(x, gate, up), what="silu_mul post")
-  for i, (o, ref) in enumerate(zip(outs["post"][1], multi_gemv_reference(x, qkv))):
-    assert_close(o, ref, what=f"multi_gemv post [{i}]")
-
-
-@pytest.mark.skipif(INTERPRET, reason="the asm decode runs only compiled on a GPU")
-@pytest.mark.parametrize("m,kw", [(1, {}), (1, dict(method="lanes")), (8, {}), (2, {}),
-                                  (1, dict(method="blocks")),
-                                  (1, dict(layout="chunk")), (3, dict(method="rows"))])
-def test_asm_decode_sequences_bit_identical(m, kw):
-  """The ``asm`` decode's instruction sequences (``asm_decode``: "mul" with f32 weights and
-  activations from the asm on the CUDA-core tiles, "mul_bf16", "shift") give the same bits,
-  with e4m3 and with pre-scaled block scales, every code and sign included."""
+@pytest.mark.parametrize("m,kw", [(1, {}), (8, {}), (2, {}), (3, dict(method="rows"))])
+def test_asm_decode_scales_bit_identical(m, kw):
+  """The ``asm`` decode gives the same bits with e4m3 and with pre-scaled block scales, every
+  code and sign included."""
   from flint_jax.nvfp4 import prescale_block_scales
-  from flint_jax.pallas.nvfp4_gemv import asm_decode
   g = rng("asm_seq", m, kw)
   x = randn(g, (m, 1024))
   w = random_nvfp4(g, (256, 1024))
-  outs = {}
-  for scales in ("e4m3", "bf16"):
-    s = w.weight_scale if scales == "e4m3" else prescale_block_scales(w.weight_scale)
-    for asm in ("mul", "mul_bf16", "shift"):
-      with asm_decode(asm):
-        outs[scales, asm] = np.asarray(
-            nvfp4_gemv(x, w.qweight, s, w.weight_scale_2, decode="asm", out_dtype=jnp.float32,
-                       **kw))
-    np.testing.assert_array_equal(outs[scales, "mul"], outs[scales, "shift"])
-    np.testing.assert_array_equal(outs[scales, "mul_bf16"], outs[scales, "shift"])
-  assert_close(outs["bf16", "mul"], nvfp4_gemv_reference(x, *w, out_dtype=jnp.float32),
-               what="asm decode (mul)")
+  outs = [np.asarray(nvfp4_gemv(x, w.qweight, s, w.weight_scale_2, decode="asm",
+                                out_dtype=jnp.float32, **kw))
+          for s in (w.weight_scale, prescale_block_scales(w.weight_scale))]
+  np.testing.assert_array_equal(*outs)
+  assert_close(outs[1], nvfp4_gemv_reference(x, *w, out_dtype=jnp.float32), what="asm decode")
 
 
 def test_x16_operand():
@@ -324,7 +247,7 @@ def test_store_x16_blocks(n):
 
 @pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("n,k,scale,sums,kw", [
-    (48, 384, 1.0, "block", dict(block_n=16, block_k=128, num_warps=4)),   # 3 K steps; 8
+    (48, 384, 1.0, "pair", dict(block_n=16, block_k=128, num_warps=4)),   # 3 K steps; 8
     # bytes of codes per thread: the pair sums (f16_sums_for_tile)
     (64, 512, 1e-3, "pair", dict(block_k=128, split_k=2)),       # split-K, small values
     (96, 2048, 37.0, "block", {}),                               # the default (LM head) tiles
@@ -335,8 +258,8 @@ def test_nvfp4_gemv_x16(decode, n, k, scale, sums, kw):
   bf16 x it holds like the f32 ``blocks`` tiles do (within a few bf16 ulps of them), at row
   scales far from 1; ``from_x16`` gives x back exactly; the kernel lowers for an H200 with the
   f16x2 products."""
-  from flint_jax.pallas.nvfp4_gemv import f16_sums, from_x16, x16_operand
-  from flint_jax.pallas.testing import rel_l2, triton_modules
+  from flint_jax.pallas.nvfp4_gemv import from_x16, x16_operand
+  from pallas_testing import rel_l2, triton_modules
   g = rng("x16gemv", n, k, scale, sums, kw)
   x = (randn(g, (1, k)).astype(jnp.float32) * scale).astype(jnp.bfloat16)
   w = random_nvfp4(g, (n, k))
@@ -348,8 +271,7 @@ def test_nvfp4_gemv_x16(decode, n, k, scale, sums, kw):
     return
   np.testing.assert_array_equal(np.asarray(from_x16(x16, inv), np.float32),
                                 np.asarray(x, np.float32))
-  with f16_sums(sums):
-    out = nvfp4_gemv(x16, *w, x_inv=inv, decode=decode, interpret=INTERPRET, **kw)
+  out = nvfp4_gemv(x16, *w, x_inv=inv, decode=decode, interpret=INTERPRET, **kw)
   ref = nvfp4_gemv_reference(x, *w, out_dtype=kw["out_dtype"])
   np.testing.assert_array_equal(
       np.asarray(nvfp4_gemv_reference(x16, *w, x_inv=inv, out_dtype=kw["out_dtype"])),
@@ -362,17 +284,17 @@ def test_nvfp4_gemv_x16(decode, n, k, scale, sums, kw):
   bound = 1e-3 if kw["out_dtype"] == jnp.float32 else 5e-3
   assert rel_l2(out, ref) < bound and rel_l2(f32_tiles, ref) < 1e-5, (
       rel_l2(out, ref), rel_l2(f32_tiles, ref))
-  with f16_sums(sums):
-    mods = triton_modules(lambda a, b: nvfp4_gemv(a, *w, x_inv=b, decode="asm", **kw),
-                          x16, inv)
+  mods = triton_modules(lambda a, b: nvfp4_gemv(a, *w, x_inv=b, decode="asm", **kw), x16, inv)
   (mod,) = mods
   assert mod["name"].endswith("_x16") and "fma.rn.f16x2" in mod["asm"], mod["name"]
+  # the sums the tile takes: the block sums keep one f16 lane sum per block (fma chains)
+  assert ("mul.rn.f16x2 plo" in mod["asm"]) == (sums == "pair"), sums
 
 
 def test_nvfp4_gemv_x16_rejects():
   """The f16 operand needs its factor, one row and the blocks tiles; errors say so."""
   from flint_jax.pallas.nvfp4_gemv import x16_operand
-  from flint_jax.pallas.testing import triton_modules
+  from pallas_testing import triton_modules
   w = random_nvfp4(rng("x16rej"), (32, 128))
   x = randn(rng("x16rej", 1), (2, 128))
   x16, inv = x16_operand(x)
@@ -383,7 +305,7 @@ def test_nvfp4_gemv_x16_rejects():
   with pytest.raises(ValueError, match="for one row"):
     nvfp4_gemv(x16, *w, x_inv=inv, interpret=True)
   with pytest.raises(ValueError, match="'blocks' tiles"):
-    nvfp4_gemv(x16[:1], *w, x_inv=inv[:1], method="reduce", interpret=True)
+    nvfp4_gemv(x16[:1], *w, x_inv=inv[:1], method="dot", interpret=True)
   with pytest.raises(ValueError, match="too small for 8 warps"):   # 2 code bytes per thread
     nvfp4_gemv(x16[:1], *w, x_inv=inv[:1], block_n=16, block_k=64, num_warps=8, interpret=True)
   with pytest.raises(ValueError, match="needs decode='asm'"):
@@ -395,13 +317,10 @@ def test_nvfp4_gemv_x16_rejects():
 
 def test_f16_sums_for_tile():
   """The f16 K step's sums by code bytes per thread: "block" from 16, "pair" from 4 (the
-  asm's packs of four), an error below; "pair" asked for stays "pair"."""
-  from flint_jax.pallas.nvfp4_gemv import f16_sums, f16_sums_for_tile
+  asm's packs of four), an error below."""
+  from flint_jax.pallas.nvfp4_gemv import f16_sums_for_tile
   for bn, bk, warps, want in [(16, 512, 4, "block"), (16, 256, 8, "pair"), (16, 128, 8, "pair"),
                               (32, 1024, 16, "block")]:
-    with f16_sums_for_tile(bn, bk, warps):
-      assert f16_sums.value == want, (bn, bk, warps)
-  with f16_sums("pair"), f16_sums_for_tile(16, 512, 4):
-    assert f16_sums.value == "pair"
+    assert f16_sums_for_tile(bn, bk, warps) == want, (bn, bk, warps)
   with pytest.raises(ValueError, match="too small"):
     f16_sums_for_tile(16, 64, 8)

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flint_jax.pallas import (moe_combine_add_rms_norm, moe_decode_routed, moe_router_logits,
-                              multi_gemv, norm_qkv, nvfp4_gemv)
+from flint_jax.pallas.moe import moe_combine_add_rms_norm, moe_decode_routed, moe_router_logits
+from flint_jax.pallas.multi_gemv import multi_gemv
 from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, PRESCALE, dequantize_nvfp4_reference,
-                                         prescale_block_scales)
-from flint_jax.pallas.testing import randn, random_moe_weights, random_nvfp4, rng
+                                         nvfp4_gemv, prescale_block_scales)
+from pallas_testing import randn, random_moe_weights, random_nvfp4, rng
 
 INTERPRET = jax.default_backend() == "cpu"
 DECODE = "fp8" if INTERPRET else "asm"
@@ -50,9 +50,8 @@ def test_reference_dequantize_accepts_prescaled():
 
 
 @pytest.mark.parametrize("m,n,k,kw", [
-    (1, 96, 320, dict()), (1, 64, 256, dict(method="lanes")),
-    (1, 64, 256, dict(layout="chunk", method="reduce")), (3, 80, 192, dict()),
-    (8, 64, 256, dict(method="dot")), (2, 32, 128, dict(method="rows"))])
+    (1, 96, 320, dict()), (3, 80, 192, dict()), (8, 64, 256, dict(method="dot")),
+    (3, 64, 256, dict(method="swap")), (2, 32, 128, dict(method="rows"))])
 def test_nvfp4_gemv(m, n, k, kw):
   gen = rng("gemv", m, n, k, tuple(kw.items()))
   x, w = randn(gen, (m, k)), random_nvfp4(gen, (n, k))
@@ -60,16 +59,14 @@ def test_nvfp4_gemv(m, n, k, kw):
   _same(nvfp4_gemv(x, *_pre(w), **args), nvfp4_gemv(x, *w, **args), "nvfp4_gemv")
 
 
-@pytest.mark.parametrize("m", [1, 5])
-def test_multi_gemv_and_norm_qkv(m):
-  gen = rng("multi", m)
+@pytest.mark.parametrize("m,kw", [(1, {}), (1, dict(post_scale=True)), (5, {})])
+def test_multi_gemv(m, kw):
+  gen = rng("multi", m, tuple(kw))
   k = 192
   ws = [random_nvfp4(gen, (n, k)) for n in (128, 32, 32)]
-  x, h, wn = randn(gen, (m, k)), randn(gen, (m, k)), randn(gen, (k,))
-  args = dict(decode=DECODE, interpret=INTERPRET)
+  x = randn(gen, (m, k))
+  args = dict(decode=DECODE, interpret=INTERPRET, **kw)
   _same(multi_gemv(x, [_pre(w) for w in ws], **args), multi_gemv(x, ws, **args), "multi_gemv")
-  _same(norm_qkv(h, [_pre(w) for w in ws], wn, **args), norm_qkv(h, ws, wn, **args),
-        "norm_qkv")
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])

@@ -53,8 +53,7 @@ for stage in "${stages[@]}"; do
       SUITE="python3 benchmarks/gpu_suite.py --trace --cases $CASES
              --paths ${PATHS:-xla,pallas}
              --parity-steps ${PARITY_STEPS:-32} --parity-path ${PARITY_PATH:-pallas}
-             --parity-batch ${PARITY_BATCH:-2} --v1-cases ${V1_CASES:-1x1024,8x1024}
-             --fused-cases ${FUSED_CASES:-1x1024,8x1024} --fused-paths ${FUSED_PATHS:-pallas_fused}"
+             --parity-batch ${PARITY_BATCH:-2}"
       # TESTS_WHEN: "concurrent" (default: on GPU 1 beside the NVFP4 suite, whose timings it then
       # disturbs), "after" (on GPU 0 once the BF16 suite is done: clean timings) or "none";
       # TEST_FILES overrides the test files.
@@ -64,8 +63,7 @@ for stage in "${stages[@]}"; do
           ${TEST_FILES:-tests/test_pallas_multi_gemv.py tests/test_pallas_moe.py \
             tests/test_pallas_add_rms_norm.py tests/test_fast_decode.py \
             tests/test_pallas_add_rms_norm_router.py tests/test_pallas_norm_qkv.py \
-            tests/test_pallas_attention_block.py tests/test_pallas_decode_attention.py \
-            tests/test_pallas_qk_norm_rope.py tests/test_pallas_layer_end_qkv.py} \
+            tests/test_pallas_attention_block.py} \
           > "$OUT/tests_new_kernels.log" 2>&1
       }
       # On a one-GPU machine (nvidia-h200) the formats run one after the other on GPU 0 and the

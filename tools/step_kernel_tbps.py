@@ -13,9 +13,9 @@ routed experts a batch touches counted by their expectation under uniform routin
 E * (1 - (1 - k/E)^B). Which matrix a GEMV kernel streams is told by its name and call count
 (49 calls: o_proj; 2: the dense layers' down; 1: the LM head).
 
-With the early PDL trigger on (BF16's default, `DecodeOptions.early_trigger`) a kernel is placed
+With the early PDL trigger on (BF16's default, `DecodePlan.early_trigger`) a kernel is placed
 while its predecessor runs and its traced time includes that wait: read BF16 per-kernel times
-from the `pallas_notrig` path (the same step with the trigger off).
+from the `pallas_early_trigger=false` path (the same step with the trigger off).
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ Rules these helpers encode (measured or read in jax 0.11.2, see ``shared/NOTES_P
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from flint_jax.pallas import pdl
 
 # A large finite negative logit: masked scores never produce inf - inf = NaN
 # (JAX:.../gpu/paged_attention.py DEFAULT_MASK_VALUE uses 0.7 * finfo.min the same way).
@@ -83,59 +83,47 @@ def dot_nn(a, b):
                          preferred_element_type=jnp.float32)
 
 
-METHODS = ("dot", "swap", "reduce", "rows", "lanes", "blocks")
-CUDA_CORE_M1 = ("reduce", "lanes", "blocks")   # single-row methods: x is one [BK] row
-NO_LANES = ("dot", "swap", "reduce", "rows")   # kernels without the lanes accumulator
-# ``blocks`` (NVFP4 tile layout only): ``lanes`` with each 16-value block's products summed in
-# the thread first, so the accumulator is [BN, nb, 2] (one value per block) instead of one per
-# weight: the per-K-step cross-warp reduction of ``reduce`` without ``lanes``' registers.
-LANE_ACCS = ("lanes", "blocks")   # methods whose accumulator ``finish_acc`` still reduces
+#: Tile methods of the small-batch GEMV kernels (``mm_tile``; ``blocks``: NVFP4 only).
+METHODS = ("dot", "swap", "rows", "blocks")
+# ``blocks`` (M = 1, the NVFP4 tile layout, ``nvfp4_gemv.nvfp4_tile_dot``): the decoded weights
+# times the one row of x on the CUDA cores, each 16-value block's products summed in the thread,
+# so the accumulator is [BN, nb, 2] (one value per block) and one cross-warp reduction follows
+# the K loop (``finish_acc``). A finished ``blocks`` accumulator is one row [BN] (layout "row").
 
 
 def check_method(method: str, m: int, allowed=METHODS):
   check(method in allowed, f"method must be one of {allowed}, got {method=}")
-  check(method not in CUDA_CORE_M1 or m == 1, f"method={method!r} needs M == 1, got {m=}")
+  check(method != "blocks" or m == 1, f"method={method!r} needs M == 1, got {m=}")
 
 
 def mm_tile(x, w, method: str):
   """One K step of a small-batch GEMV tile, fp32.
 
-  x [Mp, BK] (padded rows; [BK] for ``reduce``), w [BN, BK] same dtype. ``dot``: x . w^T ->
-  [Mp, BN] on the tensor cores (M = 16: mma.sync). ``swap``: w . x^T -> [BN, Mp] (swap-AB: the
-  weight rows are the MMA's M dimension, wgmma-eligible when BN >= 64). ``reduce`` (M == 1):
-  broadcast multiply and row sum on the CUDA cores -> [BN] (what XLA emits for a GEMV).
-  ``rows`` (any M, rows padded to a power of two only): ``reduce`` for every row at once,
-  x [Mp, BK] -> [Mp, BN] on the CUDA cores. ``lanes`` (M == 1): the products w * x unreduced,
-  [BN, BK]: the caller accumulates them lane by lane over the K loop (FFMAs only) and reduces
-  once after it (``finish_acc``), where ``reduce`` pays a cross-warp reduction (shuffles, shared
-  memory, barriers) on every K step.
+  x [Mp, BK] (padded rows), w [BN, BK] same dtype. ``dot``: x . w^T -> [Mp, BN] on the tensor
+  cores (M = 16: mma.sync). ``swap``: w . x^T -> [BN, Mp] (swap-AB: the weight rows are the
+  MMA's M dimension, wgmma-eligible when BN >= 64). ``rows`` (any M, rows padded to a power of
+  two only): broadcast multiply and row sums on the CUDA cores for every row at once, x [Mp, BK]
+  -> [Mp, BN].
   """
   if method == "dot":
     return dot_nt(x, w)
   if method == "swap":
     return dot_nt(w, x)
-  if method == "rows":
-    return jnp.sum(w.astype(jnp.float32)[None] * x.astype(jnp.float32)[:, None], axis=2)
-  if method == "lanes":
-    return w.astype(jnp.float32) * x.astype(jnp.float32)[None, :]
-  return jnp.sum(w.astype(jnp.float32) * x.astype(jnp.float32)[None, :], axis=1)
+  check(method == "rows", f"mm_tile: method must be dot, swap or rows, got {method=}")
+  return jnp.sum(w.astype(jnp.float32)[None] * x.astype(jnp.float32)[:, None], axis=2)
 
 
-def load_x(x_ref, lead, m, mp, cols, method):
-  """x tile for mm_tile: rows 0..m-1 padded to mp (duplicates), or the single row for reduce."""
-  if method in CUDA_CORE_M1:
-    return x_ref[(*lead, 0, cols)]
+def load_x(x_ref, lead, m, mp, cols):
+  """x tile for mm_tile: rows 0..m-1 padded to mp (duplicates of the last)."""
   return x_ref[(*lead, row_load_index(m, mp), cols)]
 
 
 def acc_shape(mp: int, bn: int, method: str, lanes: tuple = ()):
-  """Accumulator shape of a K loop; ``lanes``: the per-row product shape of one K step (the
-  ``lanes`` method only: [BK] for bf16 tiles, ``nvfp4_gemv.lanes_shape`` for NVFP4)."""
-  if method == "lanes":
-    return (bn, *lanes)
+  """Accumulator shape of a K loop; ``lanes`` (``blocks`` only): the per-row product shape of
+  one K step, ``nvfp4_gemv.lanes_shape`` ([nb, 2, 16]: the accumulator keeps [BN, nb, 2])."""
   if method == "blocks":
     return (bn, *lanes[:-1])
-  return {"dot": (mp, bn), "rows": (mp, bn), "swap": (bn, mp), "reduce": (bn,)}[method]
+  return {"dot": (mp, bn), "rows": (mp, bn), "swap": (bn, mp), "row": (bn,)}[method]
 
 
 def acc_zeros(mp: int, bn: int, method: str, lanes: tuple = ()):
@@ -143,14 +131,14 @@ def acc_zeros(mp: int, bn: int, method: str, lanes: tuple = ()):
 
 
 def finish_method(method: str) -> str:
-  """The method whose ``acc_shape`` a finished accumulator has (``lanes`` -> ``reduce``)."""
-  return "reduce" if method in LANE_ACCS else method
+  """The layout of a finished accumulator (``blocks`` -> "row", one row [BN])."""
+  return "row" if method == "blocks" else method
 
 
 def finish_acc(acc, method: str):
-  """The K loop's accumulator in ``store_tile`` layout: ``lanes`` sums its lane axes (one axis
-  at a time, the innermost first), the other methods are already reduced."""
-  if method not in LANE_ACCS:
+  """The K loop's accumulator in ``store_tile`` layout: ``blocks`` sums its block axes (one
+  axis at a time, the innermost first), the other methods are already reduced."""
+  if method != "blocks":
     return acc
   while acc.ndim > 1:
     acc = jnp.sum(acc, axis=acc.ndim - 1)
@@ -180,7 +168,7 @@ def _tile_mask(rmask, method):
 
 def store_tile(o_ref, lead, acc, n0, bn, m, mp, method, row0=0):
   """Stores the real rows of an accumulator in ``acc_shape`` layout at
-  o_ref[*lead, row0:row0+m, n0:n0+bn] (row0 may be traced); ``lanes`` accumulators must have
+  o_ref[*lead, row0:row0+m, n0:n0+bn] (row0 may be traced); ``blocks`` accumulators must have
   been through ``finish_acc``."""
   r, rmask, cols = _tile_rows_cols(n0, bn, m, mp, row0)
   acc = acc.astype(o_ref.dtype)
@@ -212,59 +200,11 @@ def silu_mul_f32(g, u, act_dtype=jnp.bfloat16):
   return g / (1.0 + jnp.exp(-g)) * u
 
 
-def pallas_call(kernel, *, prefetch: int = 0, touch: int = 0, touch_page: int | None = None,
-                **kw):
-  """``pl.pallas_call`` for every flint_jax Triton kernel: under ``pdl.early_trigger`` (on by
-  default) the kernel first lets the next kernel launch (``pdl`` module docstring).
-
-  ``prefetch`` > 0: the call takes that many more arrays after its inputs (the weights of a
-  later kernel); each program first asks for its share of them to be brought into the L2
-  (``l2_prefetch.prefetch_slice``) and the kernel body never sees them. They come after the
-  inputs, so ``input_output_aliases`` indices are unchanged.
-
-  ``touch`` > 0: that many more arrays after the prefetched ones (the stacked experts a later
-  kernel reads in part); each program asks for 16 bytes of every ``touch_page``-th byte of its
-  share of them (``l2_prefetch.touch_pages``), so that their pages' address translations are
-  cached before that kernel runs.
-
-  Under ``load_stages.stages(n)`` the kernels ``load_stages.kinds`` selects are named
-  ``..._ls<n>`` and their dot-free K loops software-pipelined (``load_stages``).
-
-  Under ``ffi_launch.enabled`` (not in interpret mode, no prefetch) the kernel is compiled by the
-  triton package and launched by flint_jax's FFI call instead of XLA (``ffi_launch``)."""
-  from flint_jax.pallas import ffi_launch, load_stages, pdl   # pylint: disable=g-import-not-at-top
-  if kw.get("name"):   # under load_stages.stages(n): "_ls<n>" asks the lowering to pipeline
-    kw["name"] = load_stages.tagged_name(kw["name"])
-  early = pdl.triggers(kw.get("name") or "")
-  if ffi_launch.enabled.value and not kw.get("interpret") and not (prefetch or touch):
-    return ffi_launch.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
-  if not (prefetch or touch):
-    return pl.pallas_call(pdl.with_early_trigger(kernel) if early else kernel, **kw)
-  grid = kw.get("grid") or ()
-  grid = grid if isinstance(grid, tuple) else (grid,)
-  if kw.get("in_specs") is not None:   # the prefetched arrays are whole (never loaded)
-    kw["in_specs"] = (*kw["in_specs"], *([pl.no_block_spec] * (prefetch + touch)))
-
-  def call(*args):
-    n_in = len(args) - prefetch - touch
-    check(n_in >= 0, f"{prefetch=} arrays to prefetch and {touch=} to touch, but only "
-                     f"{len(args)} arguments")
-
-    def body(*refs, **params):
-      from flint_jax.pallas import l2_prefetch   # pylint: disable=g-import-not-at-top
-      pid, parts = 0, 1
-      for axis, size in enumerate(grid):
-        pid, parts = pid * size + pl.program_id(axis), parts * size
-      for ref in refs[n_in:n_in + prefetch]:
-        l2_prefetch.prefetch_slice(ref, pid, parts)
-      for ref in refs[n_in + prefetch:n_in + prefetch + touch]:
-        l2_prefetch.touch_pages(ref, pid, parts, touch_page or l2_prefetch.PAGE_BYTES)
-      return kernel(*refs[:n_in], *refs[n_in + prefetch + touch:], **params)
-
-    body = functools.wraps(kernel)(body)
-    return pl.pallas_call(pdl.with_early_trigger(body) if early else body, **kw)(*args)
-
-  return call
+def pallas_call(kernel, *, early_trigger: bool, **kw):
+  """``pl.pallas_call`` for every flint_jax Triton kernel. ``early_trigger`` (every kernel
+  wrapper's static argument of that name): the kernel first lets the next kernel launch
+  (``pdl.with_early_trigger``; the ``pdl`` module docstring)."""
+  return pl.pallas_call(pdl.with_early_trigger(kernel) if early_trigger else kernel, **kw)
 
 
 def compiler_params(num_warps: int, num_stages: int):
@@ -288,7 +228,7 @@ def as_index_array(x, name: str) -> jax.Array:
 
 
 __all__ = [
-    "METHODS", "CUDA_CORE_M1", "NO_LANES", "LANE_ACCS", "check_method", "mm_tile", "load_x",
+    "METHODS", "check_method", "mm_tile", "load_x",
     "acc_shape", "acc_zeros", "finish_method", "finish_acc", "store_tile",
     "MASK_VALUE", "next_pow2", "pad_rows", "is_pow2", "pow2_divisor", "row_load_index",
     "row_store_index", "load_tile", "dot_nt", "dot_nn", "scalar_f32",

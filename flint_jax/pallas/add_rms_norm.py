@@ -26,7 +26,6 @@ outputs have h's / x's dtype.
 from __future__ import annotations
 
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
-import flint_jax.pallas.nvfp4_gemv  # noqa: F401  (the module; the package re-exports its names)
-
-NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
+from flint_jax.pallas import nvfp4_gemv as NV
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
 
@@ -66,7 +63,7 @@ def load_y_row(y_ref, row, cols, mask, dtype):
 
 
 def _add_rms_norm_row(h_ref, y_ref, w_ref, s_ref, o_ref, row, *, d, dp, eps, x16_refs=()):
-  """Row ``row`` of ``add_rms_norm`` (also a producer of ``layer_end_qkv``). ``y_ref`` [M, D], or
+  """Row ``row`` of ``add_rms_norm``. ``y_ref`` [M, D], or
   fp32 split-K partials [S, M, D]: summed in fp32 and rounded to h's dtype first. x16_refs:
   (x16 [M, D] f16, inv [M] f32) outputs, the normalised row as ``x16_operand`` gives it."""
   cols = jnp.arange(dp, dtype=jnp.int32)
@@ -95,7 +92,7 @@ def _rms_norm_kernel(x_ref, w_ref, o_ref, *, d, dp, eps):
 
 
 def _rms_norm_row(x_ref, w_ref, o_ref, row, *, d, dp, eps):
-  """Row ``row`` of ``rms_norm`` (also a producer of ``layer_end_qkv``)."""
+  """Row ``row`` of ``rms_norm``."""
   cols = jnp.arange(dp, dtype=jnp.int32)
   mask = cols < d
   x = plgpu.load(x_ref.at[row, cols], mask=mask, other=0).astype(jnp.float32)
@@ -143,14 +140,15 @@ def _num_warps(dp: int) -> int:
   return max(1, min(8, dp // 512))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "x16", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "x16", "early_trigger",
+                                             "interpret"))
 def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None,
-                 x16: bool = False, interpret: bool = False):
+                 x16: bool = False, early_trigger: bool = True, interpret: bool = False):
   """(s, out) = (h + y, RMSNorm(h + y) * w); h [M, D], w [D]; y [M, D] (h's dtype) or fp32
   split-K partials [S, M, D], summed in the kernel (module docstring). ``x16``: also returns
   ``nvfp4_gemv.x16_operand(out)`` (x16 [M, D] f16, inv [M] f32) from the same kernel, the
-  operand of the MoE gate_up's f16 products (``moe_decode_routed(gate_up_f16=True)``):
-  (s, out, x16, inv)."""
+  operand of the MoE gate_up's f16 products (``moe.MoEPlan.gate_up_f16``): (s, out, x16, inv).
+  ``early_trigger``: the kernel lets the next one launch first (``pdl``)."""
   _check(h, w, "h")
   check_y(h, y)
   m, d = h.shape
@@ -165,7 +163,8 @@ def add_rms_norm(h, y, w, *, eps: float = 1e-6, num_warps: int | None = None,
   return C.pallas_call(
       kernel, out_shape=out_shape, grid=(m,),
       compiler_params=C.compiler_params(num_warps or _num_warps(dp), 1),
-      interpret=interpret, name=f"flint_add_rms_norm{parts}_d{d}" + ("_x16" if x16 else ""),
+      interpret=interpret, early_trigger=early_trigger,
+      name=f"flint_add_rms_norm{parts}_d{d}" + ("_x16" if x16 else ""),
   )(h, y, w)
 
 
@@ -186,9 +185,9 @@ def _add_rms_norm_reference(h, y, w, *, eps):
   return s, _rms_norm_reference(s, w, eps=eps)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "early_trigger", "interpret"))
 def rms_norm(x, w, *, eps: float = 1e-6, num_warps: int | None = None,
-             interpret: bool = False):
+             early_trigger: bool = True, interpret: bool = False):
   """bf16(w * (x * rsqrt(mean(x^2) + eps))) row-wise, math in fp32; x [M, D], w [D]."""
   _check(x, w, "x")
   m, d = x.shape
@@ -197,7 +196,7 @@ def rms_norm(x, w, *, eps: float = 1e-6, num_warps: int | None = None,
   return C.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(m,),
       compiler_params=C.compiler_params(num_warps or _num_warps(dp), 1),
-      interpret=interpret, name=f"flint_rms_norm_d{d}",
+      interpret=interpret, early_trigger=early_trigger, name=f"flint_rms_norm_d{d}",
   )(x, w)
 
 

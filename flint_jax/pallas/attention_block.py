@@ -6,20 +6,19 @@ computes exactly the composition
   q2, kc, vc = qk_norm_rope(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer, ...)
   out = decode_attention(q2, kc, vc, positions, sinks, layer, ring=ring, window=window)
 
-and returns ``(out [B, H, Dh], k_cache, v_cache)`` (plus the merge counter with
-``merge="atomic"``). Why: ``qk_norm_rope`` is a latency-bound single-program-per-row kernel
-(~4 us on the H200) whose only consumer is the attention split kernel, launched right after it
-for every one of the 49 layers. Folding the norm / RoPE / cache write into the split kernel (and,
-optionally, the merge into its last program) removes one or two launches per layer.
+and returns ``(out [B, H, Dh], k_cache, v_cache)``. Why: a separate Q/K norm + RoPE kernel is
+latency-bound (~4 us on the H200) and its only consumer is the attention split kernel, launched
+right after it for every one of the 49 layers. Folding the norm / RoPE / cache write into the
+split kernel removes one launch per layer (H200: a ring layer 6.3 us against 4.1 + 3.5 for the
+two kernels; both separate kernels were retired after 35c0874).
 
-Grid ``(B, KVH, NS)`` like ``decode_attention``'s split kernel. Program (b, kv, j), p =
-``positions[b]``:
+Grid ``(B, KVH, NS)``. Program (b, kv, j), p = ``positions[b]``:
 
 1. Loads the *raw* q rows of its GQA group (heads kv*G .. kv*G+G-1, padded to Gp = 16 rows by
-   repeating the last; fp32 split-K partials of q / k / v, ``norm_qkv(split_k=S,
+   repeating the last; fp32 split-K partials of q / k / v, ``multi_gemv(split_k=S,
    sum_splits=False)``, are summed and rounded to the cache dtype on the way) and applies
    per-head RMSNorm (rounded to bf16) and, for ``rope=True``, NeoX RoPE at p (rounded to bf16):
-   the very code of ``qk_norm_rope`` (``_norm_rope_rows``), in two halves of Dh/2 (cos / sin
+   ``qk_norm_rope``'s row code (``_norm_rope_rows``), in two halves of Dh/2 (cos / sin
    computed in the kernel, or loaded: ``rope_cos_sin`` / ``return_cos_sin``). QK^T is two
    K = Dh/2 dots against half-width loads of the K block (no concat).
 2. Computes this KV head's new k the same way (every one of the Gp rows holds it) and loads the
@@ -28,9 +27,10 @@ Grid ``(B, KVH, NS)`` like ``decode_attention``'s split kernel. Program (b, kv, 
    layer, where the write is dropped if p >= S) with a masked store. The caches are aliased
    inputs -> outputs, ``[B, KVH, S, Dh]`` or the layer-stacked ``[L, B, KVH, S, Dh]`` with
    ``layer`` selecting the layer inside the kernel.
-4. Online softmax (fp32) over the cached keys of this split's chunk, with the run-time chunking
-   of ``decode_attention`` (n = min(p+1, S) live slots cut into NS chunks of whole ``block_k``
-   blocks) and its garbage-safe masking (``valid_slots``), but **excluding the current slot**:
+4. Online softmax (fp32) over the cached keys of this split's chunk, with run-time chunking
+   (n = min(p+1, S) live slots cut into NS chunks of whole ``block_k`` blocks, so every split
+   has work whatever the context length) and garbage-safe masking (``valid_slots``), but
+   **excluding the current slot**:
    program 0 may be writing it while the others read it (whatever they read is masked out by a
    ``where``). The current token enters once, in program j == 0, whose carry starts at
    ``m = q.k_new * scale, l = 1, o = v_new`` (p = exp(0) = 1, exact in bf16), when its slot is in
@@ -39,22 +39,13 @@ Grid ``(B, KVH, NS)`` like ``decode_attention``'s split kernel. Program (b, kv, 
    ``out = sum_j o_j e^(m_j - M) / (sum_j l_j e^(m_j - M) + e^(sink - M))``):
 
    - ``num_splits == 1``: the program normalises directly (one launch, no partials);
-   - ``merge="kernel"``: partials (o, m, l) in fp32 + ``decode_attention``'s merge kernel
-     (2 launches instead of 3);
-   - ``merge="atomic"``: every program stores its partials, ``debug_barrier`` (every thread's
-     stores precede the atomic in the CTA), then ``atomic_add(counter[layer, b, kv], 1)``
-     (acq_rel, GPU scope, done by one thread and broadcast by Triton); the program that sees
-     ``NS - 1`` is the last of (b, kv) and merges the NS partials of its G heads itself
-     (volatile loads: no stale L1 line) -> 1 launch. ``counter`` is an int32 array the caller
-     provides, **zeros on entry**, ``[L, B, KVH]`` indexed by ``counter_layer`` (default:
-     ``layer``) or ``[B, KVH]`` without a layer; aliased input -> output and *not* reset (each
-     (layer, b, kv) entry ends at NS), so a decode step needs one zeroed counter per step for all
-     its layers. It is returned as the 4th output to thread to the next layer. Interpret mode
-     runs the grid sequentially (no barrier needed; ``debug_barrier`` has no CPU lowering and is
-     skipped), so the last program of the grid order does the merge there too.
+   - otherwise: partials (o, m, l) in fp32 + ``decode_attention.merge_splits`` (2 launches).
+     (A merge by the last program of each KV head on an atomic counter, ``merge="atomic"``,
+     measured no faster and was retired after 35c0874: H200 runs 40-42, its tail costs about
+     the launch it saves.)
 
-Numerics: the caches hold the same values ``qk_norm_rope`` writes (same code); the attention
-output matches ``decode_attention`` up to fp32 summation order and where P is rounded (the current
+Numerics: the caches hold the values ``qk_norm_rope_reference`` writes; the attention output
+matches ``decode_attention_reference`` up to fp32 summation order and where P is rounded (the current
 token's p = 1 is not rounded relative to the running max until the end).
 """
 
@@ -71,39 +62,28 @@ from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.layers import rope_angles
 from flint_jax.pallas import _common as C
-from flint_jax.pallas import l2_prefetch
 from flint_jax.pallas.decode_attention import _validate as _attn_validate
 from flint_jax.pallas.decode_attention import (decode_attention_reference,
                                                default_attention_blocks, merge_splits,
                                                valid_slots)
-from flint_jax.pallas.qk_norm_rope import (_norm_rope_rows, load_halves, load_rows,
-                                           norm_rope_halves)
+from flint_jax.pallas.qk_norm_rope import _norm_rope_rows, load_rows
 from flint_jax.pallas.qk_norm_rope import _validate as _norm_validate
 from flint_jax.pallas.qk_norm_rope import qk_norm_rope_reference, rope_inv_freq
 
-__all__ = ["qk_norm_rope_attention", "qk_norm_rope_attention_reference", "MERGES"]
-
-MERGES = ("kernel", "atomic")
-
-# fp32 elements of o partials the in-kernel merge loads per step (32 KB: 64 registers a thread
-# with 4 warps); NS * G * Dh may be 64 * 8 * 128.
-_MERGE_ELEMS = 8192
+__all__ = ["qk_norm_rope_attention", "qk_norm_rope_attention_reference",
+           "rope_cos_sin_table"]
 
 
-def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, stacked,
-            counter_stacked, mode, cs_mode, kv_prefetch, interpret):
+def _kernel(*refs, g, gp, bk, ns, dh, window, ring, rope, eps, scale, stacked, mode,
+            cs_mode):
   refs = list(refs)
   take = lambda k: [refs.pop(0) for _ in range(k)]  # noqa: E731
   q_ref, k_ref, v_ref, wq_ref, wk_ref, pos_ref, sink_ref = take(7)
   rope_ref = take(1)[0] if rope else None     # cos / sin [B, 2, Dh/2] ("load"), else inv_freq
   cs_out = refs.pop() if cs_mode == "store" else None
   lead = (take(1)[0][0],) if stacked else ()
-  cidx = (take(1)[0][0],) if mode == "atomic" and counter_stacked else ()
   kc_in, vc_in = take(2)
-  if mode == "atomic":
-    take(1)                                   # the counter input (aliased to cnt_ref)
-    out_ref, o_ref, m_ref, l_ref, kc_ref, vc_ref, cnt_ref = refs
-  elif mode == "kernel":
+  if mode == "kernel":
     o_ref, m_ref, l_ref, kc_ref, vc_ref = refs
   else:
     out_ref, kc_ref, vc_ref = refs
@@ -135,31 +115,10 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
     v_new = v_ref[b, C.row_load_index(1, gp, kv), :]                  # [Gp, Dh], rows equal
   else:
     v_new = load_rows(v_ref, b, C.row_load_index(1, gp, kv), slice(None), dt).astype(dt)
-  if kv_prefetch:
-    # The first K and V blocks into the L2 as soon as the q / k / v loads are out, so that
-    # their loads after the norm / RoPE work below hit the L2 instead of waiting on HBM. One
-    # request each (a per-thread request makes every warp loop over its 32 lanes: the
-    # instruction takes uniform registers); the CTA barrier keeps ptxas from sinking the
-    # requests, and the loads of p and the layer they need, past that work.
-    xq = load_halves(q_ref, b, g, gp, half, kv * g, dt)
-    xk = load_halves(k_ref, b, 1, gp, half, kv, dt)
-    n_b, n_kv = kc_in.shape[-4], kc_in.shape[-3]
-    row = ((lead[0] * n_b + b if stacked else b) * n_kv + kv) * s_len + start
-    nbytes = bk * dh * kc_in.dtype.itemsize
-    for ref in (kc_in, vc_in):
-      l2_prefetch.prefetch_l2(ref, row * dh * ref.dtype.itemsize, nbytes, chunks=1)
-    if not interpret:   # no CPU lowering; a no-op there anyway
-      plgpu.debug_barrier()
-    # (the norm weights are loaded after the barrier: loaded before it, the compiler moves
-    # the whole norm / RoPE above the barrier and the requests below it again)
-    wq, wk = (ld(wq_ref, 0), ld(wq_ref, half)), (ld(wk_ref, 0), ld(wk_ref, half))
-    q1, q2 = norm_rope_halves(*xq, *wq, eps, rope, cos, sin, dt)
-    k1, k2 = norm_rope_halves(*xk, *wk, eps, rope, cos, sin, dt)
-  else:
-    q1, q2 = _norm_rope_rows(q_ref, b, g, gp, half, ld(wq_ref, 0), ld(wq_ref, half), eps,
-                             rope, cos, sin, offset=kv * g, dt=dt)
-    k1, k2 = _norm_rope_rows(k_ref, b, 1, gp, half, ld(wk_ref, 0), ld(wk_ref, half), eps,
-                             rope, cos, sin, offset=kv, dt=dt)
+  q1, q2 = _norm_rope_rows(q_ref, b, g, gp, half, ld(wq_ref, 0), ld(wq_ref, half), eps,
+                           rope, cos, sin, offset=kv * g, dt=dt)
+  k1, k2 = _norm_rope_rows(k_ref, b, 1, gp, half, ld(wk_ref, 0), ld(wk_ref, half), eps,
+                           rope, cos, sin, offset=kv, dt=dt)
 
   # 3. Program 0 writes the new k / v (one real row) into the slot.
   slot = p % s_len if ring else p
@@ -203,7 +162,7 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
           jnp.where(with_cur, jnp.ones((gp,), f32), 0.0))
   o, m, l = lax.fori_loop(0, nblk, body, init)
 
-  # 5. Normalise (NS == 1) or store the partials (and merge in the last program).
+  # 5. Normalise (NS == 1) or store the partials (merged by the next kernel).
   if mode == "direct":
     sink = sink_ref[C.row_load_index(g, gp, kv * g)]                  # [Gp] f32
     mx = jnp.maximum(m, sink)
@@ -218,34 +177,6 @@ def _kernel(*refs, g, gp, gm, bk, ns, mc, dh, window, ring, rope, eps, scale, st
   plgpu.store(o_ref.at[b, kv, j, r[:, None], cols[None, :]], o, mask=rmask[:, None])
   plgpu.store(m_ref.at[b, kv, j, r], m, mask=rmask)
   plgpu.store(l_ref.at[b, kv, j, r], l, mask=rmask)
-  if mode == "kernel":
-    return
-  if not interpret:      # no CPU lowering; interpret mode runs the programs one after another
-    plgpu.debug_barrier()
-  old = plgpu.atomic_add(cnt_ref, (*cidx, b, kv), jnp.int32(1))
-
-  @pl.when(old == ns - 1)
-  def _merge():
-    rm = C.row_load_index(g, gm)                                      # [Gm] rows 0..G-1
-    vload = lambda ref, *idx: plgpu.load(ref.at[(b, kv, *idx)], volatile=True)  # noqa: E731
-    js = jnp.arange(ns, dtype=jnp.int32)
-    m_all = vload(m_ref, js[:, None], rm[None, :])                    # [NS, Gm]
-    l_all = vload(l_ref, js[:, None], rm[None, :])
-    sink = sink_ref[kv * g + rm]                                      # [Gm]
-    mx = jnp.maximum(jnp.max(m_all, axis=0), sink)
-    den = jnp.sum(l_all * jnp.exp(m_all - mx[None, :]), axis=0) + jnp.exp(sink - mx)
-
-    def step(c, acc):
-      jc = c * mc + jnp.arange(mc, dtype=jnp.int32)
-      oc = vload(o_ref, jc[:, None, None], rm[None, :, None], cols[None, None, :])  # [MC, Gm, Dh]
-      wc = jnp.exp(vload(m_ref, jc[:, None], rm[None, :]) - mx[None, :])         # [MC, Gm]
-      return acc + jnp.sum(oc * wc[:, :, None], axis=0)
-
-    acc = jnp.zeros((gm, dh), f32)
-    acc = step(0, acc) if ns == mc else lax.fori_loop(0, ns // mc, step, acc)
-    ro, omask = C.row_store_index(g, gm, kv * g)
-    plgpu.store(out_ref.at[b, ro[:, None], cols[None, :]],
-                (acc / den[:, None]).astype(out_ref.dtype), mask=omask[:, None])
 
 
 def rope_cos_sin_table(positions, head_dim: int, theta: float):
@@ -279,25 +210,18 @@ def _blocks(b, kvh, s_len, block_k, num_splits):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "rope", "ring", "window", "theta", "eps", "scale", "block_k", "num_splits", "merge",
-    "num_warps", "num_stages", "kv_prefetch", "return_cos_sin", "interpret"))
+    "rope", "ring", "window", "theta", "eps", "scale", "block_k", "num_splits", "num_warps",
+    "num_stages", "return_cos_sin", "early_trigger", "interpret"))
 def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, sinks,
-                           layer=None, counter=None, *, counter_layer=None, rope: bool,
-                           ring: bool, window: int | None = None, theta: float = 10000.0,
-                           eps: float = 1e-6, scale: float | None = None,
-                           block_k: int | None = None, num_splits: int | None = None,
-                           merge: str = "kernel", num_warps: int = 4, num_stages: int = 2,
-                           prefetch=(), kv_prefetch: bool = False, rope_cos_sin=None,
-                           return_cos_sin: bool = False, touch=(), interpret: bool = False):
-  """qk_norm_rope + decode_attention in one split kernel; see the module docstring.
-
-  ``prefetch``: arrays (a later kernel's weights) whose bytes the programs ask the L2 to fetch
-  while they work (``_common.pallas_call``); results do not depend on them. ``kv_prefetch``:
-  each program first asks the L2 for its first K and V blocks (``l2_prefetch.prefetch_l2``),
-  whose loads otherwise wait on HBM after the norm / RoPE work; needs caches under 2 GB (int32
-  byte offsets). ``touch``: arrays (a later kernel's stacked experts) of which the programs
-  ask for 16 bytes per 2 MiB page, to warm the address translations (``l2_prefetch.touch_pages``).
-  None of these changes a result.
+                           layer=None, *, rope: bool, ring: bool, window: int | None = None,
+                           theta: float = 10000.0, eps: float = 1e-6,
+                           scale: float | None = None, block_k: int | None = None,
+                           num_splits: int | None = None, num_warps: int = 4,
+                           num_stages: int = 2, rope_cos_sin=None,
+                           return_cos_sin: bool = False, early_trigger: bool = True,
+                           interpret: bool = False):
+  """The Q/K norm + RoPE + cache write and the split-KV attention in one kernel, then the merge
+  kernel (none when ``num_splits`` is 1); see the module docstring.
 
   RoPE's cos / sin (``rope=True``): by default every program computes them (libdevice sincos,
   ~30% of a ring program's instructions, SASS session 18). ``return_cos_sin=True`` appends them
@@ -305,18 +229,17 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
   given them as ``rope_cos_sin`` (same positions and theta) loads them instead: the decode step
   computes them in its first sliding layer only, with no extra kernel.
 
-  q / k / v may also be fp32 split-K partials [S, B, H, Dh] / [S, B, KVH, Dh] (``norm_qkv(...,
+  q / k / v may also be fp32 split-K partials [S, B, H, Dh] / [S, B, KVH, Dh] (``multi_gemv(...,
   split_k=S, sum_splits=False)``): every program sums them in fp32 and rounds to the caches'
-  dtype, what the unsplit projection would have stored.
+  dtype, what the unsplit projection would have stored. ``early_trigger``: both kernels let the
+  next one launch first (``pdl``).
 
-  Returns ``(out [B, H, Dh], k_cache, v_cache)``, and the counter as a 4th output with
-  ``merge="atomic"`` (unchanged when ``num_splits == 1``).
+  Returns ``(out [B, H, Dh], k_cache, v_cache)`` (+ cos / sin with ``return_cos_sin``).
   """
   qs, ks, vs = _logical_qkv(q, k, v, k_cache.dtype)
   b, h, kvh, dh = _norm_validate(qs, ks, vs, q_norm_w, k_norm_w, positions, k_cache, v_cache,
                                  layer)
   _, _, _, s_len, _ = _attn_validate(qs, k_cache, v_cache, positions, sinks, layer)
-  C.check(merge in MERGES, f"merge must be one of {MERGES}, got {merge=}")
   if ring:
     C.check(window is not None and 1 <= window <= s_len,
             f"ring attention needs 1 <= window <= R={s_len}, got {window=}")
@@ -325,7 +248,6 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
   C.check(C.is_pow2(block_k) and block_k >= 16 and s_len % block_k == 0,
           f"block_k must be a power of two >= 16 dividing S: {block_k=} S={s_len}")
   C.check(C.is_pow2(num_splits), f"num_splits must be a power of two, got {num_splits=}")
-  counter_stacked = (counter_layer if counter_layer is not None else layer) is not None
   C.check(rope or (rope_cos_sin is None and not return_cos_sin),
           "rope_cos_sin / return_cos_sin are only for rope=True")
   C.check(rope_cos_sin is None or not return_cos_sin,
@@ -335,22 +257,9 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
             f"rope_cos_sin must be f32 [B, 2, Dh/2] = [{b}, 2, {dh // 2}], got "
             f"{rope_cos_sin.dtype} {rope_cos_sin.shape}")
   cs_mode = "load" if rope_cos_sin is not None else "store" if return_cos_sin else "compute"
-  C.check(not kv_prefetch or k_cache.size * k_cache.dtype.itemsize < 2 ** 31,
-          f"kv_prefetch needs caches under 2 GB (int32 byte offsets), got {k_cache.shape}")
-  if merge == "atomic":
-    want = ((-1,) if counter_stacked else ()) + (b, kvh)
-    C.check(counter is not None and counter.dtype == jnp.int32 and counter.ndim == len(want)
-            and counter.shape[-2:] == (b, kvh),
-            f"merge='atomic' needs an int32 zeros counter of shape "
-            f"{'[L, B, KVH]' if counter_stacked else '[B, KVH]'} = [..., {b}, {kvh}], got "
-            f"{None if counter is None else (counter.shape, counter.dtype)}")
-  else:
-    C.check(counter is None and counter_layer is None,
-            "counter / counter_layer are only for merge='atomic'")
-  mode = "direct" if num_splits == 1 else merge
+  mode = "direct" if num_splits == 1 else "kernel"
   g = h // kvh
-  gp, gm = C.pad_rows(g), C.next_pow2(g)
-  mc = min(num_splits, C.next_pow2(max(1, _MERGE_ELEMS // (gm * dh)) + 1) // 2)
+  gp = C.pad_rows(g)
   scale = 1.0 / math.sqrt(dh) if scale is None else scale
   f32 = jnp.float32
 
@@ -359,9 +268,6 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
     args.append(rope_cos_sin if cs_mode == "load" else rope_inv_freq(dh, theta))
   if layer is not None:
     args.append(C.as_index_array(layer, "layer"))
-  if mode == "atomic" and counter_stacked:
-    args.append(C.as_index_array(layer if counter_layer is None else counter_layer,
-                                 "counter_layer"))
   n_in = len(args)
   args += [k_cache, v_cache]
   out_t = jax.ShapeDtypeStruct((b, h, dh), qs.dtype)
@@ -372,64 +278,43 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
   if mode == "direct":
     out_shape, aliases = (out_t, *caches), {n_in: 1, n_in + 1: 2}
-  elif mode == "kernel":
-    out_shape, aliases = (*parts, *caches), {n_in: 3, n_in + 1: 4}
   else:
-    args.append(counter)
-    out_shape = (out_t, *parts, *caches, jax.ShapeDtypeStruct(counter.shape, counter.dtype))
-    aliases = {n_in: 4, n_in + 1: 5, n_in + 2: 6}
+    out_shape, aliases = (*parts, *caches), {n_in: 3, n_in + 1: 4}
   kernel = functools.partial(
-      _kernel, g=g, gp=gp, gm=gm, bk=block_k, ns=num_splits, mc=mc, dh=dh,
-      window=window or s_len, ring=ring, rope=rope, eps=eps, scale=scale,
-      stacked=layer is not None, counter_stacked=counter_stacked, mode=mode,
-      cs_mode=cs_mode, kv_prefetch=kv_prefetch, interpret=interpret)
+      _kernel, g=g, gp=gp, bk=block_k, ns=num_splits, dh=dh, window=window or s_len, ring=ring,
+      rope=rope, eps=eps, scale=scale, stacked=layer is not None, mode=mode, cs_mode=cs_mode)
   if cs_mode == "store":
     out_shape = (*out_shape, jax.ShapeDtypeStruct((b, 2, dh // 2), f32))
-  prefetch, touch = tuple(prefetch), tuple(touch)
   res = C.pallas_call(
       kernel, out_shape=out_shape, grid=(b, kvh, num_splits), input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      prefetch=len(prefetch), touch=len(touch),
+      early_trigger=early_trigger,
       name=(f"flint_qk_norm{'_rope' if rope else ''}_attn_{'ring' if ring else 'full'}"
-            f"_bk{block_k}_ns{num_splits}{'' if mode == 'kernel' else '_' + mode}"
-            f"{'_pf' if prefetch else ''}{'_kvpf' if kv_prefetch else ''}"
-            f"{'_touch' if touch else ''}"),
-  )(*args, *prefetch, *touch)
+            f"_bk{block_k}_ns{num_splits}{'' if mode == 'kernel' else '_' + mode}"),
+  )(*args)
   extra = ()
   if cs_mode == "store":
     res, extra = res[:-1], res[-1:]
   if mode == "direct":
     out, kc, vc = res
-  elif mode == "kernel":
-    o, m, l, kc, vc = res
-    out = merge_splits(o, m, l, sinks, qs.dtype, interpret=interpret)
   else:
-    out, _, _, _, kc, vc, counter = res
-  return ((out, kc, vc) if merge == "kernel" else (out, kc, vc, counter)) + extra
+    o, m, l, kc, vc = res
+    out = merge_splits(o, m, l, sinks, qs.dtype, early_trigger=early_trigger,
+                       interpret=interpret)
+  return (out, kc, vc) + extra
 
 
 def qk_norm_rope_attention_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache,
-                                     sinks, layer=None, counter=None, *, counter_layer=None,
-                                     rope: bool, ring: bool, window: int | None = None,
-                                     theta: float = 10000.0, eps: float = 1e-6,
-                                     scale: float | None = None, merge: str = "kernel",
-                                     block_k: int | None = None, num_splits: int | None = None,
+                                     sinks, layer=None, *, rope: bool, ring: bool,
+                                     window: int | None = None, theta: float = 10000.0,
+                                     eps: float = 1e-6, scale: float | None = None,
                                      **unused_tuning):
-  """qk_norm_rope_reference then decode_attention_reference. With ``merge="atomic"`` also the
-  counter after the kernel: entry (counter_layer or layer, b, kv) incremented by NS (if NS > 1).
-  Split-K partials (4-D f32 q / k / v) are summed and rounded to the caches' dtype first."""
+  """qk_norm_rope_reference then decode_attention_reference. Split-K partials (4-D f32 q / k /
+  v) are summed and rounded to the caches' dtype first."""
   del unused_tuning
   q, k, v = (_sum_partials(a, k_cache.dtype) for a in (q, k, v))
   q2, kc, vc = qk_norm_rope_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache,
-                                          v_cache, layer, rope=rope, ring=ring, theta=theta,
-                                          eps=eps)
+                                      v_cache, layer, rope=rope, ring=ring, theta=theta, eps=eps)
   out = decode_attention_reference(q2, kc, vc, positions, sinks, layer, ring=ring,
-                                      window=window, scale=scale)
-  if merge == "kernel":
-    return out, kc, vc
-  b, kvh, s_len = k_cache.shape[-4:-1]
-  ns = _blocks(b, kvh, s_len, block_k, num_splits)[1]
-  cl = layer if counter_layer is None else counter_layer
-  if ns > 1:
-    counter = counter.at[() if cl is None else (cl,)].add(ns)
-  return out, kc, vc, counter
+                                   window=window, scale=scale)
+  return out, kc, vc

@@ -1,6 +1,10 @@
-"""Decode attention with attention sinks (one new query token per row), Pallas Triton backend.
+"""Decode attention with attention sinks: the reference, the split-KV merge kernel, the masking.
 
-``decode_attention(q, k_cache, v_cache, positions, sinks, layer=None, *, ring, window)``:
+The decode step's attention kernel is ``attention_block.qk_norm_rope_attention`` (the Q/K norm,
+RoPE and cache write fused into the split-KV kernel); this module holds what it shares:
+
+- ``decode_attention_reference(q, k_cache, v_cache, positions, sinks, layer=None, *, ring,
+  window)``: the contract.
 
   q         [B, H, Dh] bf16, already normed / roped, for the token at ``positions[b]``
   k/v cache [B, KVH, S, Dh] (or layer-stacked [L, B, KVH, S, Dh] with ``layer``), the
@@ -9,35 +13,27 @@
   sinks     [H] f32: one logit per query head with no value vector
   returns   [B, H, Dh] q.dtype
 
-Math (FLINT_SPEC section 3): scores ``s = q.k * Dh^-0.5`` in fp32 (bf16 inputs, fp32 accumulation),
-``P_j = exp(s_j) / (exp(sink_h) + sum_j' exp(s_j'))``, P rounded to bf16 for P.V with fp32
-accumulation, output rounded once. Attended keys:
+  Math (FLINT_SPEC section 3): scores ``s = q.k * Dh^-0.5`` in fp32 (bf16 inputs, fp32
+  accumulation), ``P_j = exp(s_j) / (exp(sink_h) + sum_j' exp(s_j'))``, P rounded to bf16 for
+  P.V with fp32 accumulation, output rounded once. Attended keys (``valid_slots``):
 
-- full layer (``ring=False``): slots 0..p (slot = position);
-- sliding layer (``ring=True``, S = R = round_up(window, 64) ring slots): slot s holds position
-  ``q(s) = p - ((p - s) mod R)``, attended iff ``q(s) >= 0`` and ``p - q(s) <= window - 1``.
+  - full layer (``ring=False``): slots 0..p (slot = position);
+  - sliding layer (``ring=True``, S = R = round_up(window, 64) ring slots): slot s holds position
+    ``q(s) = p - ((p - s) mod R)``, attended iff ``q(s) >= 0`` and ``p - q(s) <= window - 1``.
 
-Flash-decoding in two kernels:
+  Stale or garbage cache contents never leak: scores of slots outside the attended set are
+  replaced (``where``, not added) by a large finite negative before the max and exp, their
+  probabilities are forced to exactly 0, and their V rows are zeroed before P.V (0 * NaN = NaN
+  otherwise).
+- ``merge_splits``: the flash-decoding merge kernel, ``grid (B, H)``, of the split programs'
+  unnormalised ``o`` [G, Dh] and ``(m, l)`` [G] with the sink: ``M = max(max_j m_j, sink)``,
+  ``out = sum_j o_j e^(m_j - M) / (sum_j l_j e^(m_j - M) + e^(sink - M))``.
+- ``default_attention_blocks``: the split count (~2 programs per SM of the H200's 132) and key
+  block.
 
-1. ``grid (B, KVH, num_splits)``: each program takes the 8 query heads of one KV head (the GQA
-   group G = H / KVH, padded to 16 rows for the tensor cores by repeating the last head) and a
-   contiguous chunk of the row's *live* slots: ``n = min(p + 1, S)`` slots are cut into
-   ``num_splits`` chunks of ``round_up(cdiv(n, num_splits), block_k)`` at run time, so every
-   split has work whatever the context length (a static split of S would leave a 1K context in a
-   256K cache on one SM). Online softmax in fp32 per ``block_k`` keys; writes the unnormalised
-   ``o`` [G, Dh] and ``(m, l)`` [G] in fp32.
-2. ``grid (B, H)``: merges the splits of one head with the sink: ``M = max(max_j m_j, sink)``,
-   ``out = sum_j o_j e^(m_j - M) / (sum_j l_j e^(m_j - M) + e^(sink - M))``.
-
-Stale or garbage cache contents never leak: scores of slots outside the attended set are
-replaced (``where``, not added) by a large finite negative before the max and exp, their
-probabilities are forced to exactly 0, and their V rows are zeroed before P.V (0 * NaN = NaN
-otherwise). So a cache whose unwritten slots hold NaN or inf gives the same result as a zeroed
-one. The reference applies the same masking.
-
-The per-row chunking, the validity test and the sink all read device values (positions), so one
-compiled kernel serves every context length up to S; ``num_splits`` (static, a power of two)
-sets the launch shape and is chosen from S, B and KVH to put ~2 programs on each of the 132 SMs.
+(The split kernel of its own, ``decode_attention``, and the separate ``qk_norm_rope`` kernel
+before it -- the session-2 step's three attention launches -- were retired after 35c0874: the
+fused kernel takes 6.3 us per ring layer against 4.1 + 3.5.)
 """
 
 from __future__ import annotations
@@ -49,11 +45,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
 
-__all__ = ["decode_attention", "decode_attention_reference", "default_attention_blocks",
+__all__ = ["decode_attention_reference", "merge_splits", "default_attention_blocks",
            "valid_slots"]
 
 _TARGET_PROGRAMS = 264   # 2 per SM on the H200's 132 SMs
@@ -74,48 +69,6 @@ def valid_slots(idx, p, n, s_len, window, ring):
     return idx < n
   d = (p - idx + s_len) % s_len             # (p - s) mod R, operands non-negative
   return (idx < n) & (d <= p) & (d <= window - 1)
-
-
-def _split_kernel(*refs, g, gp, bk, ns, window, ring, stacked, scale):
-  if stacked:
-    q_ref, k_ref, v_ref, pos_ref, layer_ref, o_ref, m_ref, l_ref = refs
-    lead = (layer_ref[0],)
-  else:
-    q_ref, k_ref, v_ref, pos_ref, o_ref, m_ref, l_ref = refs
-    lead = ()
-  b, kv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  s_len, dh = k_ref.shape[-2], k_ref.shape[-1]
-  p = pos_ref[b]
-  n = jnp.minimum(p + 1, s_len)
-  chunk = ((n + ns - 1) // ns + bk - 1) // bk * bk
-  start = j * chunk
-  nblk = jnp.minimum((jnp.maximum(n - start, 0) + bk - 1) // bk, chunk // bk)
-  q = q_ref[b, C.row_load_index(g, gp, kv * g), :]                # [Gp, Dh]
-
-  def body(i, carry):
-    o, m, l = carry
-    k0 = pl.multiple_of(start + i * bk, bk)
-    kb = k_ref[(*lead, b, kv, pl.ds(k0, bk), slice(None))]         # [BK, Dh]
-    s = C.dot_nt(q, kb) * scale                                    # [Gp, BK] f32
-    valid = valid_slots(k0 + jnp.arange(bk, dtype=jnp.int32), p, n, s_len, window, ring)
-    s = jnp.where(valid[None, :], s, C.MASK_VALUE)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    alpha = jnp.exp(m - m_new)
-    pr = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-    l = l * alpha + jnp.sum(pr, axis=1)
-    vb = v_ref[(*lead, b, kv, pl.ds(k0, bk), slice(None))]         # [BK, Dh]
-    vb = jnp.where(valid[:, None], vb, jnp.zeros_like(vb))
-    o = o * alpha[:, None] + C.dot_nn(pr.astype(vb.dtype), vb)
-    return o, m_new, l
-
-  init = (jnp.zeros((gp, dh), jnp.float32), jnp.full((gp,), C.MASK_VALUE, jnp.float32),
-          jnp.zeros((gp,), jnp.float32))
-  o, m, l = lax.fori_loop(0, nblk, body, init)
-  r, rmask = C.row_store_index(g, gp)
-  cols = jnp.arange(dh, dtype=jnp.int32)
-  plgpu.store(o_ref.at[b, kv, j, r[:, None], cols[None, :]], o, mask=rmask[:, None])
-  plgpu.store(m_ref.at[b, kv, j, r], m, mask=rmask)
-  plgpu.store(l_ref.at[b, kv, j, r], l, mask=rmask)
 
 
 def _merge_kernel(o_ref, m_ref, l_ref, sink_ref, out_ref, *, g, ns):
@@ -150,53 +103,15 @@ def _validate(q, k_cache, v_cache, positions, sinks, layer):
   return b, h, kvh, s_len, dh
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "ring", "window", "scale", "block_k", "num_splits", "num_warps", "num_stages",
-    "interpret"))
-def decode_attention(q, k_cache, v_cache, positions, sinks, layer=None, *, ring: bool,
-                     window: int | None = None, scale: float | None = None,
-                     block_k: int | None = None, num_splits: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
-  """Sink-softmax decode attention for one query per row; see the module docstring."""
-  b, h, kvh, s_len, dh = _validate(q, k_cache, v_cache, positions, sinks, layer)
-  if ring:
-    C.check(window is not None and 1 <= window <= s_len,
-            f"ring attention needs 1 <= window <= R={s_len}, got {window=}")
-  dbk, dns = default_attention_blocks(b, kvh, s_len)
-  block_k, num_splits = block_k or dbk, num_splits or dns
-  C.check(C.is_pow2(block_k) and block_k >= 16 and s_len % block_k == 0,
-          f"block_k must be a power of two >= 16 dividing S: {block_k=} S={s_len}")
-  C.check(C.is_pow2(num_splits), f"num_splits must be a power of two, got {num_splits=}")
-  g = h // kvh
-  gp = C.pad_rows(g)
-  scale = 1.0 / math.sqrt(dh) if scale is None else scale
-  stacked = layer is not None
-  args = [q, k_cache, v_cache, positions.astype(jnp.int32)]
-  if stacked:
-    args.append(C.as_index_array(layer, "layer"))
-  kernel = functools.partial(_split_kernel, g=g, gp=gp, bk=block_k, ns=num_splits,
-                             window=window or s_len, ring=ring, stacked=stacked, scale=scale)
-  f32 = jnp.float32
-  o, m, l = C.pallas_call(
-      kernel, grid=(b, kvh, num_splits),
-      out_shape=(jax.ShapeDtypeStruct((b, kvh, num_splits, g, dh), f32),
-                 jax.ShapeDtypeStruct((b, kvh, num_splits, g), f32),
-                 jax.ShapeDtypeStruct((b, kvh, num_splits, g), f32)),
-      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_decode_attn_{'ring' if ring else 'full'}_bk{block_k}_ns{num_splits}",
-  )(*args)
-  return merge_splits(o, m, l, sinks, q.dtype, interpret=interpret)
-
-
-def merge_splits(o, m, l, sinks, dtype, *, interpret: bool = False):
+def merge_splits(o, m, l, sinks, dtype, *, early_trigger: bool = True, interpret: bool = False):
   """The merge kernel: partials o [B, KVH, NS, G, Dh], m, l [B, KVH, NS, G] (f32) and sinks [H]
-  -> [B, H, Dh] dtype (also used by ``attention_block``)."""
+  -> [B, H, Dh] dtype (``attention_block``'s second kernel)."""
   b, kvh, ns, g, dh = o.shape
   merge = functools.partial(_merge_kernel, g=g, ns=ns)
   return C.pallas_call(
       merge, grid=(b, kvh * g), out_shape=jax.ShapeDtypeStruct((b, kvh * g, dh), dtype),
       compiler_params=C.compiler_params(4 if ns * dh >= 4096 else 1, 1),
-      interpret=interpret, name=f"flint_decode_attn_merge_ns{ns}",
+      interpret=interpret, early_trigger=early_trigger, name=f"flint_decode_attn_merge_ns{ns}",
   )(o, m, l, sinks.astype(jnp.float32))
 
 

@@ -1,28 +1,24 @@
-"""Small-batch dense GEMV (decode-time linear layers), Pallas Triton backend.
+"""Small-batch BF16 GEMVs (decode-time linear layers), Pallas Triton backend.
 
-``gemv``: ``y[M, N] = x[M, K] @ w[N, K]^T`` for M = 1..16 tokens, bf16 (or fp32) weight in the HF
-``[out, in]`` orientation, fp32 accumulation, output dtype selectable (bf16 default, fp32 for the
-LM head). It fuses nothing beyond the padding of M: the kernel pads M to 16 rows internally
-(duplicated loads of the last row, masked stores), so the caller's ``[M, K]`` is used as is.
+``gemv_silu_mul``: the dense-MLP ``gate|up`` step, ``h = bf16(silu(x @ Wg^T) * (x @ Wu^T))``
+for M = 1..16 tokens with the two fp32 accumulators, each rounded to bf16 (the model's
+projections), combined in fp32 and rounded once (HF keeps separate ``gate_proj`` / ``up_proj``
+``[I, K]`` weights; both are read by the same program for the same ``I`` rows). The decode step
+runs it for the BF16 dense layers at batch 1 (one kernel where XLA takes a dot and an
+elementwise kernel; H200 run 35: 16.3 us per dense layer against 18.9 + 1.4).
 
-``gemv_silu_mul``: the dense-MLP / shared-expert ``gate|up`` step,
-``h = bf16(silu(x @ Wg^T) * (x @ Wu^T))`` with the two fp32 accumulators combined in fp32 and
-rounded once (HF keeps separate ``gate_proj`` / ``up_proj`` ``[I, K]`` weights; both are read by
-the same program for the same ``I`` rows).
+Grid: one program per ``block_n`` output columns; each loops over K in ``block_k`` steps with
+one of two tensor-core tile methods (``method``, ``_common.mm_tile``): ``dot``
+(``acc[16, BN] += x[16, BK] . w[BN, BK]^T``, default for M > 1) or ``swap`` (swap-AB,
+``w . x^T``, default for M = 1). The kernel pads M to 16 rows internally (duplicated loads of
+the last row, masked stores).
 
-Grid: one program per ``block_n`` output columns (and, with ``split_k > 1``, per K slice: the
-fp32 partials ``[split_k, M, N]`` are summed by XLA). Each program loops over K in ``block_k``
-steps with one of three tile methods (``method``, ``_common.mm_tile``): ``dot``
-(``acc[16, BN] += x[16, BK] . w[BN, BK]^T`` on the tensor cores, default for M > 1), ``swap``
-(swap-AB, ``w . x^T``, default for M = 1) or ``reduce`` (M = 1, CUDA-core multiply + row sum).
+``gemv_reference`` (``x @ w^T`` in fp32, rounded once) is the contract of ``multi_gemv``'s BF16
+path; ``default_gemv_blocks`` its tiles. (The BF16 Pallas ``gemv`` itself was retired after
+35c0874: XLA's dot is as fast for the step's BF16 o_proj, dense down and LM head.)
 
-Measured on the H200 (docs/kernels.md): at M = 1 XLA's own GEMV is faster (q_proj 5.6 vs 8.5 us;
-both at the ceiling on the LM head); at M = 8 parity, and the fused gate|up+SiLU beats XLA's
-two GEMVs + elementwise (15.0 vs 15.7 us). Prefer XLA for bf16 projections at M = 1.
-
-Shapes / dtypes:
-  x: [M, K] bf16 (or f32), M <= 16; w, w_gate, w_up: [N, K] same dtype as x.
-  returns [M, N] ``out_dtype`` (gemv), [M, N] x.dtype (gemv_silu_mul).
+Shapes / dtypes: x [M, K] bf16 (or f32), M <= 16; w_gate, w_up [N, K] same dtype as x;
+returns [M, N] x.dtype.
 """
 
 from __future__ import annotations
@@ -36,8 +32,8 @@ from jax.experimental import pallas as pl
 
 from flint_jax.pallas import _common as C
 
-__all__ = ["gemv", "gemv_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
-           "default_gemv_blocks", "default_method"]
+__all__ = ["gemv_reference", "gemv_silu_mul", "gemv_silu_mul_reference", "default_gemv_blocks",
+           "default_method"]
 
 MAX_ROWS = 16
 
@@ -72,7 +68,7 @@ def default_method(m: int) -> str:
   return "swap" if m == 1 else "dot"
 
 
-def _validate(x, ws, block_n, block_k, split_k):
+def _validate(x, ws, block_n, block_k):
   C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
   m, k = x.shape
   C.check(1 <= m <= MAX_ROWS, f"gemv handles 1..{MAX_ROWS} rows, got {m=}")
@@ -83,77 +79,9 @@ def _validate(x, ws, block_n, block_k, split_k):
   n = ws[0].shape[0]
   C.check(C.is_pow2(block_n) and block_n >= 16 and n % block_n == 0,
           f"block_n must be a power of two >= 16 dividing N: {block_n=} {n=}")
-  C.check(C.is_pow2(block_k) and block_k >= 16 and k % (block_k * split_k) == 0,
-          f"block_k * split_k must divide K (block_k a power of two >= 16): "
-          f"{block_k=} {split_k=} {k=}")
+  C.check(C.is_pow2(block_k) and block_k >= 16 and k % block_k == 0,
+          f"block_k must be a power of two >= 16 dividing K: {block_k=} {k=}")
   return m, n, k
-
-
-def _gemv_kernel(x_ref, w_ref, o_ref, *, m, mp, bn, bk, k_len, split_k, method):
-  """One BN-column output tile over a K slice of length k_len.
-
-  x_ref: [M, K]; w_ref: [N, K]; o_ref: [M, N] (split_k == 1) or [split_k, M, N] f32.
-  """
-  pid_n = pl.program_id(0)
-  n0 = pl.multiple_of(pid_n * bn, bn)
-  kbase = pl.program_id(1) * k_len if split_k > 1 else 0
-
-  def body(i, acc):
-    k0 = pl.multiple_of(kbase + i * bk, bk)
-    x = C.load_x(x_ref, (), m, mp, pl.ds(k0, bk), method)  # [Mp, BK] ([BK] for reduce)
-    w = w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]               # [BN, BK]
-    return acc + C.mm_tile(x, w, method)
-
-  acc = lax.fori_loop(0, k_len // bk, body,
-                      jnp.zeros(C.acc_shape(mp, bn, method), jnp.float32))
-  lead = (pl.program_id(1),) if split_k > 1 else ()
-  C.store_tile(o_ref, lead, acc, n0, bn, m, mp, method)
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "out_dtype", "block_n", "block_k", "split_k", "method", "num_warps", "num_stages",
-    "interpret", "sum_splits"))
-def gemv(x, w, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
-         block_k: int | None = None, split_k: int | None = None, method: str | None = None,
-         num_warps: int | None = None, num_stages: int = 3, interpret: bool = False,
-         sum_splits: bool = True):
-  """y[M, N] = x[M, K] @ w[N, K]^T, fp32 accumulation, rounded once to ``out_dtype``.
-
-  ``method``: "dot" (x . w^T, M padded to 16), "swap" (w . x^T, swap-AB) or "reduce" (M == 1,
-  CUDA-core multiply + row sum); see ``_common.mm_tile``. Default: see ``default_method``.
-  With split-K (given or the default) and ``sum_splits=False`` the fp32 partials
-  [split_k, M, N] come back unsummed (``nvfp4_gemv``'s contract: e.g. ``add_rms_norm`` sums
-  them, one launch less); otherwise they are summed by XLA and rounded to ``out_dtype``.
-  """
-  n, k = w.shape
-  dbn, dbk, dsplit, dwarps = default_gemv_blocks(n, k, m=x.shape[0])
-  if split_k is None:
-    split_k = dsplit if (block_n or dbn, block_k or dbk) == (dbn, dbk) else 1
-  elif block_k is None and k % split_k == 0:   # a given split: K steps that fit its slices
-    dbk = C.pow2_divisor(k // split_k, dbk)
-  block_n = block_n or dbn
-  block_k = block_k or dbk
-  num_warps = num_warps or dwarps
-  m, n, k = _validate(x, [w], block_n, block_k, split_k)
-  method = method or default_method(m)
-  C.check_method(method, m, allowed=C.NO_LANES)
-  mp = C.pad_rows(m, method)
-  kernel = functools.partial(_gemv_kernel, m=m, mp=mp, bn=block_n, bk=block_k,
-                             k_len=k // split_k, split_k=split_k, method=method)
-  if split_k > 1:
-    out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
-    grid = (n // block_n, split_k)
-  else:
-    out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
-    grid = (n // block_n,)
-  y = C.pallas_call(
-      kernel, out_shape=out_shape, grid=grid,
-      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_gemv_{method}_bn{block_n}_bk{block_k}_sk{split_k}",
-  )(x, w)
-  if split_k > 1 and sum_splits:
-    y = jnp.sum(y, axis=0).astype(out_dtype)
-  return y
 
 
 def gemv_reference(x, w, *, out_dtype=jnp.bfloat16, **unused_tuning):
@@ -176,7 +104,7 @@ def _gemv_silu_mul_kernel(x_ref, wg_ref, wu_ref, o_ref, *, m, mp, bn, bk, k_len,
   def body(i, carry):
     acc_g, acc_u = carry
     k0 = pl.multiple_of(i * bk, bk)
-    x = C.load_x(x_ref, (), m, mp, pl.ds(k0, bk), method)  # [Mp, BK] ([BK] for reduce)
+    x = C.load_x(x_ref, (), m, mp, pl.ds(k0, bk))          # [Mp, BK]
     wg = wg_ref[pl.ds(n0, bn), pl.ds(k0, bk)]             # [BN, BK]
     wu = wu_ref[pl.ds(n0, bn), pl.ds(k0, bk)]             # [BN, BK]
     return acc_g + C.mm_tile(x, wg, method), acc_u + C.mm_tile(x, wu, method)
@@ -187,27 +115,28 @@ def _gemv_silu_mul_kernel(x_ref, wg_ref, wu_ref, o_ref, *, m, mp, bn, bk, k_len,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "block_n", "block_k", "method", "num_warps", "num_stages", "interpret"))
+    "block_n", "block_k", "method", "num_warps", "num_stages", "early_trigger", "interpret"))
 def gemv_silu_mul(x, w_gate, w_up, *, block_n: int | None = None, block_k: int | None = None,
                   method: str | None = None, num_warps: int | None = None, num_stages: int = 3,
-                  interpret: bool = False):
+                  early_trigger: bool = True, interpret: bool = False):
   """h[M, I] = x.dtype(silu(g) * u): g, u the fp32 products x @ w_gate^T, x @ w_up^T rounded
-  to bf16 (the model's rule), silu and the product in fp32, rounded once more."""
+  to bf16 (the model's rule), silu and the product in fp32, rounded once more.
+  ``early_trigger``: the kernel lets the next one launch first (``pdl``)."""
   n, k = w_gate.shape
   dbn, dbk, _, dwarps = default_gemv_blocks(n, k, m=x.shape[0], n_mats=2)
   block_n = block_n or dbn
   block_k = block_k or dbk
   num_warps = num_warps or dwarps
-  m, n, k = _validate(x, [w_gate, w_up], block_n, block_k, 1)
+  m, n, k = _validate(x, [w_gate, w_up], block_n, block_k)
   method = method or default_method(m)
-  C.check_method(method, m, allowed=C.NO_LANES)
+  C.check_method(method, m, allowed=("dot", "swap"))
   mp = C.pad_rows(m, method)
   kernel = functools.partial(_gemv_silu_mul_kernel, m=m, mp=mp, bn=block_n, bk=block_k,
                              k_len=k, method=method)
   return C.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(n // block_n,),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_gemv_silu_mul_{method}_bn{block_n}_bk{block_k}",
+      early_trigger=early_trigger, name=f"flint_gemv_silu_mul_{method}_bn{block_n}_bk{block_k}",
   )(x, w_gate, w_up)
 
 

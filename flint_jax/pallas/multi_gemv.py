@@ -21,9 +21,9 @@ all matrices and must divide every ``N_i``. ``split_k=S`` adds a second grid axi
 (``qk_norm_rope_attention`` sums q / k / v partials as it loads them). Why: at M = 8 the NVFP4
 q|k|v on ``dot`` tiles is 80 programs of 16 K steps each for 132 SMs.
 
-Tile method (knob ``method``): ``dot`` / ``swap`` / ``reduce`` as in ``_common.mm_tile``; defaults
-follow the single-matrix kernels: bf16 ``swap`` at M = 1, NVFP4 ``reduce`` at M = 1, ``dot`` for
-M > 1. Block defaults are those measured on the H200 for the *largest* matrix alone
+Tile method (knob ``method``): ``dot`` / ``swap`` / ``rows`` as in ``_common.mm_tile``, NVFP4
+``blocks`` at M = 1; defaults follow the single-matrix kernels: bf16 ``swap`` at M = 1 and
+``dot`` above, NVFP4 ``blocks`` at M = 1, ``rows`` at M = 2-3, ``dot`` above (``resolve_method``). Block defaults are those measured on the H200 for the *largest* matrix alone
 (``default_gemv_blocks`` / ``default_nvfp4_blocks`` without split-K: q_proj-sized bf16 bn64 bk256,
 NVFP4 M = 1 bn32 bk512, M > 1 bn64 bk128), with block_n lowered to the largest power of two that
 divides every ``N_i``. Measured for the fused kernel on the H200: NVFP4 M = 1 (``blocks``, run
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -53,11 +52,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
-import flint_jax.pallas.gemv  # noqa: F401  (modules, not the functions the package re-exports)
-import flint_jax.pallas.nvfp4_gemv  # noqa: F401
-
-G = sys.modules["flint_jax.pallas.gemv"]
-NV = sys.modules["flint_jax.pallas.nvfp4_gemv"]
+from flint_jax.pallas import gemv as G
+from flint_jax.pallas import nvfp4_gemv as NV
 
 __all__ = ["multi_gemv", "multi_gemv_reference", "default_multi_gemv_blocks", "MAX_MATRICES"]
 
@@ -110,27 +106,20 @@ def default_multi_gemv_blocks(ns, k: int, *, m: int = 1, fmt: str = "bf16",
   return bn, bk, warps
 
 
-def resolve_method(fmt: str, m: int, method, layout: str, decode: str, interpret: bool,
-                   allowed=C.METHODS):
-  """(tile method, NVFP4 decode) after defaults and checks, shared with ``norm_qkv``
-  (``allowed``: the tile methods the calling kernel implements)."""
+def resolve_method(fmt: str, m: int, method, decode: str, interpret: bool):
+  """(tile method, NVFP4 decode) after defaults and checks, shared with ``norm_qkv``."""
   if fmt == "bf16":
     method = method or G.default_method(m)
-  else:
-    C.check(layout in NV.LAYOUTS, f"layout must be one of {NV.LAYOUTS}, got {layout=}")
-    decode = NV.resolve_decode(decode, interpret)
-    # rows at M = 2..3: Flint q|k|v 9.9 / 13.6 us against 14.1 / 13.8 for the tensor-core tile
-    # on its bk128 tiles (H200 run 108; 3x1K step 3.797 against 3.847 ms); dot from M = 4: 13.7
-    # against 17.7 (4x1K step 4.132 against 4.325; run 25 had rows ahead at M = 4 when the dot
-    # tile took 23.1 us). lanes at M = 1: 5.92 against
-    # 6.34 us for reduce (run 32; 6.11 against 6.56 inside the step)
-    # blocks at M = 1 (q|k|v 5.33 against 5.70 us for lanes, run 85), lanes where the kernel
-    # has no blocks (norm_qkv), reduce with the chunk layout
-    fallback = NV.default_method(m, layout=layout)
-    if fallback not in allowed:
-      fallback = "lanes" if "lanes" in allowed and layout == "tile" else "reduce"
-    method = method or ("rows" if 2 <= m <= 3 else fallback)
-  C.check_method(method, m, allowed)
+    C.check_method(method, m, ("dot", "swap", "rows"))
+    return method, decode
+  decode = NV.resolve_decode(decode, interpret)
+  # rows at M = 2..3: Flint q|k|v 9.9 / 13.6 us against 14.1 / 13.8 for the tensor-core tile
+  # on its bk128 tiles (H200 run 108; 3x1K step 3.797 against 3.847 ms); dot from M = 4: 13.7
+  # against 17.7 (4x1K step 4.132 against 4.325; run 25 had rows ahead at M = 4 when the dot
+  # tile took 23.1 us); blocks at M = 1 (q|k|v 5.33 against 5.70 us for lanes, run 85, and
+  # lanes 5.92 against 6.34 for reduce, run 32: both retired after 35c0874)
+  method = method or ("rows" if 2 <= m <= 3 else NV.default_method(m))
+  C.check_method(method, m)
   return method, decode
 
 
@@ -207,12 +196,10 @@ def _row_rms(ss_ref, m, mp, k, eps, per_row_index):
   return r_rows, r_vec
 
 
-def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode, layout,
-                       method, rms_eps=None, split_k=1, finish_base=None, interpret=False):
+def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode, method,
+                       rms_eps=None, split_k=1, post=False):
   """Programs [starts[i], starts[i+1]) compute BN-row tiles of matrix i into output i; with
-  ``split_k`` > 1, program (t, s) the ``n_iter`` K steps of slice s into partial s of output i
-  (``finish_base``: and the last slice of each tile to arrive, counted on the counter's entry
-  ``finish_base + t``, sums the partials into the final output and resets the entry).
+  ``split_k`` > 1, program (t, s) the ``n_iter`` K steps of slice s into partial s of output i.
 
   refs (bf16): x [M, K], w_0..w_{n-1} [N_i, K], o_0..o_{n-1} [M, N_i].
   refs (nvfp4): x view [M, K/64, 2, 2, 16], (codes, scales) views per matrix, then one [1] f32
@@ -230,15 +217,10 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
   else:
     w_refs = [tuple(refs[1 + 2 * i:3 + 2 * i]) for i in range(n_mats)]
     s2_refs = refs[1 + 2 * n_mats:1 + 3 * n_mats]
-  if finish_base is not None:   # partials, finals, counter (an input aliased to the last output)
-    cnt_ref = refs[-1]
-    o_refs = refs[len(refs) - 1 - 2 * n_mats:len(refs) - 1 - n_mats]
-    f_refs = refs[len(refs) - 1 - n_mats:len(refs) - 1]
-  else:
-    o_refs = refs[len(refs) - n_mats:]
+  o_refs = refs[len(refs) - n_mats:]
   if rms_eps is not None:   # x is the residual s: normalised as it is loaded
     ss_ref, wn_ref = refs[1 + 3 * n_mats:3 + 3 * n_mats]
-    tensor_core = method not in C.CUDA_CORE_M1 and method != "rows"
+    tensor_core = method not in ("blocks", "rows")
     x_ref = _NormedRow(x_ref, wn_ref, *_row_rms(ss_ref, m, mp, split_k * n_iter * bk,
                                                  rms_eps, tensor_core))
 
@@ -249,10 +231,10 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
 
       def body(j, acc):
         k0 = pl.multiple_of((j0 + j) * bk, bk)
-        xt = C.load_x(x_ref, (), m, mp, pl.ds(k0, bk), method)  # [Mp, BK] ([BK] for reduce)
+        xt = C.load_x(x_ref, (), m, mp, pl.ds(k0, bk))          # [Mp, BK]
         w = w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]                # [BN, BK]
         return acc + C.mm_tile(xt, w, method)
-      lanes = (bk,)
+      lanes = ()
     else:
       q_ref, s_ref = w_refs[i]
       nb = bk // 64
@@ -261,28 +243,13 @@ def _multi_gemv_kernel(*refs, fmt, n_mats, starts, m, mp, bn, bk, n_iter, decode
       def body(j, acc):
         b0 = pl.multiple_of((j0 + j) * nb, nb)
         return NV.nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb,
-                                 decode=decode, layout=layout, method=method, acc=acc)
+                                 decode=decode, method=method, acc=acc, post=post)
 
     acc = lax.fori_loop(0, n_iter, body, C.acc_zeros(mp, bn, method, lanes))
     acc = C.finish_acc(acc, method)
     if fmt == "nvfp4":
       acc = acc * (s2_refs[i][0] * NV.decode_factor(decode))
     C.store_tile(o_refs[i], (ks,) if split_k > 1 else (), acc, n0, bn, m, mp, method)
-    if finish_base is None:
-      return
-    if not interpret:   # every thread's stores precede the atomic (no CPU lowering)
-      plgpu.debug_barrier()
-    old = plgpu.atomic_add(cnt_ref, (finish_base + pid,), jnp.int32(1))
-
-    @pl.when(old == split_k - 1)
-    def _():   # the slices' partials summed in slice order, as the attention kernel would
-      fm = C.finish_method(method)
-      tot = None
-      for sk in range(split_k):
-        part = C.load_tile(o_refs[i], (sk,), n0, bn, m, mp, fm)
-        tot = part if tot is None else tot + part
-      C.store_tile(f_refs[i], (), tot, n0, bn, m, mp, fm)
-      plgpu.store(cnt_ref.at[finish_base + pid], jnp.int32(0))
 
   run_matrix_branches(pid, starts, matrix)
 
@@ -303,25 +270,28 @@ def run_matrix_branches(pid, starts, matrix):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "out_dtype", "block_n", "block_k", "method", "decode", "layout", "num_warps", "num_stages",
-    "rms_eps", "split_k", "sum_splits", "counter_base", "interpret"))
+    "out_dtype", "block_n", "block_k", "method", "decode", "num_warps", "num_stages", "rms_eps",
+    "split_k", "sum_splits", "post_scale", "early_trigger", "interpret"))
 def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None,
                block_k: int | None = None, method: str | None = None, decode: str = "asm",
-               layout: str = "tile", num_warps: int | None = None,
-               num_stages: int | None = None, rms_sumsq=None, rms_weight=None,
-               rms_eps: float = 1e-6, split_k: int = 1, sum_splits: bool = True,
-               counter=None, counter_base: int = 0, interpret: bool = False):
+               num_warps: int | None = None, num_stages: int | None = None, rms_sumsq=None,
+               rms_weight=None, rms_eps: float = 1e-6, split_k: int = 1,
+               sum_splits: bool = True, post_scale: bool = False, early_trigger: bool = True,
+               interpret: bool = False):
   """(y_0, ..., y_{n-1}), y_i[M, N_i] = out_dtype(x @ W_i^T [* weight_scale_2_i]), one kernel.
 
   weights: tuple of 1..4 bf16 [N_i, K] arrays, or tuple of 1..4 ``NVFP4Weight``. ``method``:
-  "dot" / "swap" / "reduce" or "lanes" (M == 1) / "rows", default ``gemv.default_method``
-  (bf16) or, for NVFP4, "rows" at M = 2..3 and ``nvfp4_gemv.default_method`` otherwise
+  "dot" / "swap" / "rows", or "blocks" (NVFP4, M == 1); default ``gemv.default_method`` (bf16)
+  or, for NVFP4, "rows" at M = 2..3 and ``nvfp4_gemv.default_method`` otherwise
   (``resolve_method``).
-  ``decode`` / ``layout``: NVFP4 only (see ``nvfp4_gemv``; ``decode="asm"`` falls back to
-  ``"fp8"`` in interpret mode). Block defaults:
-  ``default_multi_gemv_blocks`` (not yet measured for the fused kernel).
+  ``decode``: NVFP4 only (see ``nvfp4_gemv``; ``decode="asm"`` falls back to ``"fp8"`` in
+  interpret mode). Block defaults: ``default_multi_gemv_blocks``.
+  ``post_scale`` (NVFP4 ``blocks`` tiles with the asm decode): each 16-value block's sum is
+  scaled instead of each decoded weight (``nvfp4_gemv.blocks_fma_post``; the same products
+  summed in another order: H200 run 91, the batch-1 q|k|v 5.43 against 5.61 us in the step).
+  ``early_trigger``: the kernel lets the next one launch first (``pdl``).
 
-  ``rms_sumsq`` f32 [M, P] and ``rms_weight`` [K] (NVFP4, tile layout): x is a residual s, and
+  ``rms_sumsq`` f32 [M, P] and ``rms_weight`` [K] (NVFP4): x is a residual s, and
   the kernel multiplies its RMSNorm instead, row by row x' = bf16(w * (f32(s) *
   rsqrt(sum(rms_sumsq[row]) / K + rms_eps))), computed as each K step loads x; ``rms_sumsq``
   holds the sums of squares of s over any P column blocks
@@ -333,18 +303,12 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   (default) sums them in XLA and casts to ``out_dtype``, ``sum_splits=False`` returns the
   partials (for ``qk_norm_rope_attention``, which sums them as it loads q / k / v). The default
   K step shrinks until the slices divide K into at least 4 steps each (or to its minimum).
-  ``counter`` (int32 zeros, entries ``counter_base`` .. ``counter_base + tiles - 1`` used): the
-  kernel finishes the outputs itself instead: the last slice of each tile to arrive (an
-  acq_rel atomic count after a CTA barrier) sums the S partials in slice order into the
-  ``out_dtype`` output and resets its entry, so the counter comes back zeroed. Returns
-  ``(outputs, counter)`` then: the partials summed in slice order and rounded once, as
-  ``qk_norm_rope_attention`` sums ``sum_splits=False``'s (XLA's sum may add in another order).
   """
   fmt = _format(weights)
   C.check(x.ndim == 2, f"x must be [M, K], got {x.shape=}")
   m, k = x.shape
   ns = tuple(_n_rows(w, fmt) for w in weights)
-  method, decode = resolve_method(fmt, m, method, layout, decode, interpret)
+  method, decode = resolve_method(fmt, m, method, decode, interpret)
   dbn, dbk, dwarps = default_multi_gemv_blocks(ns, k, m=m, fmt=fmt, method=method)
   if block_k is None and split_k > 1:   # the default K step, shrunk to fit a slice 4 times
     # (H200 run 142, NVFP4 q|k|v at M = 8: S = 8 on 4 steps of 64 8.88 us, S = 4 on 4 of 128
@@ -359,19 +323,10 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
   m, k, ns = _validate(x, weights, fmt, block_n, block_k)
   C.check(split_k >= 1 and k % (block_k * split_k) == 0,
           f"split_k must be >= 1 with block_k * split_k dividing K: {split_k=} {block_k=} {k=}")
-  finish = counter is not None
-  if finish:
-    n_tiles = sum(ns) // block_n                # the grid's row tiles, one counter entry each
-    C.check(split_k > 1, "counter= finishes split-K partials: it needs split_k > 1")
-    C.check(counter.dtype == jnp.int32 and counter.ndim == 1 and counter_base >= 0
-            and counter_base + n_tiles <= counter.shape[0],
-            f"counter must be int32 zeros with entries {counter_base} .. "
-            f"{counter_base + n_tiles - 1}, got {counter.shape} {counter.dtype}")
   rms = rms_sumsq is not None
   if rms or rms_weight is not None:
     C.check(rms and rms_weight is not None, "give rms_sumsq and rms_weight together")
-    C.check(fmt == "nvfp4" and layout == "tile",
-            f"rms_sumsq needs NVFP4 weights and the tile layout, got {fmt=} {layout=}")
+    C.check(fmt == "nvfp4", f"rms_sumsq needs NVFP4 weights, got {fmt=}")
     C.check(rms_sumsq.ndim == 2 and rms_sumsq.shape[0] == m
             and rms_sumsq.dtype == jnp.float32 and rms_weight.shape == (k,),
             f"rms_sumsq must be f32 [M={m}, P] and rms_weight [K={k}], got {rms_sumsq.shape} "
@@ -388,32 +343,23 @@ def multi_gemv(x, weights, *, out_dtype=jnp.bfloat16, block_n: int | None = None
     for w in weights:
       args += NV.nvfp4_views(w[0], w[1])
     args += [C.scalar_f32(w[2]) for w in weights]
-    tag = f"nvfp4_{method}_{decode}_{layout}"
+    tag = f"nvfp4_{method}_{decode}_tile"
     if rms:
       args += [rms_sumsq, NV.x_view(rms_weight.astype(x.dtype)[None])[0]]
       tag += "_rms"
   kernel = functools.partial(_multi_gemv_kernel, fmt=fmt, n_mats=n_mats, starts=starts, m=m,
                              mp=mp, bn=block_n, bk=block_k, n_iter=k // block_k // split_k,
-                             decode=decode, layout=layout, method=method,
-                             rms_eps=rms_eps if rms else None, split_k=split_k,
-                             finish_base=counter_base if finish else None, interpret=interpret)
+                             decode=decode, method=method, rms_eps=rms_eps if rms else None,
+                             split_k=split_k, post=post_scale and fmt == "nvfp4")
   out_shape = tuple(jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split_k > 1
                     else jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns)
-  aliases = {}
-  if finish:
-    out_shape += tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns)
-    out_shape += (jax.ShapeDtypeStruct(counter.shape, jnp.int32),)
-    aliases = {len(args): len(out_shape) - 1}      # the counter, in place
-    args = [*args, counter]
   outs = tuple(C.pallas_call(
       kernel, out_shape=out_shape, grid=(starts[-1], split_k) if split_k > 1 else (starts[-1],),
-      input_output_aliases=aliases,
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      early_trigger=early_trigger,
       name=f"flint_multi_gemv{n_mats}_{tag}_bn{block_n}_bk{block_k}"
-           + (f"_splitk{split_k}" if split_k > 1 else "") + ("_finish" if finish else ""),
+           + (f"_splitk{split_k}" if split_k > 1 else ""),
   )(*args))
-  if finish:
-    return outs[n_mats:2 * n_mats], outs[-1]
   if split_k > 1 and sum_splits:
     outs = tuple(jnp.sum(o, axis=0).astype(out_dtype) for o in outs)
   return outs

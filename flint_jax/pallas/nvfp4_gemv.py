@@ -26,22 +26,23 @@ Decode of a 16-byte weight chunk (knob ``decode``):
   words. One ``prmt`` spreads two bytes into the two bf16 lanes of a register; an ``and``
   isolates a nibble per lane and one integer multiply puts ``e1 e0 m`` into the low exponent
   bits / top mantissa bit and the sign into bit 15 (``value * 2^-126``: Marlin's bit
-  placement; ``asm_decode``), a mask clears the rest, and one ``mul.rn.bf16x2`` applies the block
-  scale pre-multiplied by ``2^119`` (exact, no overflow below 448 * 2^119); ``2^7`` goes to the
+  placement), a mask clears the rest, and one ``mul.rn.bf16x2`` applies the block scale
+  pre-multiplied by ``2^119`` (exact, no overflow below 448 * 2^119); ``2^7`` goes to the
   epilogue. About 2.25 integer/bf16 instructions per weight value instead of ~8. The CUDA-core
   tiles get the values as f32 from the same asm (one instruction per value), and x through
-  ``x_to_f32``.
+  ``x_to_f32``. (Session 11's shift sequence and a bf16-output variant, bit-identical and
+  slower, were retired after 35c0874.)
 
-Layout of a K step (knob ``layout``): ``"tile"`` loads ``[BN, nb, 2, 16]`` code bytes (nb 64-value
-blocks), decodes them and reshapes to ``[BN, 32 nb]`` for one dot per nibble half; ``"chunk"``
-issues one ``[BN, 16]`` load and two K=16 dots per 16-byte chunk (no reshapes). The activation
-``x`` is read through a free ``[M, K/64, 2, 2, 16]`` view, so the low nibbles multiply
-``x[64b : 64b+32]`` and the high nibbles ``x[64b+32 : 64b+64]`` with no interleave.
+A K step loads ``[BN, nb, 2, 16]`` code bytes (nb 64-value blocks), decodes them and reshapes to
+``[BN, 32 nb]`` for one dot per nibble half (the "tile" layout, the only one since 35c0874). The
+activation ``x`` is read through a free ``[M, K/64, 2, 2, 16]`` view, so the low nibbles
+multiply ``x[64b : 64b+32]`` and the high nibbles ``x[64b+32 : 64b+64]`` with no interleave.
 
-Tile method (knob ``method``, see ``_common.mm_tile``): ``reduce`` (default at M = 1; decoded
-weights times x on the CUDA cores, row sums in fp32), ``rows`` (the same for each of M rows, one
-decode; default at M = 2 below 16384 output rows) or ``dot`` / ``swap`` on the tensor cores
-(default ``dot`` otherwise; see ``default_method``). Measured on the H200 (docs/kernels.md):
+Tile method (knob ``method``, see ``_common.mm_tile``): ``blocks`` (default at M = 1; decoded
+weights times x on the CUDA cores, each 16-value block's sum in the thread, one reduction
+after the K loop), ``rows`` (CUDA-core row sums for each of M rows, one decode; default at M = 2
+below 16384 output rows) or ``dot`` / ``swap`` on the tensor cores (see ``default_method``).
+Measured on the H200 (docs/kernels.md):
 M = 1 is 1.7-2.2x faster than XLA's dequantize + GEMV (q_proj 9.9 vs 16.7 us, dense gate|up
 19.4 vs 42.2 us); M = 8 is at parity on the 2048-row layers and 2.2x faster on large N, but far
 from the bandwidth floor. (The decoded operand does *not* go through shared memory: Triton
@@ -54,14 +55,12 @@ f32 for a logits head).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -71,12 +70,11 @@ from flint_jax.pallas import _common as C
 __all__ = [
     "NVFP4Weight", "nvfp4_gemv", "nvfp4_gemv_reference", "nvfp4_gemv_silu_mul",
     "nvfp4_gemv_silu_mul_reference", "dequantize_nvfp4_reference", "nvfp4_tile_dot",
-    "decode_factor", "nvfp4_views", "x_view", "lanes_shape", "DECODES", "LAYOUTS",
+    "decode_factor", "nvfp4_views", "x_view", "lanes_shape", "DECODES",
     "prescale_block_scales", "PRESCALE", "load_scale", "is_block_scale_dtype",
 ]
 
 DECODES = ("fp8", "asm")
-LAYOUTS = ("tile", "chunk")
 MAX_ROWS = 16
 
 
@@ -135,31 +133,8 @@ def _fp8_decode(codes):
   return lax.bitcast_convert_type(e, jnp.float8_e4m3fn).astype(jnp.bfloat16)
 
 
-# $0, $1: two bf16x2 outputs (elements 0,1 and 2,3); $2: four code bytes; $3, $4: bf16x2 scales.
-# prmt spreads bytes (b0, b1) / (b2, b3) into the low bytes of the two 16-bit lanes.
-_ASM_TEMPLATE = """{{
-.reg .b32 a, b, t0, t1, z;
-mov.b32 z, 0;
-prmt.b32 a, $2, z, 0x4140;
-prmt.b32 b, $2, z, 0x4342;
-shl.b32 t0, a, {sm};
-and.b32 t0, t0, 0x01C001C0;
-shl.b32 t1, a, {ss};
-and.b32 t1, t1, 0x80008000;
-or.b32 t0, t0, t1;
-mul.rn.bf16x2 $0, t0, $3;
-shl.b32 t0, b, {sm};
-and.b32 t0, t0, 0x01C001C0;
-shl.b32 t1, b, {ss};
-and.b32 t1, t1, 0x80008000;
-or.b32 t0, t0, t1;
-mul.rn.bf16x2 $1, t0, $4;
-}}"""
-_ASM_SHIFT = (_ASM_TEMPLATE.format(sm=6, ss=12),   # low nibble: bits 0-2 -> 6-8, bit 3 -> 15
-              _ASM_TEMPLATE.format(sm=2, ss=8))    # high nibble: bits 4-6 -> 6-8, bit 7 -> 15
-
-# The same placement with one multiply instead of two shifts and an or: with the nibble isolated
-# at bit p of each lane (p = 0 low, 4 high), ``t * (2^(6-p) + 2^(12-p))`` puts a copy of it at
+# Marlin's bit placement by one integer multiply (session 11's two shifts and an or were
+# retired after 35c0874): with the nibble isolated at bit p of each lane (p = 0 low, 4 high), ``t * (2^(6-p) + 2^(12-p))`` puts a copy of it at
 # bit 6 (e1 e0 m -> bits 6-8) and one at bit 12 (s -> bit 15); the copies do not overlap, so no
 # carries, and the lane's product stays below bit 16. Mask, then the scale multiply.
 # With ``f32`` (for the CUDA-core tiles, which multiply in fp32) each bf16x2 product is then
@@ -204,29 +179,14 @@ _LO, _HI = ("0x000F000F", "0x1040"), ("0x00F000F0", "0x104")   # x (2^6 + 2^12),
 _ASM_MUL = tuple(_mul_decode_asm(*half, f32=False) for half in (_LO, _HI))
 _ASM_F32 = tuple(_mul_decode_asm(*half, f32=True) for half in (_LO, _HI))
 _ASM_RAW = tuple(_raw_decode_asm(*half) for half in (_LO, _HI))
-_ASM = {"mul": _ASM_MUL, "mul_bf16": _ASM_MUL, "shift": _ASM_SHIFT, "post": _ASM_MUL}
 #: The raw decode's values are the E2M1 values times this (before the block scale).
 RAW_FACTOR = 2.0 ** -126
 
-#: Which instruction sequence the ``asm`` decode emits: "mul" (default; SASS of the M = 8 MoE
-#: gate_up 1045 instructions per thread and K step against 1173; the CUDA-core tiles get f32
-#: values straight from the asm), "mul_bf16" (the same multiply, bf16 outputs converted by the
-#: compiler) or "shift" (session 11's): identical values. "post": as "mul", but the ``blocks``
-#: tiles decode without the scale multiply and scale each 16-value block's sum (one HMUL2 per
-#: two weights fewer; the same products summed in another order, so not bit-identical). Read
-#: when a kernel is traced (part of jax's trace context and jit key, as ``pdl.early_trigger``);
-#: the decode step sets it from ``DecodeOptions.nvfp4_asm``. For measurements.
-asm_decode = config.enum_state(
-    "flint_jax_nvfp4_asm_decode", ["mul", "mul_bf16", "shift", "post"], default="mul",
-    include_in_trace_context=True, include_in_jit_key=True,
-    help="instruction sequence of the NVFP4 asm decode")
-
-
 def x_to_f32(x, decode):
-  """An activation tile bf16 -> f32 for the CUDA-core tiles; with the ``asm`` decode (``mul``)
-  two values per register in inline PTX, one instruction each (the compiler's conversion takes
-  a PRMT and a shift per value)."""
-  if decode != "asm" or asm_decode.value not in ("mul", "post") or x.dtype != jnp.bfloat16:
+  """An activation tile bf16 -> f32 for the CUDA-core tiles; with the ``asm`` decode two values
+  per register in inline PTX, one instruction each (the compiler's conversion takes a PRMT and
+  a shift per value)."""
+  if decode != "asm" or x.dtype != jnp.bfloat16:
     return x.astype(jnp.float32)
   (y,) = plgpu.elementwise_inline_asm(
       "shl.b32 $0, $2, 16;\nand.b32 $1, $2, 0xFFFF0000;", args=[x], constraints="=r,=r,r",
@@ -271,10 +231,9 @@ def _decode_pair(q, s_lo, s_hi, decode, f32=False):
       s_lo, s_hi = ((s * PRESCALE).astype(jnp.bfloat16) for s in (s_lo, s_hi))
     s_lo = jnp.broadcast_to(s_lo, q.shape)
     s_hi = jnp.broadcast_to(s_hi, q.shape)
-    if f32 and asm_decode.value in ("mul", "post"):
+    if f32:
       return _asm_decode(q, s_lo, _ASM_F32[0], True), _asm_decode(q, s_hi, _ASM_F32[1], True)
-    asm_lo, asm_hi = _ASM[asm_decode.value]
-    w_lo, w_hi = _asm_decode(q, s_lo, asm_lo), _asm_decode(q, s_hi, asm_hi)
+    w_lo, w_hi = _asm_decode(q, s_lo, _ASM_MUL[0]), _asm_decode(q, s_hi, _ASM_MUL[1])
   if f32:
     return w_lo.astype(jnp.float32), w_hi.astype(jnp.float32)
   return w_lo, w_hi
@@ -297,31 +256,30 @@ def x_view(x):
 
 
 def lanes_shape(block_k: int) -> tuple:
-  """Per-row product shape of one K step of the ``lanes`` method: [K/64 blocks, 2 (h), 16]."""
+  """Per-row product shape of one K step: [K/64 blocks, 2 (h), 16] (``blocks`` keeps one sum per
+  16-value block of it: ``_common.acc_shape``)."""
   return (block_k // 64, 2, 16)
 
 
 def nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
-                   layout, method="dot", acc=None, codes=None, x_scale_ref=None):
+                   method="dot", acc=None, x_scale_ref=None, post=False, f16_sums="block"):
   """fp32 partial x . W^T over the 64-value blocks b0 .. b0+nb of weight rows n0 .. n0+bn.
 
   x_ref: view [..., M, K/64, 2, 2, 16] bf16 indexed by ``x_idx`` (leading indices), rows 0..m-1
   padded to mp; q_ref / s_ref: views from ``nvfp4_views``, indexed by ``w_idx``. Returns
-  ``_common.acc_shape(mp, bn, method)``: [Mp, BN] (dot, rows), [BN, Mp] (swap) or [BN] (reduce,
-  M=1), or ``acc`` plus it when ``acc`` is given. ``blocks`` (M=1, tile layout) needs ``acc``
-  [BN, nb, 2] and adds each 16-value block's sum (``blocks_fma``). ``lanes`` (M=1, tile
-  layout) needs ``acc`` [BN, nb, 2, 16] (``lanes_shape``) and returns acc + w_lo * x_lo +
-  w_hi * x_hi, two FFMAs per code byte and no reduction (``_common.finish_acc`` after the K
-  loop).
-  The result carries the decode's power of two (``decode_factor``). ``codes`` (tile layout):
-  the weight tile already loaded by ``load_codes``. An f16 x (``blocks`` only) selects
-  ``blocks_fma_f16``; ``x_scale_ref`` then holds its per-block factors, viewed [..., M, K/64,
-  2, 2] (``store_x16_blocks``), and the result carries ``F16_DECODE_FACTOR``.
+  ``_common.acc_shape(mp, bn, method)``: [Mp, BN] (dot, rows) or [BN, Mp] (swap), or ``acc``
+  plus it when ``acc`` is given. ``blocks`` (M=1) needs ``acc`` [BN, nb, 2] and adds each
+  16-value block's sum (``blocks_fma``; with ``post`` and the asm decode, the block scales
+  applied to those sums instead of to each weight: ``blocks_fma_post``).
+  The result carries the decode's power of two (``decode_factor``). An f16 x (``blocks`` only)
+  selects ``blocks_fma_f16`` (its sums per ``f16_sums``: ``f16_sums_for_tile``); ``x_scale_ref``
+  then holds its per-block factors, viewed [..., M, K/64, 2, 2] (``store_x16_blocks``), and the
+  result carries ``F16_DECODE_FACTOR``.
   """
   part = _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb,
-                         decode=decode, layout=layout, method=method, acc=acc, codes=codes,
-                         x_scale_ref=x_scale_ref)
-  return part if acc is None or method in C.LANE_ACCS else acc + part
+                         decode=decode, method=method, acc=acc, x_scale_ref=x_scale_ref,
+                         post=post, f16_sums=f16_sums)
+  return part if acc is None or method == "blocks" else acc + part
 
 
 def load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb):
@@ -338,23 +296,11 @@ def decode_codes(codes, decode, f32=False):
   return _decode_pair(q, load_scale(s_lo)[..., None], load_scale(s_hi)[..., None], decode, f32)
 
 
-def decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode, codes=None, f32=False):
+def decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode, f32=False):
   """(w_lo, w_hi) bf16 [BN, nb, 2, 16]: weight rows n0 .. n0+bn, 64-value blocks b0 .. b0+nb of
-  the ``nvfp4_views`` (tile layout), decoded with their block scales; ``codes``: that tile
-  already loaded (``load_codes``), e.g. one K step ahead; ``f32``: the values as f32 (for the
+  the ``nvfp4_views``, decoded with their block scales; ``f32``: the values as f32 (for the
   CUDA-core tiles, which multiply in f32)."""
-  if codes is None:
-    codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
-  return decode_codes(codes, decode, f32)
-
-
-def lanes_fma(acc, w_lo, w_hi, x_half):
-  """The ``lanes`` K step: acc [BN, nb, 2, 16] + w_lo * x_half(0) + w_hi * x_half(1), two
-  separate adds (FFMAs, no FMUL + FADD); ``x_half(h)`` is x's [nb, 2, 16] half h."""
-  for half, w in enumerate((w_lo, w_hi)):
-    x = x_half(half).astype(jnp.float32)                                  # [nb, 2, 16]
-    acc = acc + w.astype(jnp.float32) * x[None]
-  return acc
+  return decode_codes(load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb), decode, f32)
 
 
 def blocks_fma(acc, w_lo, w_hi, x_half):
@@ -374,7 +320,8 @@ def raw_decode_codes(codes):
 
 
 def blocks_fma_post(acc, codes, x_half, w=None):
-  """The ``blocks`` K step with the block scales applied after the sums (``asm_decode`` "post"):
+  """The ``blocks`` K step with the block scales applied after the sums (``nvfp4_tile_dot(post=
+  True)``):
   acc [BN, nb, 2] + s_lo * sum_16(w_lo * x_half(0)) + s_hi * sum_16(w_hi * x_half(1)), w the raw
   decode (E2M1 values x 2^-126) of the ``load_codes`` tile ``codes`` (``raw_decode_codes``,
   computed here unless given); the same decode factor as the scaled decode (pre-scaled scales
@@ -388,28 +335,9 @@ def blocks_fma_post(acc, codes, x_half, w=None):
   return acc
 
 
-def blocks_tile_dot_tokens(x_ref, x_idxs, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
-                           accs):
-  """``nvfp4_tile_dot``'s ``blocks`` K step (M = 1, tile layout) for several one-row operands
-  that share the weight tile: rows n0 .. n0+bn, 64-value blocks b0 .. b0+nb decoded once, then
-  per operand ``x_ref[(*x_idxs[i], 0, ...)]`` the per-block sums added to ``accs[i]`` [BN, nb,
-  2]. Returns the list of accumulators; each equals the one-operand call's bit for bit (the same
-  decode, products and sums). E.g. the MoE's shared expert for several tokens at once."""
-  ds, blk = slice(None), pl.ds(b0, nb)
-  codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
-  post = decode == "asm" and asm_decode.value == "post"
-  w = raw_decode_codes(codes) if post else decode_codes(codes, decode, f32=True)
-  out = []
-  for x_idx, acc in zip(x_idxs, accs):
-    def x_half(h, x_idx=x_idx):
-      return x_to_f32(x_ref[(*x_idx, 0, blk, h, ds, ds)], decode)
-    out.append(blocks_fma_post(acc, codes, x_half, w) if post
-               else blocks_fma(acc, *w, x_half))
-  return out
-
-
 # ------------------------------------------------------------------------------------------
-# f16 block sums (the per-token MoE gate_up at batch > 1, ``moe_decode_routed(gate_up_f16=)``)
+# f16 block sums (the per-token MoE kernels, ``moe`` plan ``gate_up_f16`` / ``down_f16``, and
+# the batch-1 LM head)
 #
 # The ``blocks`` K step spends ~4.8 instructions per weight (the bf16 decode with its scale
 # multiply, the split into f32, one FFMA). This variant multiplies in f16x2 instead: Marlin's
@@ -456,7 +384,7 @@ def _f16_block_asm() -> str:
 _ASM_F16 = _f16_block_asm()
 
 
-# ``f16_sums`` "block": the same decode and products, but each nibble half's two f16x2 lanes
+# the "block" sums (``f16_sums_for_tile``): the same decode and products, but each nibble half's two f16x2 lanes
 # accumulate over the four code words of a 16-byte block (one ``fma.rn.f16x2`` per two values,
 # the sums of 8 products per lane rounded to f16 after each fma), so the conversions to f32 and
 # the block-scale FFMAs run once per block instead of once per word (SASS: ~4 f32 instructions
@@ -479,43 +407,10 @@ def _f16_acc_asm(first: bool) -> str:
 
 _ASM_F16_ACC = (_f16_acc_asm(True), _f16_acc_asm(False))
 
-#: How the f16 ``blocks`` K step (``blocks_fma_f16``) sums its products before the block
-#: scales: "block" (default: f16 lanes over a whole 16-value block, then f32; H200 run 158, the
-#: 8x1K MoE gate_up 35.7 -> 29.7 us per layer) or "pair" (each pair of products rounded to f16,
-#: then f32: session 24's form, ~4x fewer f16 roundings). Read when a kernel is traced (as
-#: ``asm_decode``); the decode step sets it from ``DecodeOptions.moe_f16_sums``.
-f16_sums = config.enum_state(
-    "flint_jax_nvfp4_f16_sums", ["pair", "block"], default="block",
-    include_in_trace_context=True, include_in_jit_key=True,
-    help="how the NVFP4 f16 blocks K step sums its products")
-
-
-#: How the f16 ``blocks`` K step loads its x16 operand: "tile" (default: one load per half,
-#: [nb, 2, 16], split into the four code words' pieces in registers) or "words" (one load per
-#: word and half, [nb, 2, 4]). Triton lays a load out for coalescing and converts it to the
-#: layout its consumer needs through shared memory (a store, a CTA barrier, loads); a load of
-#: fewer elements than the CTA has threads it instead places straight in the consumer's layout
-#: (``isExpensiveLoadOrStore``), here every lane of a warp reading the same x. Nsight Compute
-#: on the 8x f16 MoE gate_up (H200 run 173): 12 CTA barriers per K step, 12% of its warps'
-#: stall samples at them. Read when a kernel is traced (as ``f16_sums``); the decode step sets
-#: it from ``DecodeOptions.x16_loads``. With the "pair" sums (small tiles) the tile is loaded.
-#: **Measured slower** (H200 run 176): the per-lane broadcast loads (8 per K step instead of 2)
-#: cost more than the barriers they remove: the 8x1K gate_up 29.8 -> 37.0 us per layer, the
-#: batch-1 LM head 58.8 -> 101; 8x1K 4.254 -> 4.688 ms, 1x1K 1.714 -> 1.905. For measurements.
-x16_loads = config.enum_state(
-    "flint_jax_nvfp4_x16_loads", ["tile", "words"], default="tile",
-    include_in_trace_context=True, include_in_jit_key=True,
-    help="how the NVFP4 f16 blocks K step loads its x16 operand")
-
-
 def _x16_words(v):
-  """An x16 half as the four code words' pieces: a loaded [nb, 2, 16] tile split in registers,
-  or the pieces loaded one by one (``x16_loads`` "words")."""
-  return list(v) if isinstance(v, (list, tuple)) else jnp.split(v, 4, axis=-1)
-
-
-def _x16_whole(v):
-  return jnp.concatenate(list(v), axis=-1) if isinstance(v, (list, tuple)) else v
+  """An x16 half ([nb, 2, 16], loaded whole) as the four code words' pieces, split in
+  registers."""
+  return jnp.split(v, 4, axis=-1)
 
 
 _F16_MIN_BYTES = 4   # code bytes per thread the f16 K step's asm needs (one pack of 4)
@@ -529,21 +424,22 @@ def f16_warps_that_fit(bn: int, bk: int, num_warps: int) -> int:
   return num_warps
 
 
-def f16_sums_for_tile(bn: int, bk: int, num_warps: int):
-  """The ``f16_sums`` context for an f16 K step on [bn, bk / 64, 2, 16]-byte code tiles and
-  ``num_warps`` warps. The asm runs on packs of 4 elements that each thread must hold: "block"
-  splits a thread's whole 16-byte groups into four words, so it needs >= 16 code bytes per
-  thread, else the "pair" sums (one word at a time) are taken; below 4 bytes per thread neither
-  fits and this raises (on the H200 both computed NaNs there: runs 160 and 164). Every Flint tile
-  holds 32-64 bytes per thread."""
+def f16_sums_for_tile(bn: int, bk: int, num_warps: int) -> str:
+  """How an f16 K step on [bn, bk / 64, 2, 16]-byte code tiles and ``num_warps`` warps sums its
+  products before the block scales (``blocks_fma_f16``): "block" (f16 lanes over a whole
+  16-value block, then f32: H200 run 158, the 8x1K MoE gate_up 35.7 -> 29.7 us per layer) or
+  "pair" (each pair of products rounded to f16, then f32: session 24's form; the pair sums as a
+  choice were retired after 35c0874). The asm runs on packs of 4 elements that each thread must
+  hold: "block" splits a thread's whole 16-byte groups into four words, so it needs >= 16 code
+  bytes per thread, else the "pair" sums (one word at a time) are taken; below 4 bytes per
+  thread neither fits and this raises (on the H200 both computed NaNs there: runs 160 and 164).
+  Every Flint tile holds 32-64 bytes per thread: "block"; small test models take "pair"."""
   nbytes, threads = bn * bk // 2, 32 * num_warps
   C.check(nbytes >= _F16_MIN_BYTES * threads,
           f"the f16 K step's {bn} x {bk} NVFP4 tile ({nbytes} code bytes) is too small for "
           f"{num_warps} warps: each thread needs >= 4 bytes; use a larger block_n / block_k or "
           f"fewer warps")
-  if f16_sums.value == "block" and nbytes < 16 * threads:
-    return f16_sums("pair")
-  return contextlib.nullcontext()
+  return "pair" if nbytes < 16 * threads else "block"
 
 
 def x16_exponent(amax):
@@ -666,7 +562,7 @@ def f16_block_lane_sums(q, xl, xh, decode):
   bytes 0 and 1 of each word, lane 1 bytes 2 and 3). GPU: inline PTX, the four words split off
   the loaded tile (``jnp.split``: register moves); interpret: jnp."""
   if decode != "asm":
-    return _f16_block_lane_sums(q, _x16_whole(xl), _x16_whole(xh))
+    return _f16_block_lane_sums(q, xl, xh)
   words = q.shape[:-1] + (4,)
   qs = jnp.split(q, 4, axis=-1)
   xls, xhs = _x16_words(xl), _x16_words(xh)
@@ -710,16 +606,16 @@ def _scale_x128(s, decode="asm"):
   return jnp.where((bits & 0x7FFFFFFF) == 0, 0.0, scaled)
 
 
-def blocks_fma_f16(acc, codes, x_half, decode, x_scales=None):
+def blocks_fma_f16(acc, codes, x_half, decode, x_scales=None, sums="block"):
   """The ``blocks`` K step on f16 products: acc [BN, nb, 2] + per 16-value block, s x 2^7 times
-  the sum of its ``f16_lane_sums`` (x_half(h): the ``x16_operand`` half h, f16 [nb, 2, 16], or
-  its four code words' pieces [nb, 2, 4] as loaded under ``x16_loads`` "words").
+  the sum of its ``f16_block_lane_sums`` (``sums`` "block") or ``f16_lane_sums`` ("pair")
+  (x_half(h): the ``x16_operand`` half h, f16 [nb, 2, 16]).
   The result carries ``F16_DECODE_FACTOR`` times x16's row scale; or, with ``x_scales`` (the
   low and high nibbles' x block factors, f32 [nb, 2] each: ``store_x16_blocks``' inv), the
   factor only."""
   q, s_lo, s_hi = codes
-  block = f16_sums.value == "block"
-  sums = (f16_block_lane_sums if block else f16_lane_sums)(q, x_half(0), x_half(1), decode)
+  lane_sums = f16_block_lane_sums if sums == "block" else f16_lane_sums
+  sums = lane_sums(q, x_half(0), x_half(1), decode)
   s_lo, s_hi = _scale_x128(s_lo, decode), _scale_x128(s_hi, decode)      # sums [BN, nb, 2, 4 | 16]
   if x_scales is not None:
     s_lo, s_hi = s_lo * x_scales[0], s_hi * x_scales[1]
@@ -729,97 +625,62 @@ def blocks_fma_f16(acc, codes, x_half, decode, x_scales=None):
 
 
 def _nvfp4_tile_dot(x_ref, x_idx, m, mp, q_ref, s_ref, w_idx, n0, bn, b0, nb, *, decode,
-                    layout, method, acc, codes=None, x_scale_ref=None):
+                    method, acc, x_scale_ref=None, post=False, f16_sums="block"):
   ds = slice(None)
-  nrow = pl.ds(n0, bn)
   rows = C.row_load_index(m, mp)
-  if layout == "tile":
-    blk = pl.ds(b0, nb)
-    if method == "blocks" and getattr(x_ref, "dtype", None) == jnp.float16:   # x16_operand
-      C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
-      if codes is None:
-        codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
-      # [nb, 2, 4] per code word (x16_loads); the block sums only: the pair sums take the x
-      # halves whole, and Triton cannot join four pieces back (2-argument concatenate only)
-      if x16_loads.value == "words" and f16_sums.value == "block":
-        x_half = lambda h: [x_ref[(*x_idx, 0, blk, h, ds, pl.ds(4 * i, 4))]  # noqa: E731
-                            for i in range(4)]
-      else:
-        x_half = lambda h: x_ref[(*x_idx, 0, blk, h, ds, ds)]             # noqa: E731
-      x_scales = (None if x_scale_ref is None else
-                  tuple(x_scale_ref[(*x_idx, 0, blk, half, ds)] for half in (0, 1)))
-      return blocks_fma_f16(acc, codes, x_half, decode, x_scales)
-    if method == "blocks" and decode == "asm" and asm_decode.value == "post":
-      C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
-      if codes is None:
-        codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
-      x_half = lambda h: x_to_f32(x_ref[(*x_idx, 0, blk, h, ds, ds)], decode)  # noqa: E731
-      return blocks_fma_post(acc, codes, x_half)
-    w_lo, w_hi = decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode, codes,
-                             f32=method in ("lanes", "blocks", "reduce", "rows"))
+  blk = pl.ds(b0, nb)
+  if method == "blocks" and getattr(x_ref, "dtype", None) == jnp.float16:   # x16_operand
+    C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
+    codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
+    x_half = lambda h: x_ref[(*x_idx, 0, blk, h, ds, ds)]                 # noqa: E731
+    x_scales = (None if x_scale_ref is None else
+                tuple(x_scale_ref[(*x_idx, 0, blk, half, ds)] for half in (0, 1)))
+    return blocks_fma_f16(acc, codes, x_half, decode, x_scales, sums=f16_sums)
+  if method == "blocks" and decode == "asm" and post:
+    C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
+    codes = load_codes(q_ref, s_ref, w_idx, n0, bn, b0, nb)
     x_half = lambda h: x_to_f32(x_ref[(*x_idx, 0, blk, h, ds, ds)], decode)  # noqa: E731
-    if method == "lanes":
-      C.check(acc is not None, "method='lanes' accumulates into acc: pass acc=")
-      return lanes_fma(acc, w_lo, w_hi, x_half)
-    if method == "blocks":
-      C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
-      return blocks_fma(acc, w_lo, w_hi, x_half)
-    if method in ("reduce", "rows"):
-      wf = (w_lo, w_hi)   # f32 already (decode_tile's f32)
+    return blocks_fma_post(acc, codes, x_half)
+  w_lo, w_hi = decode_tile(q_ref, s_ref, w_idx, n0, bn, b0, nb, decode,
+                           f32=method in ("blocks", "rows"))
+  x_half = lambda h: x_to_f32(x_ref[(*x_idx, 0, blk, h, ds, ds)], decode)  # noqa: E731
+  if method == "blocks":
+    C.check(acc is not None, "method='blocks' accumulates into acc: pass acc=")
+    return blocks_fma(acc, w_lo, w_hi, x_half)
+  if method == "rows":
+    wf = (w_lo, w_hi)   # f32 already (decode_tile's f32)
 
-      def row_sum(row):   # the decoded tile times x row ``row``, summed over K: [BN]
-        acc = None
-        for half, w in enumerate(wf):
-          x = x_to_f32(x_ref[(*x_idx, row, blk, half, ds, ds)], decode)   # [nb, 2, 16]
-          p = jnp.sum(w * x[None], axis=3)                                 # [BN, nb, 2]
-          p = jnp.sum(jnp.sum(p, axis=2), axis=1)                          # [BN]
-          acc = p if acc is None else acc + p
-        return acc
-
-      if method == "reduce":
-        return row_sum(0)
-      # rows: one decode, m row sums (no reshapes), placed in row r of [Mp, BN]
-      ids = jnp.arange(mp, dtype=jnp.int32)[:, None]
-      acc = jnp.zeros((mp, bn), jnp.float32)
-      for row in range(m):
-        acc = acc + jnp.where(ids == row, row_sum(row)[None, :], 0.0)
+    def row_sum(row):   # the decoded tile times x row ``row``, summed over K: [BN]
+      acc = None
+      for half, w in enumerate(wf):
+        x = x_to_f32(x_ref[(*x_idx, row, blk, half, ds, ds)], decode)     # [nb, 2, 16]
+        p = jnp.sum(w * x[None], axis=3)                                   # [BN, nb, 2]
+        p = jnp.sum(jnp.sum(p, axis=2), axis=1)                            # [BN]
+        acc = p if acc is None else acc + p
       return acc
-    x_lo = x_ref[(*x_idx, rows, blk, 0, ds, ds)].reshape(mp, nb * 32)     # [Mp, 32 nb]
-    x_hi = x_ref[(*x_idx, rows, blk, 1, ds, ds)].reshape(mp, nb * 32)
-    w_lo, w_hi = w_lo.reshape(bn, nb * 32), w_hi.reshape(bn, nb * 32)
-    return C.mm_tile(x_lo, w_lo, method) + C.mm_tile(x_hi, w_hi, method)
-  C.check(method not in C.LANE_ACCS, f"method={method!r} needs layout='tile'")
-  C.check(codes is None, "preloaded codes need layout='tile'")
-  acc = None
-  for bb in range(nb):
-    for h in range(2):
-      q = q_ref[(*w_idx, nrow, b0 + bb, h, ds)]                           # [BN, 16]
-      s_lo = load_scale(s_ref[(*w_idx, nrow, b0 + bb, 0, h)])[:, None]    # [BN, 1]
-      s_hi = load_scale(s_ref[(*w_idx, nrow, b0 + bb, 1, h)])[:, None]
-      w_lo, w_hi = _decode_pair(q, s_lo, s_hi, decode, f32=method in ("reduce", "rows"))
-      if method == "reduce":
-        x_lo = x_ref[(*x_idx, 0, b0 + bb, 0, h, ds)]                      # [16]
-        x_hi = x_ref[(*x_idx, 0, b0 + bb, 1, h, ds)]
-      else:
-        x_lo = x_ref[(*x_idx, rows, b0 + bb, 0, h, ds)]                   # [Mp, 16]
-        x_hi = x_ref[(*x_idx, rows, b0 + bb, 1, h, ds)]
-      part = C.mm_tile(x_lo, w_lo, method) + C.mm_tile(x_hi, w_hi, method)
-      acc = part if acc is None else acc + part
-  return acc
+
+    # one decode, m row sums (no reshapes), placed in row r of [Mp, BN]
+    ids = jnp.arange(mp, dtype=jnp.int32)[:, None]
+    acc = jnp.zeros((mp, bn), jnp.float32)
+    for row in range(m):
+      acc = acc + jnp.where(ids == row, row_sum(row)[None, :], 0.0)
+    return acc
+  x_lo = x_ref[(*x_idx, rows, blk, 0, ds, ds)].reshape(mp, nb * 32)       # [Mp, 32 nb]
+  x_hi = x_ref[(*x_idx, rows, blk, 1, ds, ds)].reshape(mp, nb * 32)
+  w_lo, w_hi = w_lo.reshape(bn, nb * 32), w_hi.reshape(bn, nb * 32)
+  return C.mm_tile(x_lo, w_lo, method) + C.mm_tile(x_hi, w_hi, method)
 
 
-def default_method(m: int, n: int = 0, layout: str = "tile") -> str:
-  """``blocks`` at M = 1 in the tile layout (per-block sums in the thread, one cross-warp
-  reduction per program; H200 run 84, in the batch-1 step: MoE gate_up 8.77 against 9.44 us for
-  ``reduce``, LM head 75.8 against 79.6, dense gate|up 13.8 against 15.2), ``reduce`` at M = 1
-  otherwise (CUDA-core multiply + row sum: 1.5-2.2x faster than the tensor-core tile, which
-  wastes 15 of its 16 MMA rows and needs large tiles per program); ``rows`` (the
-  same per row) at M = 2 for N < 16384 rows (H200, run 30: o_proj 8.2 against 16.8 us, dense
+def default_method(m: int, n: int = 0) -> str:
+  """``blocks`` at M = 1 (per-block sums in the thread, one cross-warp reduction per program;
+  H200 run 84, in the batch-1 step: MoE gate_up 8.77 against 9.44 us for a row sum per K step,
+  LM head 75.8 against 79.6, dense gate|up 13.8 against 15.2; the tensor-core tile wastes 15 of
+  its 16 MMA rows there); ``rows`` (CUDA-core row sums per row) at M = 2 for N < 16384 rows (H200, run 30: o_proj 8.2 against 16.8 us, dense
   down 14.7 against 21.3, dense gate|up 25.6 against 39.8; at M = 4 it wins only for the o_proj,
   and the LM head keeps a tensor-core method: 190 against 215 us at M = 2); for N >= 16384 (the
   LM head) ``swap`` (session 12: 142.6 against 185.6 us at M = 8); ``dot`` otherwise."""
   if m == 1:
-    return "blocks" if layout == "tile" else "reduce"
+    return "blocks"
   if n >= 16384:   # the LM head: swap-AB tiles (wgmma, register A), 142.6 against 185.6 us at
     return "swap"  # M = 8 (H200 run 80; dot 190 against rows 215 at M = 2, run 30)
   return "rows" if m == 2 else "dot"
@@ -915,7 +776,7 @@ def _validate(x, ws, block_n, block_k, split_k=1):
 
 
 def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, *refs, m, mp, bn, nb, n_iter, split_k,
-                       decode, layout, method, x16=False):
+                       decode, method, x16=False, f16_sums="block"):
   """One program per (row tile, K split). ``x16``: x is the f16 operand (``x16_operand``) and
   ``refs`` starts with its row factor inv [1] f32."""
   xinv_ref, o_ref = refs if x16 else (None, *refs)
@@ -925,7 +786,7 @@ def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, *refs, m, mp, bn, nb, n_iter
   def body(i, acc):
     b0 = pl.multiple_of(bbase + i * nb, nb)
     return nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb, decode=decode,
-                          layout=layout, method=method, acc=acc)
+                          method=method, acc=acc, f16_sums=f16_sums)
 
   acc = lax.fori_loop(0, n_iter, body, C.acc_zeros(mp, bn, method, lanes_shape(nb * 64)))
   factor = F16_DECODE_FACTOR * xinv_ref[0] if x16 else decode_factor(decode)
@@ -934,53 +795,14 @@ def _nvfp4_gemv_kernel(x_ref, q_ref, s_ref, s2_ref, *refs, m, mp, bn, nb, n_iter
   C.store_tile(o_ref, lead, acc, n0, bn, m, mp, method)
 
 
-def _nvfp4_gemv_stream_kernel(x_ref, q_ref, s_ref, s2_ref, o_ref, *, m, mp, bn, nb, n_iter,
-                              n_tiles, programs, decode, layout, method, preload):
-  """``programs`` persistent programs walk the ``n_tiles`` row tiles (tile = pid + j * programs)
-  in one flat loop over (tile, K step). ``preload``: each step first issues the loads of the
-  next step (registers, carried), so they are in flight while this one is decoded, reduced and
-  stored, instead of each short program paying its own load latency."""
-  pid = pl.program_id(0)
-  steps = C.cdiv(n_tiles, programs) * n_iter
-  scale = s2_ref[0] * decode_factor(decode)
-
-  def step_at(i):   # (tile, kstep, n0, b0) of flat step i; n0 clamped so loads stay in range
-    j, kstep = lax.div(i, n_iter), lax.rem(i, n_iter)   # (jnp's // and % fail to lower)
-    tile = pid + j * programs
-    n0 = pl.multiple_of(jnp.minimum(tile, n_tiles - 1) * bn, bn)
-    return tile, kstep, n0, pl.multiple_of(kstep * nb, nb)
-
-  def load(i):
-    _, _, n0, b0 = step_at(jnp.minimum(i, steps - 1))
-    return load_codes(q_ref, s_ref, (), n0, bn, b0, nb)
-
-  def body(i, carry):
-    acc, codes = carry
-    ahead = load(i + 1) if preload else None   # in flight while this step is decoded
-    tile, kstep, n0, b0 = step_at(i)
-    acc = jnp.where(kstep == 0, jnp.zeros_like(acc), acc)
-    acc = nvfp4_tile_dot(x_ref, (), m, mp, q_ref, s_ref, (), n0, bn, b0, nb, decode=decode,
-                         layout=layout, method=method, acc=acc, codes=codes)
-
-    @pl.when(jnp.logical_and(kstep == n_iter - 1, tile < n_tiles))
-    def _():
-      C.store_tile(o_ref, (), C.finish_acc(acc, method) * scale, n0, bn, m, mp, method)
-
-    return acc, ahead
-
-  acc0 = C.acc_zeros(mp, bn, method, lanes_shape(nb * 64))
-  lax.fori_loop(0, steps, body, (acc0, load(0) if preload else None))
-
-
 @functools.partial(jax.jit, static_argnames=(
-    "out_dtype", "block_n", "block_k", "split_k", "decode", "layout", "method", "num_warps",
-    "num_stages", "interpret", "sum_splits", "programs", "preload"))
+    "out_dtype", "block_n", "block_k", "split_k", "decode", "method", "num_warps", "num_stages",
+    "early_trigger", "interpret", "sum_splits"))
 def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat16,
                block_n: int | None = None, block_k: int | None = None,
-               split_k: int | None = None, decode: str = "asm", layout: str = "tile",
-               method: str | None = None, num_warps: int | None = None, num_stages: int = 3,
-               interpret: bool = False, sum_splits: bool = True, programs: int | None = None,
-               preload: bool = True, x_inv=None):
+               split_k: int | None = None, decode: str = "asm", method: str | None = None,
+               num_warps: int | None = None, num_stages: int = 3, early_trigger: bool = True,
+               interpret: bool = False, sum_splits: bool = True, x_inv=None):
   """y[M, N] = out_dtype((x @ dequant(qweight, weight_scale)^T) * weight_scale_2).
 
   ``x_inv`` (M = 1): x is then the f16 operand of ``x16_operand`` (x16 [1, K] f16, values scaled
@@ -989,24 +811,21 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   in f16 per ``f16_sums``) instead of decoding to f32, ~2 instead of ~4.8 instructions per
   weight. The products are exact; each f16 sum rounds (relative error ~2^-11 per block).
 
-  ``programs`` (no split-K): that many persistent programs stream the row tiles one after
-  another (``_nvfp4_gemv_stream_kernel``) instead of one program per tile; ``preload`` (tile
-  layout) loads each step's weights one step ahead.
-
   With split-K (``split_k`` > 1, given or the default) the kernel writes float32 partials
   [split_k, M, N], partial s over the contiguous K range [s K/split_k, (s+1) K/split_k), each
   already times weight_scale_2; ``sum_splits`` (default) sums them in an XLA op and casts to
   ``out_dtype``. ``sum_splits=False`` returns them unsummed (``out_dtype`` unused): the caller
   must compute ``out_dtype(sum(y, axis=0))`` in fp32 itself, e.g. ``add_rms_norm`` takes them
   as its ``y`` (one launch less). Without split-K the result is [M, N] ``out_dtype`` either way.
+  ``early_trigger``: the kernel lets the next one launch first (``pdl``).
   """
   n, kh = qweight.shape
-  method = method or default_method(x.shape[0], n, layout)
+  method = method or default_method(x.shape[0], n)
   dbn, dbk, dsplit, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], method=method,
                                                   x16=x.dtype == jnp.float16)
   if split_k is None:
     same_tiles = (block_n or dbn, block_k or dbk) == (dbn, dbk)
-    split_k = dsplit if same_tiles and programs is None else 1
+    split_k = dsplit if same_tiles else 1
   elif block_k is None and (kh * 2) % split_k == 0:   # a given split: K steps that fit it
     dbk = C.pow2_divisor(kh * 2 // split_k, dbk)
   block_n, block_k = block_n or dbn, block_k or dbk
@@ -1015,8 +834,7 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   num_warps = num_warps or dwarps
   w = (qweight, weight_scale, weight_scale_2)
   m, n, k = _validate(x, [w], block_n, block_k, split_k)
-  C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
-  x16 = _check_x16(x, x_inv, method, layout, programs)
+  x16 = _check_x16(x, x_inv, method)
   C.check(not x16 or interpret or decode == "asm",
           f"the f16 operand compiled for the GPU needs decode='asm' (the f16 K step's jnp form "
           f"is for interpret mode), got {decode=}")
@@ -1026,35 +844,23 @@ def nvfp4_gemv(x, qweight, weight_scale, weight_scale_2, *, out_dtype=jnp.bfloat
   nb = block_k // 64
   q4, s4 = nvfp4_views(qweight, weight_scale)
   s2 = C.scalar_f32(weight_scale_2)
+  # the f16 K step's sums as its tiles allow
+  f16_sums = f16_sums_for_tile(block_n, block_k, num_warps) if x16 else "block"
   kernel = functools.partial(_nvfp4_gemv_kernel, m=m, mp=mp, bn=block_n, nb=nb,
                              n_iter=k // block_k // split_k, split_k=split_k, decode=decode,
-                             layout=layout, method=method, x16=x16)
+                             method=method, x16=x16, f16_sums=f16_sums)
   xinv = (x_inv.reshape(1).astype(jnp.float32),) if x16 else ()
-  if programs is not None:
-    C.check(split_k == 1, f"programs= streams whole rows: split_k must be 1, got {split_k=}")
-    C.check(programs >= 1, f"programs must be >= 1, got {programs=}")
-    programs = min(programs, n // block_n)
-    kernel = functools.partial(_nvfp4_gemv_stream_kernel, m=m, mp=mp, bn=block_n, nb=nb,
-                               n_iter=k // block_k, n_tiles=n // block_n, programs=programs,
-                               decode=decode, layout=layout, method=method,
-                               preload=layout == "tile" and preload)
-    return C.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(programs,),
-        compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-        name=f"flint_nvfp4_gemv_stream{programs}_{method}_bn{block_n}_bk{block_k}_{decode}",
-    )(x_view(x), q4, s4, s2)
   if split_k > 1:
     out_shape, grid = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32), (n // block_n, split_k)
   else:
     out_shape, grid = jax.ShapeDtypeStruct((m, n), out_dtype), (n // block_n,)
-  # the f16 K step's sums as its tiles allow (the kernel body is traced inside the call)
-  with f16_sums_for_tile(block_n, block_k, num_warps) if x16 else contextlib.nullcontext():
-    y = C.pallas_call(
-        kernel, out_shape=out_shape, grid=grid,
-        compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-        name=(f"flint_nvfp4_gemv_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}"
-              f"{'_x16' if x16 else ''}"),
-    )(x_view(x), q4, s4, s2, *xinv)
+  y = C.pallas_call(
+      kernel, out_shape=out_shape, grid=grid,
+      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
+      early_trigger=early_trigger,
+      name=(f"flint_nvfp4_gemv_{method}_bn{block_n}_bk{block_k}_{decode}_tile"
+            f"{'_x16' if x16 else ''}"),
+  )(x_view(x), q4, s4, s2, *xinv)
   if split_k > 1 and sum_splits:
     y = jnp.sum(y, axis=0).astype(out_dtype)
   return y
@@ -1079,7 +885,7 @@ def nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, *, out_dtype=
                                split_k=split_k)
 
 
-def _check_x16(x, x_inv, method, layout, programs) -> bool:
+def _check_x16(x, x_inv, method) -> bool:
   """Whether x is an f16 ``x16_operand`` (then checked against ``x_inv`` and the tiles)."""
   if x.dtype != jnp.float16 and x_inv is None:
     return False
@@ -1089,9 +895,7 @@ def _check_x16(x, x_inv, method, layout, programs) -> bool:
   C.check(x.shape[0] == 1 and jnp.size(x_inv) == 1,
           f"the f16 operand is for one row: x [1, K] and x_inv [1], got {x.shape=} "
           f"{jnp.shape(x_inv)=}")
-  C.check(method == "blocks" and layout == "tile" and programs is None,
-          f"the f16 operand runs the 'blocks' tiles (tile layout, no programs=), got "
-          f"{method=} {layout=} {programs=}")
+  C.check(method == "blocks", f"the f16 operand runs the 'blocks' tiles, got {method=}")
   return True
 
 
@@ -1119,13 +923,13 @@ def _nvfp4_gemv_reference(x, qweight, weight_scale, weight_scale_2, *, out_dtype
 
 
 def _nvfp4_silu_mul_kernel(x_ref, qg_ref, sg_ref, qu_ref, su_ref, s2g_ref, s2u_ref, o_ref, *, m,
-                           mp, bn, nb, n_iter, decode, layout, method):
+                           mp, bn, nb, n_iter, decode, method):
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
 
   def body(i, carry):
     acc_g, acc_u = carry
     b0 = pl.multiple_of(i * nb, nb)
-    kw = dict(decode=decode, layout=layout, method=method)
+    kw = dict(decode=decode, method=method)
     acc_g = nvfp4_tile_dot(x_ref, (), m, mp, qg_ref, sg_ref, (), n0, bn, b0, nb, acc=acc_g, **kw)
     acc_u = nvfp4_tile_dot(x_ref, (), m, mp, qu_ref, su_ref, (), n0, bn, b0, nb, acc=acc_u, **kw)
     return acc_g, acc_u
@@ -1139,23 +943,23 @@ def _nvfp4_silu_mul_kernel(x_ref, qg_ref, sg_ref, qu_ref, su_ref, s2g_ref, s2u_r
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "block_n", "block_k", "decode", "layout", "method", "num_warps", "num_stages", "interpret"))
+    "block_n", "block_k", "decode", "method", "num_warps", "num_stages", "early_trigger",
+    "interpret"))
 def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int | None = None,
-                        decode: str = "asm", layout: str = "tile", method: str | None = None,
+                        decode: str = "asm", method: str | None = None,
                         num_warps: int | None = None, num_stages: int = 3,
-                        interpret: bool = False):
+                        early_trigger: bool = True, interpret: bool = False):
   """h[M, I] = bf16(silu(g) * u), g/u = (x @ dequant(gate|up)^T) * their weight_scale_2.
 
   gate, up: ``NVFP4Weight`` (or (qweight, weight_scale, weight_scale_2)) of shape [I, K].
   """
   gate, up = NVFP4Weight(*gate), NVFP4Weight(*up)
   n, kh = gate.qweight.shape
-  method = method or default_method(x.shape[0], n, layout)
+  method = method or default_method(x.shape[0], n)
   dbn, dbk, _, dwarps = default_nvfp4_blocks(n, kh * 2, m=x.shape[0], n_mats=2, method=method)
   block_n, block_k = block_n or dbn, block_k or dbk
   num_warps = num_warps or dwarps
   m, n, k = _validate(x, [gate, up], block_n, block_k)
-  C.check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout=}")
   decode = resolve_decode(decode, interpret)
   C.check_method(method, m)
   mp = C.pad_rows(m, method)
@@ -1165,11 +969,12 @@ def nvfp4_gemv_silu_mul(x, gate, up, *, block_n: int | None = None, block_k: int
   # the two tensor scales as separate [1] inputs: a jnp.stack would be one more XLA launch
   s2g, s2u = C.scalar_f32(gate.weight_scale_2), C.scalar_f32(up.weight_scale_2)
   kernel = functools.partial(_nvfp4_silu_mul_kernel, m=m, mp=mp, bn=block_n, nb=nb,
-                             n_iter=k // block_k, decode=decode, layout=layout, method=method)
+                             n_iter=k // block_k, decode=decode, method=method)
   return C.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(n // block_n,),
       compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret,
-      name=f"flint_nvfp4_silu_mul_{method}_bn{block_n}_bk{block_k}_{decode}_{layout}",
+      early_trigger=early_trigger,
+      name=f"flint_nvfp4_silu_mul_{method}_bn{block_n}_bk{block_k}_{decode}_tile",
   )(x_view(x), qg, sg, qu, su, s2g, s2u)
 
 

@@ -9,13 +9,15 @@ before its predecessor has finished -- as soon as every CTA of the predecessor h
 predecessor has completed and its writes are visible. Measured on the H200 (run 47,
 ``benchmarks/pdl_triton_probe.py``): a kernel's first instruction after that wait runs
 0.6-0.8 us after its predecessor's last one, with or without an early trigger; a Pallas kernel
-cannot run anything (e.g. its weight loads) before the wait XLA puts in front of it.
+cannot run anything (e.g. its weight loads) before the wait XLA puts in front of it. (The
+probe and its ``griddepcontrol.wait`` / ``%globaltimer`` primitives were retired after 35c0874.)
 
 What is left to a kernel is to *trigger early*: ``launch_dependents()`` at its start lets the
 next kernel's CTAs be placed and reach their entry wait while this one works (a chain of
-norm -> GEMV kernels: -0.1 us per kernel, run 47). ``_common.pallas_call`` does that for every
-flint_jax kernel traced under ``early_trigger`` (on by default; the decode step sets it per
-format, ``DecodeOptions.early_trigger``). It is
+norm -> GEMV kernels: -0.1 us per kernel, run 47). ``_common.pallas_call`` does that for a
+kernel whose wrapper is called with ``early_trigger=True`` (every kernel wrapper's static
+argument; the decode step passes ``DecodePlan.early_trigger``: on for BF16 weights, off for
+NVFP4). It is
 safe because every kernel XLA launches with PDL waits at its entry before touching memory, and
 a kernel launched without PDL (a memset, a library GEMM) starts after its predecessor ends
 anyway; and because the trigger comes after the entry wait, at most one kernel ahead is placed
@@ -23,14 +25,10 @@ and waiting (no chain of waiting CTAs can crowd out a predecessor's unplaced CTA
 ``tests/test_pallas_pdl.py`` checks the entry wait on the GPU: a consumer that does not wait
 itself still reads what its triggering producer wrote last.
 
-- ``launch_dependents()``: ``griddepcontrol.launch_dependents``.
-- ``grid_dependency_wait()``: ``griddepcontrol.wait`` (redundant after XLA's entry wait; for
-  probes, and for a jaxlib that stops inserting it).
-- ``global_timer_lo()``: the low 32 bits of ``%globaltimer`` (ns), for probes.
-
-The griddepcontrol ops are side-effecting jaxpr primitives (kept by dead-code elimination) lowered
-to non-pure inline asm with a memory clobber, so neither LLVM nor Triton moves memory accesses
-across them; each returns an int32 zero. All three are no-ops (zeros) in interpret mode.
+``launch_dependents()`` is ``griddepcontrol.launch_dependents``: a side-effecting jaxpr primitive
+(kept by dead-code elimination) lowered to non-pure inline asm with a memory clobber, so neither
+LLVM nor Triton moves memory accesses across it; it returns an int32 zero, and is a no-op (a
+zero) in interpret mode.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ import functools
 import numpy as np
 
 import jax.numpy as jnp
-from jax._src import config
 from jax._src import core as jax_core
 from jax._src import effects
 from jax._src.interpreters import mlir
@@ -48,40 +45,7 @@ from jax._src.lib.mlir import ir
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.lib.triton import dialect as tt_dialect
 
-__all__ = ["grid_dependency_wait", "launch_dependents", "global_timer_lo", "with_early_trigger",
-           "early_trigger", "early_trigger_kernels", "triggers"]
-
-#: Whether ``_common.pallas_call`` makes a flint_jax kernel trigger its dependents at its start:
-#: ``with pdl.early_trigger(False): ...`` around the code that traces the kernels (part of jax's
-#: trace context and of the jit key, so jitted kernel wrappers traced under either value are
-#: cached apart: jax 0.11 keys a top-level jitted call on ``include_in_jit_key`` states only);
-#: the default comes from the env var ``FLINT_JAX_PDL_EARLY_TRIGGER`` (on).
-early_trigger = config.bool_state(
-    "flint_jax_pdl_early_trigger", default=True, include_in_trace_context=True,
-    include_in_jit_key=True,
-    help="flint_jax Pallas kernels execute griddepcontrol.launch_dependents at their start")
-
-#: Which kernels trigger under ``early_trigger``: "all", "latency" (the latency-bound ones:
-#: attention, merge, norms, MoE combine -- ``LATENCY_KERNELS``) or "streams" (the others: the
-#: weight-streaming GEMV / MoE kernels). For measurements (``DecodeOptions.early_trigger``).
-early_trigger_kernels = config.enum_state(
-    "flint_jax_pdl_early_trigger_kernels", ["all", "latency", "streams"], default="all",
-    include_in_trace_context=True, include_in_jit_key=True,
-    help="which flint_jax kernels trigger early")
-
-#: Name prefixes of the latency-bound kernels (the ``name`` of their ``pallas_call``).
-LATENCY_KERNELS = ("flint_qk_norm", "flint_decode_attn", "flint_add_rms_norm", "flint_rms_norm",
-                   "flint_moe_combine")
-
-
-def triggers(name: str) -> bool:
-  """Whether a kernel called ``name`` triggers early under the current ``early_trigger`` /
-  ``early_trigger_kernels`` (read when the kernel is traced)."""
-  if not early_trigger.value:
-    return False
-  kinds = early_trigger_kernels.value
-  return kinds == "all" or (kinds == "latency") == name.startswith(LATENCY_KERNELS)
-
+__all__ = ["launch_dependents", "with_early_trigger"]
 
 class GridDependencyEffect(effects.Effect):
   """griddepcontrol / timer reads: not pure, so jaxpr dead-code elimination keeps them."""
@@ -113,17 +77,9 @@ def _asm_primitive(name: str, asm: str, constraints: str):
   return prim
 
 
-_wait_p = _asm_primitive("flint_griddepcontrol_wait",
-                         "griddepcontrol.wait;\n\tmov.u32 $0, 0;", "=r,~{memory}")
 _launch_p = _asm_primitive("flint_griddepcontrol_launch_dependents",
                            "griddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;",
                            "=r,~{memory}")
-_timer_p = _asm_primitive("flint_globaltimer_lo", "mov.u32 $0, %globaltimer_lo;", "=r")
-
-
-def grid_dependency_wait():
-  """``griddepcontrol.wait`` in a Pallas Triton kernel; returns an int32 0."""
-  return _wait_p.bind()
 
 
 def launch_dependents():
@@ -140,8 +96,3 @@ def with_early_trigger(kernel):
     return kernel(*refs, **kw)
 
   return body
-
-
-def global_timer_lo():
-  """Low 32 bits of the GPU's global nanosecond timer (int32; 0 in interpret mode)."""
-  return _timer_p.bind()

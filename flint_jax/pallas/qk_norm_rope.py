@@ -1,26 +1,22 @@
-"""Fused per-head Q/K RMSNorm + NeoX RoPE + KV-cache write (decode, one token per row).
+"""Per-head Q/K RMSNorm + NeoX RoPE + KV-cache write (decode, one token per row): the reference
+and the row code ``attention_block.qk_norm_rope_attention`` runs in its split programs.
 
-``qk_norm_rope(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache)`` for one decode step:
+``qk_norm_rope_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache)``:
 
 1. ``q`` [B, H, Dh] and ``k`` [B, KVH, Dh]: per-head RMSNorm over Dh with one weight vector each
-   (fp32 math, weight multiplied in fp32 before the cast), **rounded to bf16** (as the reference,
-   which feeds the rounded tensor to RoPE).
-2. Sliding layers only (static ``rope=True``): NeoX "rotate_half" RoPE over all Dh dims at the
-   row's position, angles in fp32 (``inv_freq[i] = theta^(-2i/Dh)``, computed by XLA with the
-   same expression as ``flint_jax.layers.rope_angles`` and constant-folded), cos/sin in fp32,
+   (fp32 math, weight multiplied in fp32 before the cast), **rounded to bf16** (as the reference
+   model, which feeds the rounded tensor to RoPE).
+2. Sliding layers only (``rope=True``): NeoX "rotate_half" RoPE over all Dh dims at the row's
+   position, angles in fp32 (``inv_freq[i] = theta^(-2i/Dh)``, ``rope_inv_freq``: the
+   expression of ``flint_jax.layers.rope_angles``), cos/sin in fp32,
    ``[x1 cos - x2 sin, x2 cos + x1 sin]`` rounded once to bf16.
-3. Writes the processed ``k`` and the raw ``v`` [B, KVH, Dh] into the row's cache slot: ``position``
-   for a full layer (the write is dropped if position >= S), ``position % S`` for a ring
-   (``ring=True``; S = R slots). The caches are aliased to the outputs
-   (``input_output_aliases``): under donation the update is in place and only B*KVH*Dh values
-   per cache are written.
+3. Writes the processed ``k`` and the raw ``v`` [B, KVH, Dh] into the row's cache slot:
+   ``position`` for a full layer (dropped if position >= S), ``position % S`` for a ring.
 
 Caches are ``[B, KVH, S, Dh]``, or the layer-stacked ``[L, B, KVH, S, Dh]`` of
-``flint_jax.cache.KVCache`` with ``layer`` (a Python int or traced int32 scalar) selecting the
-layer *inside* the kernel, so no per-layer slice of the cache is ever copied.
-
-Returns ``(q_out [B, H, Dh], k_cache, v_cache)``. One program per row (grid (B,)): H*Dh = 4096
-values of q, tiny; the kernel is launch-bound by design (it replaces ~8 XLA ops).
+``flint_jax.cache.KVCache`` with ``layer`` selecting the layer. Returns
+``(q_out [B, H, Dh], k_cache, v_cache)``. (Its own one-program-per-row kernel, ``qk_norm_rope``,
+was retired after 35c0874 with the split attention path.)
 """
 
 from __future__ import annotations
@@ -30,12 +26,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from flint_jax import layers
 from flint_jax.pallas import _common as C
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_reference", "rope_inv_freq"]
+__all__ = ["qk_norm_rope_reference", "rope_inv_freq"]
 
 
 def rope_inv_freq(head_dim: int, theta: float):
@@ -86,47 +81,6 @@ def norm_rope_halves(x1, x2, w1, w2, eps, rope, cos, sin, dt):
   return n1.astype(dt), n2.astype(dt)
 
 
-def _kernel(*refs, h, hp, kvh, kvhp, dh, eps, rope, ring, stacked):
-  if stacked:
-    (q_ref, k_ref, v_ref, wq_ref, wk_ref, pos_ref, invf_ref, layer_ref, _kc_in, _vc_in,
-     qo_ref, kc_ref, vc_ref) = refs
-    lead = (layer_ref[0],)
-  else:
-    (q_ref, k_ref, v_ref, wq_ref, wk_ref, pos_ref, invf_ref, _kc_in, _vc_in,
-     qo_ref, kc_ref, vc_ref) = refs
-    lead = ()
-  b = pl.program_id(0)
-  half = dh // 2
-  s_len = kc_ref.shape[-2]
-  p = pos_ref[b]
-  cos = sin = None
-  if rope:
-    ang = p.astype(jnp.float32) * invf_ref[...]                 # [Dh/2]
-    cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
-  lo = jnp.arange(half, dtype=jnp.int32)
-  hi = half + lo
-  ld = lambda ref, c: ref[pl.ds(c, half)].astype(jnp.float32)  # noqa: E731
-
-  q1, q2 = _norm_rope_rows(q_ref, b, h, hp, half, ld(wq_ref, 0), ld(wq_ref, half), eps, rope,
-                           cos, sin)
-  rq, mq = C.row_store_index(h, hp)
-  plgpu.store(qo_ref.at[b, rq[:, None], lo[None, :]], q1, mask=mq[:, None])
-  plgpu.store(qo_ref.at[b, rq[:, None], hi[None, :]], q2, mask=mq[:, None])
-
-  k1, k2 = _norm_rope_rows(k_ref, b, kvh, kvhp, half, ld(wk_ref, 0), ld(wk_ref, half), eps,
-                           rope, cos, sin)
-  slot = p % s_len if ring else p
-  rk, mk = C.row_store_index(kvh, kvhp)
-  mk = (mk & (slot < s_len) & (slot >= 0))[:, None]
-  slot = jnp.clip(slot, 0, s_len - 1)
-  plgpu.store(kc_ref.at[(*lead, b, rk[:, None], slot, lo[None, :])], k1, mask=mk)
-  plgpu.store(kc_ref.at[(*lead, b, rk[:, None], slot, hi[None, :])], k2, mask=mk)
-  rows = C.row_load_index(kvh, kvhp)
-  v = v_ref[b, rows, :]                                         # [KVHp, Dh]
-  cols = jnp.arange(dh, dtype=jnp.int32)
-  plgpu.store(vc_ref.at[(*lead, b, rk[:, None], slot, cols[None, :])], v, mask=mk)
-
-
 def _validate(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer):
   C.check(q.ndim == 3, f"q must be [B, H, Dh], got {q.shape=}")
   b, h, dh = q.shape
@@ -147,33 +101,6 @@ def _validate(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer):
   C.check(k_cache.shape[-4:-2] == (b, kvh) and k_cache.shape[-1] == dh,
           f"cache {k_cache.shape=} does not match B={b}, KVH={kvh}, Dh={dh}")
   return b, h, kvh, dh
-
-
-@functools.partial(jax.jit, static_argnames=("rope", "ring", "theta", "eps", "num_warps",
-                                             "interpret"))
-def qk_norm_rope(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer=None, *,
-                 rope: bool, ring: bool, theta: float = 10000.0, eps: float = 1e-6,
-                 num_warps: int = 4, interpret: bool = False):
-  """Returns (q_out [B, H, Dh], k_cache, v_cache) with row b's k/v written at its slot."""
-  b, h, dh = q.shape
-  _, h, kvh, dh = _validate(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache, layer)
-  stacked = layer is not None
-  args = [q, k, v, q_norm_w, k_norm_w, positions.astype(jnp.int32), rope_inv_freq(dh, theta)]
-  if stacked:
-    args.append(C.as_index_array(layer, "layer"))
-  n_in = len(args)
-  args += [k_cache, v_cache]
-  kernel = functools.partial(_kernel, h=h, hp=C.pad_rows(h), kvh=kvh, kvhp=C.pad_rows(kvh),
-                             dh=dh, eps=eps, rope=rope, ring=ring, stacked=stacked)
-  out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-               jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
-  return C.pallas_call(
-      kernel, out_shape=out_shape, grid=(b,),
-      input_output_aliases={n_in: 1, n_in + 1: 2},
-      compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,
-      name=f"flint_qk_norm{'_rope' if rope else ''}_{'ring' if ring else 'full'}",
-  )(*args)
 
 
 def qk_norm_rope_reference(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_cache,

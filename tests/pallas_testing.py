@@ -1,6 +1,5 @@
-"""Test and benchmark helpers for the Pallas kernels (random inputs, tolerances, GPU lowering).
-
-Used by ``tests/test_pallas_*.py`` and ``benchmarks/kernels.py``; not imported by runtime code.
+"""Test helpers for the Pallas kernels (random inputs, tolerances, lowering for an H200 on a
+CPU host): ``import pallas_testing`` from the tests (pytest puts ``tests/`` on the path).
 """
 
 from __future__ import annotations
@@ -11,11 +10,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
 
-from flint_jax.pallas import _common as C
-from flint_jax.pallas import pdl
 from flint_jax.pallas.nvfp4_gemv import NVFP4Weight
 
 # Tolerances by output dtype (JAX:tests/pallas/gpu_ops_test.py style): kernel and reference
@@ -157,35 +152,33 @@ def lower_for_h200(fn, *args):
 
 def triton_modules(fn, *args):
   """[{name, asm, grid, num_warps, num_stages}] for every pallas_call of jit(fn)(*args), lowered
-  for an abstract H200 (``lower_for_h200``): ``asm`` is the kernel's Triton IR as text. Lowers
-  afresh (a jit of ``fn`` already lowered would hit the cache and capture nothing: pass a new
-  function object). The same as ``ffi_launch.capture_triton``."""
-  from flint_jax.pallas import ffi_launch   # pylint: disable=g-import-not-at-top
-  return ffi_launch.capture_triton(fn, *args)
+  for an abstract H200 (``lower_for_h200``, no GPU needed): ``asm`` is the kernel's Triton IR as
+  text. Lowers afresh (a jit of ``fn`` already lowered would hit the cache and capture nothing:
+  pass a new function object)."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src.pallas.triton import pallas_call_registration as reg
+  captured = []
+  lower_module, custom_call = reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call
 
+  def lower_and_keep(*a, **k):
+    res = lower_module(*a, **k)
+    captured.append(dict(asm=res.module.operation.get_asm(enable_debug_info=False),
+                         grid=[int(g) for g in res.grid]))
+    return res
 
-def preload_gemv_kernel(x_ref, w_ref, o_ref, *, bn, bk, k, preload, wait=True, trigger=True):
-  """A bf16 GEMV kernel (x [1, K] . w [N, K]^T -> f32 [1, N], ``bn`` rows per program) whose
-  programs load their first ``preload`` weight tiles, then (``wait``) execute
-  ``griddepcontrol.wait`` and (``trigger``) ``launch_dependents``, then read x: the probe and
-  test kernel of weights loaded before a kernel's wait (``benchmarks/pdl_triton_probe.py``,
-  ``ffi_pdl_probe.py``, ``tests/test_pallas_ffi_launch.py``)."""
-  n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
-  pre = [w_ref[pl.ds(n0, bn), pl.ds(i * bk, bk)] for i in range(preload)]
-  tok = pdl.grid_dependency_wait() if wait else 0
-  if trigger:
-    tok = tok + pdl.launch_dependents()
+  def custom_call_and_keep(*a, backend_config=None, **k):
+    if backend_config and "num_warps" in backend_config and captured:
+      c = captured[-1]
+      c.setdefault("num_warps", int(str(backend_config["num_warps"]).split(":")[0]))
+      c.setdefault("num_stages", int(str(backend_config["num_stages"]).split(":")[0]))
+      c.setdefault("name", str(backend_config["name"]).strip('"'))
+    return custom_call(*a, backend_config=backend_config, **k)
 
-  def xtile(k0):
-    return jnp.broadcast_to(x_ref[tok, pl.ds(k0, bk)][None, :], (16, bk))
-
-  acc = C.acc_zeros(16, bn, "swap")
-  for i, w in enumerate(pre):
-    acc = acc + C.mm_tile(xtile(i * bk), w, "swap")
-
-  def body(j, acc):
-    k0 = pl.multiple_of(j * bk, bk)
-    return acc + C.mm_tile(xtile(k0), w_ref[pl.ds(n0, bn), pl.ds(k0, bk)], "swap")
-
-  acc = lax.fori_loop(preload, k // bk, body, acc)
-  C.store_tile(o_ref, (), acc, n0, bn, 1, 16, "swap")
+  reg.lowering.lower_jaxpr_to_triton_module = lower_and_keep
+  reg.mlir.custom_call = custom_call_and_keep
+  try:
+    lower_for_h200(fn, *args)
+  finally:
+    reg.lowering.lower_jaxpr_to_triton_module = lower_module
+    reg.mlir.custom_call = custom_call
+  return captured

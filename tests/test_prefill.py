@@ -135,3 +135,32 @@ def test_chunk_length_policy():
   assert prefill.chunk_length(8, 2048, max_tokens=8192) == 1024
   assert prefill.chunk_length(3, 5) == 16
   assert prefill.chunk_length(64, 4000, max_tokens=512) == 16
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_chunk_lowers_for_h200_at_flint_sizes(quant):
+  # Flint's sizes with 4 layers (full 0, 1, 3; sliding 2; dense 0, 1; MoE 2, 3): an 8K chunk of
+  # one row into a 16K cache and 2K chunks of 8 rows lower for an H200 (every kernel and shape).
+  import functools
+  import warnings
+  from flint_jax.cache import cache_shapes
+  from flint_jax.pallas.testing import lower_for_h200
+  S = jax.ShapeDtypeStruct
+  cfg = preset("flint", num_hidden_layers=4)
+  abstract = nnx.eval_shape(lambda: FlintForCausalLM(cfg, dtype=jnp.bfloat16, quant=quant,
+                                                     rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  if quant:   # the GPU holds the block scales pre-scaled in bf16 (nvfp4.prescale_state)
+    state = jax.tree.map(lambda a: S(a.shape, jnp.bfloat16) if a.dtype == jnp.float8_e4m3fn
+                         else a, state)
+  opts = prefill.PrefillOptions(interpret=False)
+
+  def run(state, tokens, cache, n):
+    return prefill.chunk_forward(nnx.merge(graphdef, state), tokens, cache, n, options=opts)
+
+  for b, t, s_len in ((1, 8192, 16384), (8, 2048, 4096)):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      text = lower_for_h200(run, state, S((b, t), jnp.int32), cache_shapes(cfg, b, s_len),
+                            S((b,), jnp.int32)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") >= 4

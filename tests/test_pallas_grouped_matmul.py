@@ -14,6 +14,7 @@ from flint_jax.pallas.nvfp4_gemv import NVFP4Weight
 from flint_jax.pallas.testing import assert_close, lower_for_h200, randn, random_nvfp4, rng
 
 S = jax.ShapeDtypeStruct
+INTERPRET = jax.default_backend() == "cpu"   # compiled kernels on a GPU
 BF, F32 = jnp.bfloat16, jnp.float32
 
 
@@ -23,7 +24,8 @@ def _ids(gen, t, k, e, used=None):
   return jnp.asarray(np.stack([gen.choice(pool, k, replace=False) for _ in range(t)]), jnp.int32)
 
 
-@pytest.mark.parametrize("t,k,e,bm", [(7, 2, 8, 16), (33, 3, 12, 16), (50, 6, 40, 32), (1, 1, 4, 16)])
+@pytest.mark.parametrize("t,k,e,bm", [(7, 2, 8, 16), (33, 3, 12, 16), (50, 6, 40, 32),
+                                      (1, 1, 4, 16)])
 def test_group_rows_invariants(t, k, e, bm):
   gen = rng("rows", t, k, e, bm)
   used = gen.choice(e, max(k, e // 2), replace=False)          # about half the experts idle
@@ -82,14 +84,14 @@ def test_grouped_matmul_matches_reference(fmt, t, k_top, e, n, kdim, bm, dtype, 
   else:
     fn, ref = gm.grouped_matmul, gm.grouped_matmul_reference
     kw = dict(block_n=32 if n == 48 else None)
-  out = fn(x, w, rows, gather=True, interpret=True, **kw)
+  out = fn(x, w, rows, gather=True, interpret=INTERPRET, **kw)
   want = ref(x, w, rows, gather=True)
   live = np.asarray(jnp.repeat(rows.tile_expert, bm) >= 0)
   tol = dict(atol=2e-6, rtol=2e-6) if dtype == F32 else {}
   assert_close(out[live], want[live], what=f"{fmt} fused={fused}", **tol)
   # The row-order input (the down projection's) gives the same rows.
   xr = x[rows.row_token]
-  out2 = fn(xr, w, rows, gather=False, interpret=True, **kw)
+  out2 = fn(xr, w, rows, gather=False, interpret=INTERPRET, **kw)
   np.testing.assert_array_equal(np.asarray(out2[live]), np.asarray(out[live]))
 
 
@@ -113,7 +115,7 @@ def test_moe_experts_matches_model_math(fmt, dtype):
                    gate_up_weight_scale_2=g.weight_scale_2, down_qweight=dn.qweight,
                    down_weight_scale=dn.weight_scale, down_weight_scale_2=dn.weight_scale_2)
   valid = jnp.ones((t,), bool).at[t - 1].set(False)
-  out = gm.moe_experts(x, weights, ids, experts, valid, block_m=16, interpret=True)
+  out = gm.moe_experts(x, weights, ids, experts, valid, block_m=16, interpret=INTERPRET)
   want = gm.moe_experts_reference(x, weights, ids, experts, valid)
   tol = dict(atol=1e-5, rtol=1e-5) if dtype == F32 else dict(dtype=BF)
   assert_close(out, want, what=f"moe {fmt} {dtype}", **tol)
@@ -135,8 +137,8 @@ def test_moe_experts_prescaled_scales_bit_identical():
     
   pre = dict(experts, gate_up_weight_scale=prescale_block_scales(g.weight_scale),
              down_weight_scale=prescale_block_scales(dn.weight_scale))
-  a = gm.moe_experts(x, weights, ids, experts, block_m=16, interpret=True)
-  b = gm.moe_experts(x, weights, ids, pre, block_m=16, interpret=True)
+  a = gm.moe_experts(x, weights, ids, experts, block_m=16, interpret=INTERPRET)
+  b = gm.moe_experts(x, weights, ids, pre, block_m=16, interpret=INTERPRET)
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -14,6 +14,7 @@ from flint_jax.pallas.prefill_attention import prefill_attention, prefill_attent
 from flint_jax.pallas.testing import assert_close, lower_for_h200, randn, rng
 
 S = jax.ShapeDtypeStruct
+INTERPRET = jax.default_backend() == "cpu"   # compiled kernels on a GPU
 BF, F32 = jnp.bfloat16, jnp.float32
 
 
@@ -70,8 +71,8 @@ def test_full_matches_reference(b, t, h, kvh, dh, s_len, lengths, n, window, dty
   kc, vc = _full_cache(gen, b, kvh, s_len, dh, lengths, n, dtype)
   lengths, n = jnp.asarray(lengths, jnp.int32), jnp.asarray(n, jnp.int32)
   kw = dict(ring=False, window=window)
-  out = prefill_attention(q, kc, vc, lengths, n, sinks, block_q=bq, block_k=16, interpret=True,
-                          **kw)
+  out = prefill_attention(q, kc, vc, lengths, n, sinks, block_q=bq, block_k=16,
+                          interpret=INTERPRET, **kw)
   ref = prefill_attention_reference(q, kc, vc, lengths, n, sinks, **kw)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert_close(_valid_rows(out, n), _valid_rows(ref, n), what="full", **_tol(dtype))
@@ -101,7 +102,7 @@ def test_ring_matches_reference(b, t, h, kvh, dh, r, window, lengths, n, dtype, 
     rk, rv, layer = jnp.stack([nan(rk), rk, nan(rk)]), jnp.stack([nan(rv), rv, nan(rv)]), 1
   kw = dict(ring=True, window=window)
   out = prefill_attention(q, rk, rv, lengths, n, sinks, layer, ck, cv, block_k=16,
-                          interpret=True, **kw)
+                          interpret=INTERPRET, **kw)
   ref = prefill_attention_reference(q, rk, rv, lengths, n, sinks, layer, ck, cv, **kw)
   assert_close(_valid_rows(out, n), _valid_rows(ref, n), what="ring", **_tol(dtype))
   assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -131,7 +132,7 @@ def test_equals_model_attention_across_chunks():
     keys, vals, kpos, kok = M._ring_keys(ring_k, ring_v, k, v, info)
     want, _ = M.attention_reference(q, keys, vals, kpos, kok, info.positions, sinks, w)
     got = prefill_attention(q, ring_k, ring_v, lengths, n, sinks, None, k, v, ring=True,
-                            window=w, block_k=16, interpret=True)
+                            window=w, block_k=16, interpret=INTERPRET)
     assert_close(_valid_rows(got, n), _valid_rows(want, n), atol=2e-6, rtol=2e-5, what="ring")
     ring_k, ring_v = M._ring_write(ring_k, ring_v, k, v, info)
     # full
@@ -140,7 +141,7 @@ def test_equals_model_attention_across_chunks():
     want, _ = M.attention_reference(q, full_k, full_v, kpos, kpos < info.lengths_after[:, None],
                                     info.positions, sinks, None)
     got = prefill_attention(q, full_k, full_v, lengths, n, sinks, ring=False, block_k=16,
-                            interpret=True)
+                            interpret=INTERPRET)
     assert_close(_valid_rows(got, n), _valid_rows(want, n), atol=2e-6, rtol=2e-5, what="full")
     lengths = lengths + n
 

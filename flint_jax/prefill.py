@@ -126,6 +126,9 @@ def chunk_forward(m, tokens: jax.Array, cache: KVCache, n_tokens: jax.Array, *,
       if cfg.is_sliding(i):
         o = prefill_attention(q, ring_k, ring_v, lengths, n_tokens, sinks, j, k, v, ring=True,
                               window=cfg.sliding_window, **attn_kw)
+        # The ring write must follow the kernel that reads the old ring: tie it to the output,
+        # so that XLA updates the ring stack in place instead of copying it first.
+        o, ring_k, ring_v = jax.lax.optimization_barrier((o, ring_k, ring_v))
         keep = valid & (positions >= lengths_after[:, None] - r)
         slots = jnp.where(keep, positions % r, r)
         ring_k, ring_v = _scatter_rows(ring_k, j, k, slots), _scatter_rows(ring_v, j, v, slots)

@@ -28,6 +28,10 @@ numerical contract of the kernel and the XLA fallback):
 | | from inside a kernel; ``early_trigger``: every kernel lets the next one launch first |
 | ``load_stages`` | ``stages(n)``: ``tt.num_stages`` on the dot-free K loops (cp.async for the |
 | | CUDA-core kernels' weight loads) |
+| ``grouped_matmul`` | ``moe_experts``: prefill's routed experts, grouped GEMMs over rows sorted by |
+| | expert (``group_rows``), fused SiLU(gate)*up, BF16 or NVFP4 decoded in the K loop |
+| ``prefill_attention`` | ``prefill_attention``: flash attention with sinks for prefill chunks |
+| | (bottom-right causal, GQA, window blocks skipped, cache or ring + chunk keys) |
 | ``mosaic_gemv`` | ``mosaic_gemv``: bf16 GEMV on Mosaic GPU (TMA + wgmma) with an optional |
 | | programmatic-dependent-launch wait; a probe, not used by the decode step (docs/kernels.md) |
 
@@ -56,6 +60,7 @@ from flint_jax.pallas.attention_block import (qk_norm_rope_attention,
                                               qk_norm_rope_attention_reference)
 from flint_jax.pallas.decode_attention import decode_attention, decode_attention_reference
 from flint_jax.pallas.gemv import gemv, gemv_reference, gemv_silu_mul, gemv_silu_mul_reference
+from flint_jax.pallas.grouped_matmul import moe_experts, moe_experts_reference
 from flint_jax.pallas.layer_end_qkv import layer_end_qkv, layer_end_qkv_reference
 from flint_jax.pallas.moe import (MoERoute, moe_block, moe_block_add_rms_norm,
                                   moe_block_add_rms_norm_reference, moe_block_reference,
@@ -67,6 +72,7 @@ from flint_jax.pallas.moe import (MoERoute, moe_block, moe_block_add_rms_norm,
                                   moe_topk_route)
 from flint_jax.pallas.multi_gemv import multi_gemv, multi_gemv_reference
 from flint_jax.pallas.norm_qkv import norm_qkv, norm_qkv_reference
+from flint_jax.pallas.prefill_attention import prefill_attention, prefill_attention_reference
 from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, dequantize_nvfp4_reference, nvfp4_gemv,
                                          nvfp4_gemv_reference, nvfp4_gemv_silu_mul,
                                          nvfp4_gemv_silu_mul_reference)
@@ -88,6 +94,7 @@ __all__ = [
     "moe_decode_routed_reference", "moe_combine_add_rms_norm",
     "moe_combine_add_rms_norm_reference", "moe_block_add_rms_norm",
     "moe_block_add_rms_norm_reference",
+    "moe_experts", "moe_experts_reference", "prefill_attention", "prefill_attention_reference",
     "multi_gemv", "multi_gemv_reference", "norm_qkv", "norm_qkv_reference",
     "layer_end_qkv", "layer_end_qkv_reference",
     "NVFP4Weight", "dequantize_nvfp4_reference", "nvfp4_gemv", "nvfp4_gemv_reference",

@@ -57,7 +57,11 @@ def elapsed() -> float:
   return time.perf_counter() - T0
 
 
-def save(path):
+OUT_PATH = None
+
+
+def save(path=None):
+  path = path or OUT_PATH
   if path:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -66,6 +70,7 @@ def save(path):
 
 def log(msg):
   print(f"[{elapsed():6.1f}s] {msg}", flush=True)
+  save()   # the JSON holds every result printed so far
 
 
 def errors(out, ref) -> dict:
@@ -289,6 +294,10 @@ def run_prefill(fn, model, rows, cache_len, reps):
 
 def stage_model(cfg, small, fmt, budget, reps, xla):
   quant = fmt == "nvfp4"
+  if elapsed() > budget:
+    RESULTS["skipped"].append(f"{fmt} model")
+    log(f"skipped the {fmt} model (budget)")
+    return
   t0 = time.perf_counter()
   model = build_model(cfg, quant)
   log(f"{fmt} model built in {time.perf_counter() - t0:.1f}s")
@@ -362,7 +371,7 @@ INTERPRET = False
 
 
 def main(argv=None):
-  global INTERPRET
+  global INTERPRET, OUT_PATH
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default=None, help="JSON results path")
   p.add_argument("--config", default="flint", help="config preset (tiny: a CPU smoke run)")
@@ -374,6 +383,7 @@ def main(argv=None):
   p.add_argument("--no-sweep", dest="sweep", action="store_false")
   p.add_argument("--no-xla", dest="xla", action="store_false")
   a = p.parse_args(argv)
+  OUT_PATH = a.out
   INTERPRET = jax.default_backend() != "gpu"
   small = a.config != "flint"
   cfg = preset(a.config)

@@ -21,9 +21,9 @@ Per layer:
 Chunk policy (`chunk_length`): chunks of up to `max_tokens` tokens in all (default 16,384: every
 expert then sees ~380 rows per chunk, so its weights are read once per many tokens), T a power
 of two, so one compiled function serves every prompt of a batch size whose longest row fits
-the same T. Activations scale with `max_tokens` (about 1.6 GB at 16K tokens for Flint: the
-grouped GEMMs' padded rows, the combine), never with the prompt length; attention builds no
-`[T, S]` buffer.
+the same T. Activations scale with `max_tokens` (under 1 GB at 16K tokens for Flint, mostly the
+down projection's padded rows, [131072, 2048] bf16), never with the prompt length; attention
+builds no `[T, S]` buffer.
 
 `prefill(model, rows, cache_length)` takes what `decode.prefill` takes and returns what it
 returns; `chunk_fn(model)` is the jitted step with `engine.Flint.chunk_fn`'s signature.

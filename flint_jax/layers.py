@@ -75,10 +75,13 @@ def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """Grouped matmul `[N, K] x [G, K, M]` -> f32 `[N, M]` (rows grouped by `sizes`)."""
+def ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, precision=None) -> jax.Array:
+    """Grouped matmul `[N, K] x [G, K, M]` -> f32 `[N, M]` (rows grouped by `sizes`).
+
+    `precision` as `jax.lax.ragged_dot`'s (None: the default, which on a GPU rounds f32 operands
+    to TF32)."""
     x, w = _operands(x, w)
-    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=F32)
+    return jax.lax.ragged_dot(x, w, sizes, precision=precision, preferred_element_type=F32)
 
 
 def router_topk(x: jax.Array, router_w: jax.Array, k: int, norm_topk_prob: bool = True):

@@ -404,7 +404,8 @@ def moe_experts(x, weights, ids, experts: dict, valid=None, *, block_m: int | No
 
 
 def moe_experts_reference(x, weights, ids, experts: dict, valid=None, **unused_tuning):
-  """The model's XLA math (``FlintMoE._experts_ragged``): ragged_dot over every expert."""
+  """The model's XLA math (``FlintMoE._experts_ragged``): ragged_dot over every expert (f32
+  operands in IEEE fp32 on every backend)."""
   del unused_tuning
   from flint_jax import layers   # pylint: disable=g-import-not-at-top
   gu, dn = expert_weights(experts)
@@ -417,16 +418,19 @@ def moe_experts_reference(x, weights, ids, experts: dict, valid=None, **unused_t
     dn_s2 = jnp.ones((gu.shape[0],), F32)
   n, k = ids.shape
   inter = gu.shape[1] // 2
+  # f32 operands in IEEE fp32, as the kernel's f32 dots: XLA's default precision on a GPU rounds
+  # them to TF32 (~5e-4 relative), which would be the reference's error, not the kernel's.
+  prec = lax.Precision.HIGHEST if x.dtype == F32 else None
   flat = ids.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   tok = order // k
   sizes = jnp.bincount(flat, length=gu.shape[0]).astype(jnp.int32)
-  h = layers.ragged_dot(x[tok], gu.transpose(0, 2, 1), sizes)
+  h = layers.ragged_dot(x[tok], gu.transpose(0, 2, 1), sizes, prec)
   e_sorted = flat[order]
   s = gu_s2[e_sorted]
   act = layers.silu_mul((h[:, :inter] * s[:, :1]).astype(x.dtype),
                         (h[:, inter:] * s[:, 1:]).astype(x.dtype))
-  y = layers.ragged_dot(act, dn.transpose(0, 2, 1), sizes)
+  y = layers.ragged_dot(act, dn.transpose(0, 2, 1), sizes, prec)
   y = (y * dn_s2[e_sorted][:, None]).astype(x.dtype).astype(F32)
   w = weights.reshape(-1)[order].astype(F32)
   out = jnp.zeros((n, x.shape[1]), F32).at[tok].add(y * w[:, None])

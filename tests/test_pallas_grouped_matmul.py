@@ -96,11 +96,13 @@ def test_grouped_matmul_matches_reference(fmt, t, k_top, e, n, kdim, bm, dtype, 
 
 
 @pytest.mark.parametrize("fmt,dtype", [("dense", BF), ("dense", F32), ("nvfp4", BF),
-                                       ("nvfp4", F32)])
+                                       ("nvfp4", F32), ("nvfp4-dequant", BF),
+                                       ("nvfp4-dequant", F32)])
 def test_moe_experts_matches_model_math(fmt, dtype):
   # The model's XLA routed-expert sum (FlintMoE._experts_ragged), with idle experts and a
   # padded (invalid) token.
   t, k, e, d, inter = 37, 3, 10, 64, 64
+  fmt, _, mode = fmt.partition("-")     # nvfp4-dequant: the experts dequantized first
   gen = rng("moe", fmt, dtype)
   ids = _ids(gen, t, k, e, used=[0, 2, 3, 7, 8, 9])
   weights = jax.nn.softmax(jnp.asarray(gen.standard_normal((t, k)), F32), axis=-1)
@@ -115,11 +117,36 @@ def test_moe_experts_matches_model_math(fmt, dtype):
                    gate_up_weight_scale_2=g.weight_scale_2, down_qweight=dn.qweight,
                    down_weight_scale=dn.weight_scale, down_weight_scale_2=dn.weight_scale_2)
   valid = jnp.ones((t,), bool).at[t - 1].set(False)
-  out = gm.moe_experts(x, weights, ids, experts, valid, block_m=16, interpret=INTERPRET)
+  out = gm.moe_experts(x, weights, ids, experts, valid, block_m=16, nvfp4=mode or "fused",
+                       interpret=INTERPRET)
   want = gm.moe_experts_reference(x, weights, ids, experts, valid)
   tol = dict(atol=1e-5, rtol=1e-5) if dtype == F32 else dict(dtype=BF)
-  assert_close(out, want, what=f"moe {fmt} {dtype}", **tol)
+  assert_close(out, want, what=f"moe {fmt} {mode} {dtype}", **tol)
   assert float(jnp.abs(out[t - 1]).max()) == 0.0
+
+
+def test_nvfp4_mode_choice():
+  # auto: dequantize once the experts average DEQUANT_MIN_ROWS rows (Flint: 4096-token chunks).
+  assert not gm.use_dequant("auto", 4095 * 6, 256) and gm.use_dequant("auto", 4096 * 6, 256)
+  assert gm.use_dequant("dequant", 1, 256) and not gm.use_dequant("fused", 10 ** 6, 256)
+  with pytest.raises(ValueError, match="nvfp4 must be one of"):
+    gm.use_dequant("bf16", 1, 1)
+
+
+def test_scaled_weight_equals_nvfp4_rows():
+  # The dequantized stack (ScaledWeight) gives the in-kernel decode's rows up to summation order.
+  gen = rng("scaled")
+  t, k_top, e, n, kdim = 19, 2, 5, 32, 128
+  ids = _ids(gen, t, k_top, e)
+  rows = gm.group_rows(ids, e, 16)
+  x = randn(gen, (t, kdim))
+  live = np.asarray(jnp.repeat(rows.tile_expert, 16) >= 0)
+  for fused in (False, True):
+    w = _weights(gen, "nvfp4", e, 2 * n if fused else n, kdim, fused)
+    fn = gm.grouped_matmul_silu_mul if fused else gm.grouped_matmul
+    a = fn(x, w, rows, gather=True, interpret=INTERPRET)
+    b = fn(x, gm.dequantize_experts(w), rows, gather=True, interpret=INTERPRET)
+    assert_close(b[live], a[live], what=f"scaled fused={fused}")
 
 
 def test_moe_experts_prescaled_scales_bit_identical():
@@ -167,10 +194,13 @@ def _abstract_experts(fmt, prescaled=False):
               down_weight_scale=S((E, D, I // 16), sd), down_weight_scale_2=S((E,), F32))
 
 
-@pytest.mark.parametrize("fmt,prescaled", [("bf16", False), ("nvfp4", False), ("nvfp4", True)])
+@pytest.mark.parametrize("fmt,prescaled,mode", [("bf16", False, "auto"),
+                                               ("nvfp4", False, "fused"),
+                                               ("nvfp4", True, "fused"),
+                                               ("nvfp4", True, "dequant")])
 @pytest.mark.parametrize("t", [8192, 2048])
-def test_moe_experts_lowers_for_h200(fmt, prescaled, t):
-  fn = functools.partial(gm.moe_experts, interpret=False)
+def test_moe_experts_lowers_for_h200(fmt, prescaled, mode, t):
+  fn = functools.partial(gm.moe_experts, nvfp4=mode, interpret=False)
   _lower(fn, S((t, D), BF), S((t, TOP), F32), S((t, TOP), jnp.int32),
          _abstract_experts(fmt, prescaled), S((t,), bool))
 

@@ -33,6 +33,10 @@ Weights in the model's own layouts, never copied or transposed per call:
   codes with their block scales into exact bf16 tiles (``nvfp4_gemv``'s in-kernel decode: the
   fp8 bit trick, or the PTX one on the GPU), so the dot sees exactly the reference weights; the
   decode's power of two and the tensor scale multiply the fp32 accumulator.
+- ``ScaledWeight(weight [E, N, K], weight_scale_2)``: a dense stack with per-expert tensor
+  scales, what ``dequantize_experts`` makes of NVFP4 experts for large chunks, where the BF16
+  kernels' tensor-core K loop beats the in-loop decode by more than the dequantization costs
+  (``NVFP4_MODES``).
 
 ``moe_experts(x, weights, ids, experts)`` is the routed-expert sum of a MoE layer built on them:
 ``out[t] = sum_j w[t, j] * f32(y[pair_row[t, j]])`` (the weighted combine in XLA: a gather and a
@@ -62,11 +66,21 @@ from flint_jax.pallas.nvfp4_gemv import NVFP4Weight  # of the same name)
 
 nv = sys.modules["flint_jax.pallas.nvfp4_gemv"]
 
-__all__ = ["GroupedRows", "group_rows", "grouped_matmul", "grouped_matmul_silu_mul",
-           "grouped_matmul_reference", "grouped_matmul_silu_mul_reference", "moe_experts",
-           "moe_experts_reference", "default_block_m"]
+__all__ = ["GroupedRows", "ScaledWeight", "group_rows", "grouped_matmul",
+           "grouped_matmul_silu_mul", "grouped_matmul_reference",
+           "grouped_matmul_silu_mul_reference", "moe_experts", "moe_experts_reference",
+           "dequantize_experts", "default_block_m", "NVFP4_MODES"]
 
 F32 = jnp.float32
+
+
+class ScaledWeight(NamedTuple):
+  """A dense expert stack with a per-expert fp32 scale on its products: ``weight`` bf16 / f32
+  ``[E, N, K]``, ``weight_scale_2`` f32 ``[E]`` (``[E, 2]`` gate, up for a fused gate_up). What
+  ``dequantize_experts`` makes of an ``NVFP4Weight``: the same products as the in-kernel
+  decode, exactly (every ``e2m1 * e4m3`` is a bf16), summed in another order."""
+  weight: jax.Array
+  weight_scale_2: jax.Array
 
 
 class GroupedRows(NamedTuple):
@@ -80,10 +94,21 @@ class GroupedRows(NamedTuple):
     return self.row_token.shape[0] // self.tile_expert.shape[0]
 
 
+#: Tuning defaults, measured on the H200 (run "prefill-1", docs/prefill.md): the routed experts of
+#: one Flint layer at an 8K-token chunk ran 1.27 ms with (block_m 64, blocks (128, 64), 8 warps,
+#: 3 stages), 1.13 ms with block_m 128 and 1.12 ms with block_m 128 and 4 stages (BF16); NVFP4
+#: 3.91 ms with block_k 128 / block_m 64 against 2.38 ms with block_k 64, block_m 128, 4 stages.
+NUM_WARPS = 8
+NUM_STAGES = 4
+BLOCK_N = 128
+BLOCK_K = 64
+
+
 def default_block_m(pairs: int, num_experts: int) -> int:
-  """Rows per tile: 128 once experts average >= 256 rows (the padding of each expert's last tile
-  is then < 1/4 of its rows), else 64 (fewer padded rows for short chunks)."""
-  return 128 if pairs >= 256 * num_experts else 64
+  """Rows per tile: 128 once experts average >= 128 rows (an 8K-token Flint chunk averages 192:
+  128 was 11% faster than 64 there, H200 run prefill-1, despite the padding of each expert's last
+  tile), else 64 (fewer padded rows for short chunks)."""
+  return 128 if pairs >= 128 * num_experts else 64
 
 
 def group_rows(ids: jax.Array, num_experts: int, block_m: int,
@@ -109,7 +134,9 @@ def group_rows(ids: jax.Array, num_experts: int, block_m: int,
   group_start = jnp.cumsum(sizes) - sizes                                       # [E]
   n_tiles = C.cdiv(p, block_m) + min(e_all, p)
   tt = jnp.arange(n_tiles, dtype=jnp.int32)
-  te = jnp.searchsorted(tile_end, tt, side="right").astype(jnp.int32)            # [n_tiles]
+  # compare_all: one [n_tiles, E] comparison; the default ("scan") is a while loop, which on a
+  # GPU waits for the device to hand each iteration's predicate back to the host.
+  te = jnp.searchsorted(tile_end, tt, side="right", method="compare_all").astype(jnp.int32)
   tile_expert = jnp.where(te < e_all, te, -1)
   # Padded row j -> its pair (tile j // bm of expert e, rank j - first row of e).
   j = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
@@ -143,6 +170,8 @@ def _kernel(tile_expert_ref, row_ref, x_ref, *refs, fmt, fused, gather, bm, bn, 
   """One (row tile, column block): acc [BM, BN] (and the up half's with ``fused``)."""
   if fmt == "nvfp4":
     q_ref, s_ref, s2_ref, o_ref = refs
+  elif fmt == "scaled":
+    w_ref, s2_ref, o_ref = refs
   else:
     w_ref, o_ref = refs
   pid = pl.program_id(0)
@@ -209,6 +238,11 @@ def _kernel(tile_expert_ref, row_ref, x_ref, *refs, fmt, fused, gather, bm, bn, 
         accs = (accs[0] * (f * s2_ref[e, 0]), accs[1] * (f * s2_ref[e, 1]))
       else:
         accs = (accs[0] * (f * s2_ref[e]),)
+    elif fmt == "scaled":
+      if fused:
+        accs = (accs[0] * s2_ref[e, 0], accs[1] * s2_ref[e, 1])
+      else:
+        accs = (accs[0] * s2_ref[e],)
     out = C.silu_mul_f32(*accs, o_ref.dtype) if fused else accs[0]
     ridx = (r0 + jnp.arange(bm, dtype=jnp.int32))[:, None]
     if mask_n:   # unclamped columns, masked (a clamped duplicate would race in interpret mode)
@@ -230,6 +264,12 @@ def _weight_dims(w, fused):
     C.check(w.weight_scale_2.shape == want,
             f"weight_scale_2 must be {want}, got {w.weight_scale_2.shape}")
     fmt, k = "nvfp4", kh * 2
+  elif isinstance(w, ScaledWeight):
+    e, n, k = w.weight.shape
+    want = (e, 2) if fused else (e,)
+    C.check(w.weight_scale_2.shape == want,
+            f"weight_scale_2 must be {want}, got {w.weight_scale_2.shape}")
+    fmt = "scaled"
   else:
     e, n, k = w.shape
     fmt = "dense"
@@ -249,18 +289,18 @@ def _call(x, w, rows: GroupedRows, *, fused, gather, out_dtype, block_n, block_k
     C.check(x.shape[0] == m_pad, f"x in row order must have M_pad={m_pad} rows, got {x.shape}")
   if fmt == "nvfp4":
     C.check(k % 64 == 0, f"NVFP4 needs K % 64 == 0, got {k=}")
-    bk = block_k or min(128, C.pow2_divisor(k, 128))
+    bk = block_k or min(BLOCK_K, C.pow2_divisor(k, 128))
     C.check(bk % 64 == 0 and k % bk == 0, f"NVFP4 block_k must be 64 * 2^i dividing K: {bk=}")
-    bn = min(block_n or 128, C.pow2_divisor(n_out, 128))     # NVFP4: N % block_n == 0
+    bn = min(block_n or BLOCK_N, C.pow2_divisor(n_out, BLOCK_N))   # NVFP4: N % block_n == 0
     C.check(bn >= 16, f"NVFP4 needs N divisible by 16, got N={n_out}")
     decode = nv.resolve_decode(decode, interpret)
     qv, sv = nv.nvfp4_views(w.qweight, w.weight_scale)
     w_args = (qv, sv, w.weight_scale_2.astype(F32))
     x_in = x.reshape(x.shape[0], k // 64, 2, 32)
   else:
-    bk = block_k or min(64, max(16, C.next_pow2(k)))
-    bn = block_n or min(128, max(16, C.next_pow2(n_out)))
-    w_args = (w,)
+    bk = block_k or min(BLOCK_K, max(16, C.next_pow2(k)))
+    bn = block_n or min(BLOCK_N, max(16, C.next_pow2(n_out)))
+    w_args = (w.weight, w.weight_scale_2.astype(F32)) if fmt == "scaled" else (w,)
     x_in = x
   C.check(C.is_pow2(bn) and C.is_pow2(bk) and bn >= 16 and bk >= 16,
           f"blocks must be powers of two >= 16: {bn=} {bk=}")
@@ -273,7 +313,8 @@ def _call(x, w, rows: GroupedRows, *, fused, gather, out_dtype, block_n, block_k
   return C.pallas_call(
       kernel, grid=(n_tiles * n_col,),
       out_shape=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype),
-      compiler_params=C.compiler_params(num_warps, num_stages), interpret=interpret, name=name,
+      compiler_params=C.compiler_params(num_warps or NUM_WARPS, num_stages or NUM_STAGES),
+      interpret=interpret, name=name,
   )(rows.tile_expert, rows.row_token, x_in, *w_args)
 
 
@@ -283,8 +324,9 @@ _STATIC = ("gather", "out_dtype", "block_n", "block_k", "num_warps", "num_stages
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped_matmul(x, w, rows: GroupedRows, *, gather: bool, out_dtype=None,
-                   block_n: int | None = None, block_k: int | None = None, num_warps: int = 8,
-                   num_stages: int = 3, decode: str = "asm", interpret: bool = False):
+                   block_n: int | None = None, block_k: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None,
+                   decode: str = "asm", interpret: bool = False):
   """``y [M_pad, N]``: row r = ``cast((x[r] @ W[e]^T) * scale_2[e])``, e its tile's expert.
 
   x: ``[T, K]`` tokens (``gather=True``: rows read through ``rows.row_token``) or ``[M_pad, K]``
@@ -299,8 +341,8 @@ def grouped_matmul(x, w, rows: GroupedRows, *, gather: bool, out_dtype=None,
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped_matmul_silu_mul(x, w, rows: GroupedRows, *, gather: bool = True, out_dtype=None,
                             block_n: int | None = None, block_k: int | None = None,
-                            num_warps: int = 8, num_stages: int = 3, decode: str = "asm",
-                            interpret: bool = False):
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            decode: str = "asm", interpret: bool = False):
   """``h [M_pad, I]`` = ``cast(silu(g) * u)``, g / u = ``cast((x[r] @ W[e, :I | I:]^T) *
   scale_2[e, 0 | 1])``: the fused gate_up ``[E, 2I, K]`` (gate rows first) or ``NVFP4Weight``
   (scale_2 ``[E, 2]``). x as in ``grouped_matmul``."""
@@ -318,6 +360,8 @@ def _dense(w, fused):
   if isinstance(w, NVFP4Weight):
     return (nv.dequantize_nvfp4_reference(w.qweight, w.weight_scale).astype(F32),
             w.weight_scale_2.astype(F32))
+  if isinstance(w, ScaledWeight):
+    return w.weight.astype(F32), w.weight_scale_2.astype(F32)
   e = w.shape[0]
   return w.astype(F32), jnp.ones((e, 2) if fused else (e,), F32)
 
@@ -370,6 +414,32 @@ def expert_weights(experts: dict):
                       experts["down_weight_scale_2"]))
 
 
+#: ``moe_experts(nvfp4=...)``: "fused" decodes the NVFP4 codes in the K loop of the grouped GEMMs;
+#: "dequant" first dequantizes the layer's experts into bf16 stacks (one XLA loop over every
+#: code: ~0.4 GB read, 1.6 GB written for Flint's 256 experts, ~0.5 ms at the H200's copy rate,
+#: estimated) and runs the BF16 kernels on them; "auto" dequantizes once the experts average
+#: ``DEQUANT_MIN_ROWS`` rows. Measured at an 8K-token chunk (H200 run prefill-1, 192 rows per
+#: expert): the in-kernel decode made the kernels 2.38 ms against 1.12 ms in BF16, ~6.6 us per
+#: average row, so dequantizing pays from ~85 rows on (the estimate above; to be measured).
+NVFP4_MODES = ("auto", "fused", "dequant")
+DEQUANT_MIN_ROWS = 96
+
+
+def dequantize_experts(w: NVFP4Weight, dtype=jnp.bfloat16) -> ScaledWeight:
+  """An NVFP4 expert stack as ``ScaledWeight`` (exact ``e2m1 * e4m3`` in ``dtype``, the tensor
+  scales kept for the kernels' fp32 epilogue): ``flint_jax.nvfp4.dequantize``, elementwise."""
+  from flint_jax import nvfp4   # pylint: disable=g-import-not-at-top
+  return ScaledWeight(nvfp4.dequantize(w.qweight, w.weight_scale, dtype), w.weight_scale_2)
+
+
+def use_dequant(nvfp4: str, pairs: int, num_experts: int) -> bool:
+  """Whether ``moe_experts`` dequantizes NVFP4 experts first (``NVFP4_MODES``)."""
+  C.check(nvfp4 in NVFP4_MODES, f"nvfp4 must be one of {NVFP4_MODES}, got {nvfp4=}")
+  if nvfp4 == "auto":
+    return pairs >= DEQUANT_MIN_ROWS * num_experts
+  return nvfp4 == "dequant"
+
+
 def combine(y, rows: GroupedRows, weights):
   """``out [T, D] f32 = sum_j weights[t, j] * f32(y[pair_row[t, j]])`` (dropped pairs: 0): a
   gather, multiply and sum over k that XLA fuses into one loop (no scatter, no [T, k, D] f32
@@ -379,20 +449,24 @@ def combine(y, rows: GroupedRows, weights):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "gate_up_blocks", "down_blocks",
-                                             "num_warps", "num_stages", "decode", "interpret"))
+                                             "num_warps", "num_stages", "decode", "nvfp4",
+                                             "interpret"))
 def moe_experts(x, weights, ids, experts: dict, valid=None, *, block_m: int | None = None,
                 gate_up_blocks: tuple | None = None, down_blocks: tuple | None = None,
-                num_warps: int = 8, num_stages: int = 3, decode: str = "asm",
-                interpret: bool = False):
+                num_warps: int | None = None, num_stages: int | None = None,
+                decode: str = "asm", nvfp4: str = "auto", interpret: bool = False):
   """Routed-expert sum of a MoE layer: f32 ``[T, D]`` = ``sum_j w[t,j] * expert_{ids[t,j]}(x[t])``.
 
   x: ``[T, D]``; weights f32 ``[T, k]``; ids int ``[T, k]``; experts: the ``FlintExperts``
   leaves (``expert_weights``); valid bool ``[T]`` (optional): tokens to compute (others give 0).
-  ``*_blocks``: ``(block_n, block_k)`` of the two kernels (None: defaults).
+  ``*_blocks``: ``(block_n, block_k)`` of the two kernels (None: defaults); ``nvfp4``: NVFP4
+  experts decoded in the kernels or dequantized first (``NVFP4_MODES``).
   """
   gu, dn = expert_weights(experts)
   num_experts = (gu.qweight if isinstance(gu, NVFP4Weight) else gu).shape[0]
   t, k = ids.shape
+  if isinstance(gu, NVFP4Weight) and use_dequant(nvfp4, t * k, num_experts):
+    gu, dn = dequantize_experts(gu), dequantize_experts(dn)
   bm = block_m or default_block_m(t * k, num_experts)
   rows = group_rows(ids, num_experts, bm, valid)
   gbn, gbk = gate_up_blocks or (None, None)

@@ -61,6 +61,8 @@ FULL_CASES = [  # (B, T, H, KVH, Dh, S, lengths, n, window, dtype, block_q)
     (2, 40, 4, 4, 16, 128, [5, 64], [40, 33], None, F32, None),
     (1, 33, 3, 1, 14, 64, [7], [29], None, F32, 4),     # G = 3 (padded to 4), Dh = 14
     (2, 50, 8, 1, 32, 128, [0, 70], [50, 41], 9, BF, 2),  # a window on the full cache
+    (1, 64, 8, 2, 32, 512, [300], [64], None, F32, 4),    # a long prefix: unmasked blocks
+    (2, 48, 4, 2, 16, 256, [100, 3], [48, 30], 33, F32, 8),  # window + prefix
 ]
 
 
@@ -77,6 +79,23 @@ def test_full_matches_reference(b, t, h, kvh, dh, s_len, lengths, n, window, dty
   assert out.shape == q.shape and out.dtype == q.dtype
   assert_close(_valid_rows(out, n), _valid_rows(ref, n), what="full", **_tol(dtype))
   assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+def test_split_unmasked_blocks():
+  # _split's unmasked range is exactly the blocks inside [lo_ok, hi_ok] (brute force).
+  from flint_jax.pallas.prefill_attention import _split
+  gen = np.random.default_rng(0)
+  for _ in range(300):
+    bk = int(gen.choice([16, 64]))
+    start, n = int(gen.integers(0, 200)), int(gen.integers(0, 12))
+    lo = None if gen.random() < 0.3 else int(gen.integers(-50, 400))
+    hi = int(gen.integers(-50, 400))
+    i_a, i_b = (int(v) for v in _split(jnp.int32(start), jnp.int32(n),
+                                        None if lo is None else jnp.int32(lo), jnp.int32(hi), bk))
+    inside = [(lo is None or start + i * bk >= lo) and start + i * bk + bk - 1 <= hi
+              for i in range(n)]
+    assert 0 <= i_a <= i_b <= n
+    assert inside == [i_a <= i < i_b for i in range(n)], (start, n, lo, hi, bk, i_a, i_b)
 
 
 RING_CASES = [  # (B, T, H, KVH, Dh, R, window, lengths, n, dtype)

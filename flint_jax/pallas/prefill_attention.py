@@ -34,10 +34,13 @@ block: ``[max(0, p_lo - window + 1), p_hi]`` for the block's first / last valid 
 ``p_lo`` / ``p_hi`` -- blocks entirely outside the window or in the causal future are never
 visited, not just masked. Ring keys are gathered by slot (``position % R``: each row contiguous,
 the wrap inside a block costs nothing); cache and chunk keys are contiguous ``pl.ds`` blocks.
-Scores of keys outside ``[p - window + 1, p]`` or not yet written are replaced by a large finite
-negative, their probabilities forced to 0 and their V rows zeroed (garbage-safe, as
-``decode_attention``). The query-block axis is the grid's slowest and runs heaviest (latest)
-blocks first.
+Key blocks every valid query of the block sees in full (positions in ``[p_hi - window + 1,
+p_lo]``: on a full layer all but the last one or two) take an unmasked step; only the blocks at
+the edges compute masks: scores of keys outside ``[p - window + 1, p]`` or not yet written are
+replaced by a large finite negative, their probabilities forced to 0 and their V rows zeroed
+(garbage-safe, as ``decode_attention``). Scores are kept in log2 units (``scale * log2 e``
+folded into the score scale, ``exp2``, the sinks multiplied by ``log2 e``). The query-block axis
+is the grid's slowest and runs heaviest (latest) blocks first.
 """
 
 from __future__ import annotations
@@ -58,21 +61,51 @@ __all__ = ["prefill_attention", "prefill_attention_reference", "default_blocks"]
 F32 = jnp.float32
 
 
-def default_blocks(t: int, g: int) -> tuple[int, int]:
-  """(block_q, block_k): tiles of ~128 rows (block_q queries x G heads; 16 queries of Flint's 8
-  heads) against 64-key blocks (the ring's 576 slots are 9 of them); fewer queries for short
-  chunks, at least 16 rows for the tensor cores."""
+#: Tuning defaults (block_q, block_k, num_warps, num_stages), measured on the H200 at an 8K-token
+#: chunk of Flint (run "prefill-1", docs/prefill.md): full layers 2.33 ms with 32 queries (x 8
+#: heads = 256 rows), 64 keys, 8 warps, 3 stages against 2.46-2.66 ms for (16, 128), (8, 64) and
+#: (16, 64, 2 stages); sliding layers 0.47 ms with (16, 64, 8 warps, 2 stages), the others
+#: 0.47-0.50 ms. block_q is given here as tile rows (block_q x the padded group size).
+FULL_ROWS, FULL_BLOCK_K, FULL_WARPS, FULL_STAGES = 256, 64, 8, 3
+RING_ROWS, RING_BLOCK_K, RING_WARPS, RING_STAGES = 128, 64, 8, 2
+
+
+def default_blocks(t: int, g: int, ring: bool = False) -> tuple[int, int]:
+  """(block_q, block_k): tiles of ``FULL_ROWS`` / ``RING_ROWS`` rows (block_q queries x G heads:
+  32 / 16 queries of Flint's 8 heads) against 64-key blocks (the ring's 576 slots are 9 of them);
+  fewer queries for short chunks, at least 16 rows for the tensor cores."""
   gp = C.next_pow2(g)
-  bq = max(1, 128 // gp)
+  bq = max(1, (RING_ROWS if ring else FULL_ROWS) // gp)
   bq = min(bq, C.next_pow2(t))
   bq = max(bq, C.cdiv(16, gp))
-  return bq, 64
+  return bq, RING_BLOCK_K if ring else FULL_BLOCK_K
 
 
 def _dot(a, b, contract_b: int):
   prec = lax.Precision.HIGHEST if a.dtype == F32 else None
   return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=prec,
                          preferred_element_type=F32)
+
+
+LOG2E = math.log2(math.e)
+
+
+def _split(start, n_blocks, lo_ok, hi_ok, bk):
+  """(i_a, i_b): of the key blocks ``i < n_blocks`` at positions ``start + i * bk ..``, those in
+  ``[i_a, i_b)`` lie entirely in ``[lo_ok, hi_ok]`` (no mask needed); the others are masked.
+  ``lo_ok`` None: no lower bound."""
+  i_a = jnp.int32(0) if lo_ok is None else (jnp.maximum(lo_ok - start, 0) + bk - 1) // bk
+  i_a = jnp.minimum(i_a, n_blocks)
+  i_b = jnp.clip(jnp.maximum(hi_ok + 1 - start, 0) // bk, i_a, n_blocks)
+  return i_a, i_b
+
+
+def _blocks(body, n_blocks, i_a, i_b, carry):
+  """``body(masked)(i, carry)`` over blocks ``[0, i_a)`` masked, ``[i_a, i_b)`` not, ``[i_b,
+  n_blocks)`` masked."""
+  carry = lax.fori_loop(0, i_a, body(True), carry)
+  carry = lax.fori_loop(i_a, i_b, body(False), carry)
+  return lax.fori_loop(i_b, n_blocks, body(True), carry)
 
 
 def _kernel(*refs, g, gp, bq, bk, t_len, dh, dp, window, ring, stacked, scale, n_q):
@@ -106,20 +139,27 @@ def _kernel(*refs, g, gp, bq, bk, t_len, dh, dp, window, ring, stacked, scale, n
   p_hi = p0 + jnp.minimum(qb * bq + bq, n) - 1
   live = p_hi >= p_lo
   k_lo = jnp.maximum(p_lo - window + 1, 0) if window else jnp.int32(0)
+  # Keys every valid query of the block sees (no mask): positions [w_lo, p_lo].
+  w_lo = p_hi - window + 1 if window else None
+  c = scale * LOG2E          # scores in log2 units: exp2 (one MUFU op) instead of exp
 
-  def step(carry, kpos, kvalid, kb, vb):
-    """One key block: kpos / kvalid [BK], kb / vb [BK, Dp]."""
+  def step(carry, kpos, kvalid, kb, vb, masked):
+    """One key block: kpos / kvalid [BK], kb / vb [BK, Dp]; ``masked`` False: a block of keys
+    inside every valid query's window, all valid (no masks, no garbage: ``_split``)."""
     acc, m, l = carry
-    s = _dot(q, kb, 1) * scale                                               # [rows, BK]
-    ok = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-    if window:
-      ok &= kpos[None, :] > qpos[:, None] - window
-    s = jnp.where(ok, s, C.MASK_VALUE)
+    s = _dot(q, kb, 1) * c                                                   # [rows, BK]
+    if masked:
+      ok = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+      if window:
+        ok &= kpos[None, :] > qpos[:, None] - window
+      s = jnp.where(ok, s, C.MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    if masked:
+      p = jnp.where(ok, p, 0.0)
+      vb = jnp.where(kvalid[:, None], vb, jnp.zeros_like(vb))
     l = l * alpha + jnp.sum(p, axis=1)
-    vb = jnp.where(kvalid[:, None], vb, jnp.zeros_like(vb))
     acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, 0)
     return acc, m_new, l
 
@@ -149,46 +189,53 @@ def _kernel(*refs, g, gp, bq, bk, t_len, dh, dp, window, ring, stacked, scale, n
     r_start = jnp.maximum(k_lo, jnp.maximum(p0 - s_len, 0))
     n_ring = jnp.where(live, (jnp.maximum(p0 - r_start, 0) + bk - 1) // bk, 0)
 
-    def ring_body(i, carry):
-      kpos = r_start + i * bk + ar
-      slots = kpos % s_len
-      kb = load_kv(k_ref, src_idx(slots, chunk=False))
-      vb = load_kv(v_ref, src_idx(slots, chunk=False))
-      return step(carry, kpos, kpos < p0, kb, vb)
+    def ring_body(masked):
+      def body(i, carry):
+        kpos = r_start + i * bk + ar
+        slots = kpos % s_len
+        kb = load_kv(k_ref, src_idx(slots, chunk=False))
+        vb = load_kv(v_ref, src_idx(slots, chunk=False))
+        return step(carry, kpos, kpos < p0, kb, vb, masked)
+      return body
 
-    carry = lax.fori_loop(0, n_ring, ring_body, init)
-    # 2. The chunk's own keys, chunk index c = position - p0, aligned blocks up to p_hi.
+    carry = _blocks(ring_body, n_ring, *_split(r_start, n_ring, w_lo, p0 - 1, bk), init)
+    # 2. The chunk's own keys, chunk index ci = position - p0, aligned blocks up to p_hi.
     c_lo = jnp.maximum(k_lo - p0, 0) // bk * bk
     n_chunk = jnp.where(live, jnp.maximum(p_hi - p0 - c_lo + bk, 0) // bk, 0)
     even = t_len % bk == 0
 
-    def chunk_body(i, carry):
-      c0 = c_lo + i * bk
-      c = c0 + ar
-      sl = pl.ds(pl.multiple_of(c0, bk), bk) if even else jnp.minimum(c, t_len - 1)
-      kb = load_kv(ck_ref, src_idx(sl, chunk=True))
-      vb = load_kv(cv_ref, src_idx(sl, chunk=True))
-      return step(carry, p0 + c, c < n, kb, vb)
+    def chunk_body(masked):
+      def body(i, carry):
+        c0 = c_lo + i * bk
+        ci = c0 + ar
+        sl = pl.ds(pl.multiple_of(c0, bk), bk) if even else jnp.minimum(ci, t_len - 1)
+        kb = load_kv(ck_ref, src_idx(sl, chunk=True))
+        vb = load_kv(cv_ref, src_idx(sl, chunk=True))
+        return step(carry, p0 + ci, ci < n, kb, vb, masked)
+      return body
 
-    acc, m, l = lax.fori_loop(0, n_chunk, chunk_body, carry)
+    acc, m, l = _blocks(chunk_body, n_chunk, *_split(p0 + c_lo, n_chunk, w_lo, p_lo, bk),
+                        carry)
   else:
     # Cache keys at positions [k_lo (aligned), p_hi]; slot = position (S % block_k == 0).
     k_start = k_lo // bk * bk
     n_blk = jnp.where(live, jnp.maximum(p_hi - k_start + bk, 0) // bk, 0)
     end = p0 + n
 
-    def full_body(i, carry):
-      k0 = pl.multiple_of(k_start + i * bk, bk)
-      idx = src_idx(pl.ds(k0, bk), chunk=False)
-      kb, vb = load_kv(k_ref, idx), load_kv(v_ref, idx)
-      kpos = k0 + ar
-      return step(carry, kpos, kpos < end, kb, vb)
+    def full_body(masked):
+      def body(i, carry):
+        k0 = pl.multiple_of(k_start + i * bk, bk)
+        idx = src_idx(pl.ds(k0, bk), chunk=False)
+        kb, vb = load_kv(k_ref, idx), load_kv(v_ref, idx)
+        kpos = k0 + ar
+        return step(carry, kpos, kpos < end, kb, vb, masked)
+      return body
 
-    acc, m, l = lax.fori_loop(0, n_blk, full_body, init)
-  sink = sink_ref[h]                                                         # [rows] f32
+    acc, m, l = _blocks(full_body, n_blk, *_split(k_start, n_blk, w_lo, p_lo, bk), init)
+  sink = sink_ref[h] * LOG2E                                                 # [rows] f32
   mx = jnp.maximum(m, sink)
-  a = jnp.exp(m - mx)
-  den = l * a + jnp.exp(sink - mx)
+  a = jnp.exp2(m - mx)
+  den = l * a + jnp.exp2(sink - mx)
   out = acc * (a / den)[:, None]
   hs = kv * g + gi                          # unclamped: padded heads are masked, not duplicated
   omask = ((gi < g) & (qi < t_len))[:, None] & dmask[None, :]
@@ -228,14 +275,17 @@ def _validate(q, k_src, v_src, lengths, n_tokens, sinks, layer, chunk_k, chunk_v
 def prefill_attention(q, k_src, v_src, lengths, n_tokens, sinks, layer=None, chunk_k=None,
                       chunk_v=None, *, ring: bool, window: int | None = None,
                       scale: float | None = None, block_q: int | None = None,
-                      block_k: int | None = None, num_warps: int = 8, num_stages: int = 2,
-                      interpret: bool = False):
-  """Sink-softmax flash attention of a chunk of queries; see the module docstring."""
+                      block_k: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None, interpret: bool = False):
+  """Sink-softmax flash attention of a chunk of queries; see the module docstring. Tuning knobs
+  left None take the measured defaults (``FULL_*`` / ``RING_*``)."""
   b, t, h, kvh, s_len, dh = _validate(q, k_src, v_src, lengths, n_tokens, sinks, layer, chunk_k,
                                       chunk_v, ring, window)
   g = h // kvh
   gp = C.next_pow2(g)
-  dbq, dbk = default_blocks(t, g)
+  dbq, dbk = default_blocks(t, g, ring)
+  num_warps = num_warps or (RING_WARPS if ring else FULL_WARPS)
+  num_stages = num_stages or (RING_STAGES if ring else FULL_STAGES)
   bq, bk = block_q or dbq, block_k or dbk
   C.check(C.is_pow2(bq) and bq * gp >= 16, f"block_q must be a power of two with block_q * "
                                            f"G >= 16 (G padded to {gp}), got {bq=}")

@@ -8,21 +8,24 @@ slot = position; sliding layers: the ring of the last `R` positions; `lengths +=
 
 Per layer:
 
-- attention: q/k/v projections, QK-norm and RoPE (sliding layers) in XLA (the module's own
-  `qkv`); full layers write the chunk's K/V into the stacked cache (an in-place scatter) and
-  attend by reading it; sliding layers attend over [the ring before the chunk, the chunk's own
+- attention: q/k/v projections, QK-norm and RoPE (sliding layers) in XLA (the module's math,
+  `_qkv`; NVFP4 weights of the XLA dots are dequantized into bf16 buffers of their own once per
+  chunk, `_linear`); full layers write the chunk's K/V into the stacked cache (an in-place
+  scatter) and attend by reading it; sliding layers attend over [the ring before the chunk, the chunk's own
   K/V] and then write the ring (`pallas.prefill_attention`, bottom-right causal, window blocks
   skipped, sinks in the denominator); the o_proj in XLA.
 - MoE: the fp32 router and top-k in XLA, the routed experts as two grouped GEMMs over rows
-  sorted by expert (`pallas.grouped_matmul.moe_experts`: SiLU(gate)*up fused, NVFP4 decoded in
-  the K loop; padding tokens are not routed), the weighted combine and the shared expert in XLA.
+  sorted by expert (`pallas.grouped_matmul.moe_experts`: SiLU(gate)*up fused; NVFP4 decoded in
+  the K loop, or dequantized to bf16 first for large chunks; padding tokens are not routed), the
+  weighted combine and the shared expert in XLA.
 - dense layers and the LM head: XLA dots (tensor cores).
 
 Chunk policy (`chunk_length`): chunks of up to `max_tokens` tokens in all (default 16,384: every
 expert then sees ~380 rows per chunk, so its weights are read once per many tokens), T a power
 of two, so one compiled function serves every prompt of a batch size whose longest row fits
 the same T. Activations scale with `max_tokens` (under 1 GB at 16K tokens for Flint, mostly the
-down projection's padded rows, [131072, 2048] bf16), never with the prompt length; attention
+down projection's padded rows, [131072, 2048] bf16; NVFP4 experts dequantized for a chunk add
+1.6 GB of bf16 weights per MoE layer while it runs), never with the prompt length; attention
 builds no `[T, S]` buffer.
 
 `prefill(model, rows, cache_length)` takes what `decode.prefill` takes and returns what it
@@ -50,24 +53,32 @@ DEFAULT_MAX_TOKENS = 16384
 
 @dataclasses.dataclass(frozen=True)
 class PrefillOptions:
-  """Static knobs of the prefill kernels (hashable: a key of the jitted step).
+  """Static knobs of the prefill kernels (hashable: a key of the jitted step). None everywhere
+  means the kernels' own defaults, the best measured on the H200 (docs/prefill.md).
 
-  ``block_m``: rows per expert tile (None: ``grouped_matmul.default_block_m``);
-  ``gate_up_blocks`` / ``down_blocks``: (block_n, block_k) of the two grouped GEMMs;
-  ``attn_blocks``: (block_q, block_k) of the attention; ``interpret``: None = on any backend
-  but the GPU."""
+  ``block_m``: rows per expert tile (``grouped_matmul.default_block_m``); ``gate_up_blocks`` /
+  ``down_blocks``: (block_n, block_k) of the two grouped GEMMs; ``moe_warps`` / ``moe_stages``:
+  their Triton compiler parameters; ``nvfp4_experts``: NVFP4 experts decoded in the kernels or
+  dequantized first (``grouped_matmul.NVFP4_MODES``); ``attn_full`` / ``attn_ring``: (block_q,
+  block_k, num_warps, num_stages) of the full-layer and sliding-layer attention (entries may be
+  None); ``interpret``: None = on any backend but the GPU."""
   block_m: int | None = None
   gate_up_blocks: tuple | None = None
   down_blocks: tuple | None = None
-  moe_warps: int = 8
-  moe_stages: int = 3
-  attn_blocks: tuple | None = None
-  attn_warps: int = 8
-  attn_stages: int = 2
+  moe_warps: int | None = None
+  moe_stages: int | None = None
+  nvfp4_experts: str = "auto"
+  attn_full: tuple | None = None
+  attn_ring: tuple | None = None
   interpret: bool | None = None
 
   def resolved_interpret(self) -> bool:
     return jax.default_backend() != "gpu" if self.interpret is None else self.interpret
+
+  def attention_kwargs(self, ring: bool) -> dict:
+    bq, bk, nw, ns = (self.attn_ring if ring else self.attn_full) or (None,) * 4
+    return dict(block_q=bq, block_k=bk, num_warps=nw, num_stages=ns,
+                interpret=self.resolved_interpret())
 
 
 def chunk_length(batch: int, t_max: int, max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -86,6 +97,39 @@ def _scatter_rows(cache, j, new, slots):
   bi = jnp.arange(b)[:, None, None]
   hi = jnp.arange(kvh)[None, None, :]
   return cache.at[j, bi, hi, slots[:, :, None]].set(new.astype(cache.dtype), mode="drop")
+
+
+def _linear(lin, x, out_dtype=None):
+  """``lin(x, out_dtype)`` (``model.Linear``, the same math), with an NVFP4 weight dequantized
+  into a bf16 buffer of its own first: the ``optimization_barrier`` keeps XLA from fusing the
+  elementwise decode into the GEMM's operand loads, where each of the chunk's ``T / tile``
+  row tiles would decode the whole weight again; materialised, it is decoded once per chunk
+  (~50 MB written per layer) and the dot is a plain bf16 GEMM."""
+  if not lin.quant:
+    return lin(x, out_dtype)
+  w = jax.lax.optimization_barrier(lin.dense_weight(x.dtype))
+  y = layers.matmul_t(x, w) * lin.weight_scale_2[...]
+  return y.astype(out_dtype or x.dtype)
+
+
+def _qkv(attn, x, positions):
+  """``FlintAttention.qkv`` through ``_linear``: q [B,T,H,Dh], k, v [B,T,KVH,Dh]."""
+  cfg = attn.cfg
+  b, t, _ = x.shape
+  q = _linear(attn.q_proj, x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+  k = _linear(attn.k_proj, x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+  v = _linear(attn.v_proj, x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+  q, k = attn.q_norm(q), attn.k_norm(k)
+  if attn.sliding:
+    cos, sin = layers.rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+    q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+  return q, k, v
+
+
+def _mlp(mlp, x, out_dtype=None):
+  """``FlintMLP.__call__`` (dense layers, shared expert) through ``_linear``."""
+  return _linear(mlp.down_proj, layers.silu_mul(_linear(mlp.gate_proj, x),
+                                                _linear(mlp.up_proj, x)), out_dtype)
 
 
 def _experts_dict(experts) -> dict:
@@ -113,19 +157,17 @@ def chunk_forward(m, tokens: jax.Array, cache: KVCache, n_tokens: jax.Array, *,
   lengths_after = lengths + n_tokens
   full_k, full_v, ring_k, ring_v = cache.full_k, cache.full_v, cache.ring_k, cache.ring_v
   r = cache.ring_size
-  abq, abk = options.attn_blocks or (None, None)
-  attn_kw = dict(block_q=abq, block_k=abk, num_warps=options.attn_warps,
-                 num_stages=options.attn_stages, interpret=interpret)
+  full_kw, ring_kw = options.attention_kwargs(False), options.attention_kwargs(True)
   h = m.model.embed_tokens(tokens).astype(m.dtype)
   for i, layer in enumerate(m.model.layers):
     j = cfg.cache_index[i]
     attn = layer.self_attn
     with jax.named_scope(f"layer_{i}"):
-      q, k, v = attn.qkv(layer.input_layernorm(h), positions)
+      q, k, v = _qkv(attn, layer.input_layernorm(h), positions)
       sinks = attn.sinks[...]
       if cfg.is_sliding(i):
         o = prefill_attention(q, ring_k, ring_v, lengths, n_tokens, sinks, j, k, v, ring=True,
-                              window=cfg.sliding_window, **attn_kw)
+                              window=cfg.sliding_window, **ring_kw)
         # The ring write must follow the kernel that reads the old ring: tie it to the output,
         # so that XLA updates the ring stack in place instead of copying it first.
         o, ring_k, ring_v = jax.lax.optimization_barrier((o, ring_k, ring_v))
@@ -136,13 +178,13 @@ def chunk_forward(m, tokens: jax.Array, cache: KVCache, n_tokens: jax.Array, *,
         slots = jnp.where(valid, positions, full_k.shape[3])
         full_k, full_v = _scatter_rows(full_k, j, k, slots), _scatter_rows(full_v, j, v, slots)
         o = prefill_attention(q, full_k, full_v, lengths, n_tokens, sinks, j, ring=False,
-                              **attn_kw)
-      h = h + attn.o_proj(o.reshape(b, t, -1))
+                              **full_kw)
+      h = h + _linear(attn.o_proj, o.reshape(b, t, -1))
       x = layer.post_attention_layernorm(h)
       if layer.moe:
         h = h + _moe(layer.mlp, x, valid, options, interpret)
       else:
-        h = h + layer.mlp(x)
+        h = h + _mlp(layer.mlp, x)
   new_cache = KVCache(full_k=full_k, full_v=full_v, ring_k=ring_k, ring_v=ring_v,
                       lengths=lengths_after, counters=cache.counters)
   out = None
@@ -164,8 +206,9 @@ def _moe(moe, x, valid, options: PrefillOptions, interpret: bool):
   y = moe_experts(xf, weights, ids, _experts_dict(moe.experts), valid.reshape(b * t),
                   block_m=options.block_m, gate_up_blocks=options.gate_up_blocks,
                   down_blocks=options.down_blocks, num_warps=options.moe_warps,
-                  num_stages=options.moe_stages, interpret=interpret)
-  y = y + moe.shared_expert(xf).astype(F32)
+                  num_stages=options.moe_stages, nvfp4=options.nvfp4_experts,
+                  interpret=interpret)
+  y = y + _mlp(moe.shared_expert, xf).astype(F32)
   return y.astype(x.dtype).reshape(b, t, d)
 
 

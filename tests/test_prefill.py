@@ -59,10 +59,10 @@ def _live_cache(cache, cfg, lengths):
   return out
 
 
-def _compare(model, rows, cache_len, chunk, tol):
+def _compare(model, rows, cache_len, chunk, tol, options=prefill.PrefillOptions()):
   lengths = [len(r) for r in rows]
   want_logits, want_cache = decode.prefill(model, rows, cache_len, chunk)
-  got_logits, got_cache = prefill.prefill(model, rows, cache_len, chunk)
+  got_logits, got_cache = prefill.prefill(model, rows, cache_len, chunk, options=options)
   err = rel_max_err(got_logits, want_logits)
   print(f"logits rel err {err:.2e}")
   assert err <= tol
@@ -113,10 +113,12 @@ def _random_model(quant, dtype, **cfg_over):
 
 
 @pytest.mark.usefixtures("ieee_fp32")
-def test_prefill_nvfp4_model_equals_xla_path():
+@pytest.mark.parametrize("experts", ["fused", "dequant"])
+def test_prefill_nvfp4_model_equals_xla_path(experts):
+  # NVFP4 experts decoded in the grouped GEMMs' K loop, or dequantized first (large chunks).
   m = _random_model(True, jnp.float32)
   rows = _rows({"input_ids": np.zeros((1, 0), np.int64)}, m.config.vocab_size, [70, 23])
-  _compare(m, rows, 128, 32, 1e-4)
+  _compare(m, rows, 128, 32, 1e-4, prefill.PrefillOptions(nvfp4_experts=experts))
 
 
 @pytest.mark.usefixtures("ieee_fp32")

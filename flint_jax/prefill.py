@@ -50,6 +50,10 @@ F32 = jnp.float32
 #: Tokens per prefill chunk, all rows together (module docstring).
 DEFAULT_MAX_TOKENS = 16384
 
+#: ``PrefillOptions.router`` -> the router logits dot's precision.
+ROUTER_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST,
+                     "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefillOptions:
@@ -59,7 +63,11 @@ class PrefillOptions:
   ``block_m``: rows per expert tile (``grouped_matmul.default_block_m``); ``gate_up_blocks`` /
   ``down_blocks``: (block_n, block_k) of the two grouped GEMMs; ``moe_warps`` / ``moe_stages``:
   their Triton compiler parameters; ``nvfp4_experts``: NVFP4 experts decoded in the kernels or
-  dequantized first (``grouped_matmul.NVFP4_MODES``); ``attn_full`` / ``attn_ring``: (block_q,
+  dequantized first (``grouped_matmul.NVFP4_MODES``); ``router``: the fp32 router logits as an
+  XLA dot at ``Precision.HIGHEST`` ("highest") or with the ``BF16_BF16_F32_X6`` algorithm
+  ("bf16x6": the f32 router weight split exactly into three bf16 parts, each product with the
+  bf16 activations exact, fp32 sums: the same fp32 logits up to summation order, on the tensor
+  cores; not yet measured on the H200); ``attn_full`` / ``attn_ring``: (block_q,
   block_k, num_warps, num_stages) of the full-layer and sliding-layer attention (entries may be
   None); ``interpret``: None = on any backend but the GPU."""
   block_m: int | None = None
@@ -68,9 +76,14 @@ class PrefillOptions:
   moe_warps: int | None = None
   moe_stages: int | None = None
   nvfp4_experts: str = "auto"
+  router: str = "highest"
   attn_full: tuple | None = None
   attn_ring: tuple | None = None
   interpret: bool | None = None
+
+  def __post_init__(self):
+    if self.router not in ROUTER_PRECISIONS:
+      raise ValueError(f"router must be one of {tuple(ROUTER_PRECISIONS)}, got {self.router!r}")
 
   def resolved_interpret(self) -> bool:
     return jax.default_backend() != "gpu" if self.interpret is None else self.interpret
@@ -202,7 +215,7 @@ def _moe(moe, x, valid, options: PrefillOptions, interpret: bool):
   b, t, d = x.shape
   xf = x.reshape(b * t, d)
   _, weights, ids = layers.router_topk(xf, moe.gate.weight[...], cfg.num_experts_per_tok,
-                                       cfg.norm_topk_prob)
+                                       cfg.norm_topk_prob, ROUTER_PRECISIONS[options.router])
   y = moe_experts(xf, weights, ids, _experts_dict(moe.experts), valid.reshape(b * t),
                   block_m=options.block_m, gate_up_blocks=options.gate_up_blocks,
                   down_blocks=options.down_blocks, num_warps=options.moe_warps,

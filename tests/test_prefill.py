@@ -122,6 +122,17 @@ def test_prefill_nvfp4_model_equals_xla_path(experts):
 
 
 @pytest.mark.usefixtures("ieee_fp32")
+def test_prefill_router_bf16x6_equals_xla_path(fp32_models):
+  # The router logits with the BF16_BF16_F32_X6 algorithm: for bf16 activations its products
+  # are exact; for this fp32 model it drops only the products of the operands' smallest bf16
+  # parts (~2^-24 relative): the same routing and logits as the XLA path's HIGHEST dot.
+  m = fp32_models["tiny_a"]
+  rows = _rows(golden("tiny_a"), m.config.vocab_size, [60, 31])
+  _compare(m, rows, 128, 32, 1e-4, prefill.PrefillOptions(router="bf16x6"))
+  with pytest.raises(ValueError, match="router must be one of"):
+    prefill.PrefillOptions(router="tf32")
+
+@pytest.mark.usefixtures("ieee_fp32")
 def test_prefill_nvfp4_prescaled_scales_equal():
   from flint_jax.nvfp4 import prescale_state
   m = _random_model(True, jnp.float32)

@@ -12,7 +12,8 @@ case whose estimated time would end past ``--budget`` seconds is skipped and lis
    first) and ``prefill_attention`` (full cache and ring + chunk, ragged rows). No pytest.
 2. ``kernels``: device time of one MoE layer's routed experts at 8K- and 16K-token chunks (BF16,
    NVFP4 fused and dequantized, the dequantization alone) beside a dense GEMM of the same FLOPs,
-   and of one layer's attention (full: 1 x 8K from position 0 and a 16K chunk after 16K; ring)
+   of the router at an 8K chunk (``PrefillOptions.router``: HIGHEST and bf16x6, the latter's
+   scores against the former's), and of one layer's attention (full: 1 x 8K from position 0 and a 16K chunk after 16K; ring)
    beside cuDNN (no sinks); TFLOP/s of useful work. ``--sweep`` also tries block variants around
    the defaults (the defaults are run "prefill-1"'s best).
 3. ``profile``: per format, a perfetto trace of one 1 x 8K prefill (one chunk, after the warm-up
@@ -58,7 +59,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from flint_jax import decode, prefill  # noqa: E402
+from flint_jax import decode, layers, prefill  # noqa: E402
 from flint_jax.config import kv_cache_bytes, preset  # noqa: E402
 from flint_jax.pallas import grouped_matmul as gm  # noqa: E402
 from flint_jax.pallas.nvfp4_gemv import NVFP4Weight  # noqa: E402
@@ -260,8 +261,23 @@ def stage_kernels(cfg, small, sweep):
         nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((gu, dn)))
         _record({"what": "dequantize_experts (gate_up + down of one layer)", "ms": ms,
                  "tb_per_s": (nbytes + 2 * e * 3 * d * i) / ms / 1e9})
-  h, dh, w_ = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+  # The router (fp32 logits + top-k) at an 8K chunk, as prefill.PrefillOptions.router runs it.
   t = 512 if small else 8192
+  xr = jax.random.normal(jax.random.key(3), (t, d), BF)
+  wr = jax.random.normal(jax.random.key(4), (e, d), F32) * d ** -0.5
+  want = None
+  for name, prec in prefill.ROUTER_PRECISIONS.items():
+    fn = jax.jit(lambda x, w, prec=prec: layers.router_topk(x, w, k, True, prec))
+    try:
+      ms = time_ms(fn, xr, wr, reps=reps)
+      scores = fn(xr, wr)[0]
+    except Exception as exc:
+      _record({"what": f"router {name} T={t}", "error": repr(exc)[:300]})
+      continue
+    want = scores if want is None else want
+    _record({"what": f"router {name} T={t} (logits + sigmoid + top-k)", "ms": ms,
+             "tflops": 2 * t * d * e / ms / 1e9, **errors(scores, want)})
+  h, dh, w_ = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
   # (label, ring, T, cache S, position before the chunk)
   attn_cases = [("full 1x8K", False, t, t, 0), ("ring 1x8K", True, t, t, 0)]
   if not small:
@@ -539,7 +555,7 @@ def stage_model(cfg, small, fmt, cases, stages, a):
   t0 = time.perf_counter()
   model = build_model(cfg, quant)
   log(f"{fmt} model built in {time.perf_counter() - t0:.1f}s; memory {memory()}")
-  options = prefill.PrefillOptions(nvfp4_experts=a.nvfp4_experts)
+  options = prefill.PrefillOptions(nvfp4_experts=a.nvfp4_experts, router=a.router)
   if want_profile:
     try:
       stage_profile(model, cfg, fmt, small, options, a.hlo)
@@ -626,6 +642,8 @@ def main(argv=None):
                  help=f"fmt:case, fmt in bf16/nvfp4, case in {sorted(CASES)}")
   p.add_argument("--nvfp4-experts", default="auto", choices=gm.NVFP4_MODES,
                  help="NVFP4 experts in the model cases: decoded in the kernels or dequantized")
+  p.add_argument("--router", default="highest", choices=sorted(prefill.ROUTER_PRECISIONS),
+                 help="the router logits' dot in the model cases (PrefillOptions.router)")
   p.add_argument("--sweep", action="store_true", help="kernel variants around the defaults")
   p.add_argument("--xla", action="store_true", help="the XLA path at 1x8K and a logits check")
   p.add_argument("--hlo", action="store_true", help="dump the 1x8K chunk step's optimized HLO")

@@ -610,6 +610,14 @@ def print_table():
       print(f"| {r['fmt']} | {r['case']} | {r['path']} | {r.get('chunk', '')} | {r['ms']:.1f} | "
             f"{r['first_s']:.1f} | {r['floor_ms']:.1f} | {r['pct_of_floor']:.1f}% | "
             f"{r.get('tokens_per_s', 0):.0f} | {peak / 2**30 if peak else 0:.1f} |")
+  gib = lambda v: f"{v / 2**30:.1f} GiB" if v is not None else "?"   # noqa: E731
+  for r in RESULTS["model"]:
+    mem = r.get("memory")
+    if mem:
+      print(f"memory {r['fmt']} {r['case']}: weights {gib(mem['weights'])}, cache "
+            f"{gib(mem['cache'])}, in use before {gib(mem['in_use_before'])}, device peak "
+            f"{gib(mem['peak_after'])} of {gib(mem['limit'])}, activations (peak - in use - "
+            f"cache) {gib(mem.get('activations_est'))}")
   print("\n| kernel | variant | ms | TFLOP/s |")
   print("|---|---|---|---|")
   for r in RESULTS["kernels"]:

@@ -31,6 +31,9 @@ case whose estimated time would end past ``--budget`` seconds is skipped and lis
    100K+ cases), the compute floor (matmul + attention FLOPs at 790 TFLOP/s), memory (weights,
    cache, device peak). ``--xla`` adds the XLA path at 1 x 8K (256-token chunks, ~60 s) and the
    rel-L2 of its last-token logits against the Pallas path's.
+
+``--stages tests`` (not a default; run it in a call of its own, ~3-4 min estimated) runs the
+three prefill test files compiled (pytest -n 4) before anything else touches the GPU.
 """
 
 from __future__ import annotations
@@ -584,12 +587,13 @@ def stage_model(cfg, small, fmt, cases, stages, a):
 
 
 def stage_tests(a):
-  """The three prefill test files, compiled on the GPU (a subprocess; its log next to --out)."""
+  """The three prefill test files, compiled on the GPU (pytest -n 4 in a subprocess, run before
+  this process touches the GPU; its log next to --out). ~3-4 min (estimate): its own call."""
   files = ["tests/test_pallas_grouped_matmul.py", "tests/test_pallas_prefill_attention.py",
            "tests/test_prefill.py"]
   log_path = os.path.join(out_dir() or tempfile.gettempdir(), "prefill_tests.log")
+  os.makedirs(os.path.dirname(log_path), exist_ok=True)
   env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.2", JAX_PLATFORMS="cuda")
-  env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
   t0 = time.perf_counter()
   with open(log_path, "w") as f:
     rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -658,6 +662,13 @@ def main(argv=None):
   p.add_argument("--tests-timeout", type=int, default=300)
   a = p.parse_args(argv)
   OUT_PATH = a.out
+  if "tests" in a.stages:   # first: the pytest workers need the GPU memory this process takes
+    try:
+      stage_tests(a)
+    except Exception:
+      RESULTS.setdefault("errors", []).append({"stage": "tests",
+                                               "trace": traceback.format_exc()[-3000:]})
+      log(f"stage tests failed:\n{traceback.format_exc()[-3000:]}")
   INTERPRET = jax.default_backend() != "gpu"
   small = a.config != "flint"
   cfg = preset(a.config)
@@ -670,11 +681,9 @@ def main(argv=None):
   RESULTS["env"] = {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
                     "config": a.config, "interpret": INTERPRET, "argv": sys.argv[1:]}
   log(RESULTS["env"])
-  for st in [s for s in a.stages if s not in ("profile", "model")]:
+  for st in [s for s in a.stages if s not in ("tests", "profile", "model")]:
     try:
-      if st == "tests":
-        stage_tests(a)
-      elif st == "check" and fits("check", 60, a.budget):
+      if st == "check" and fits("check", 60, a.budget):
         stage_check(cfg, small)
       elif st == "kernels" and fits("kernels", 45, a.budget):
         stage_kernels(cfg, small, a.sweep)

@@ -7,7 +7,8 @@ and `generate`: the host loop around the jitted steps.
 
 - Prompts are right-padded into `[B, T]` with per-row lengths; each row's tokens sit at their true
   positions, padding is never written to the sliding rings nor attended.
-- Prefill runs in chunks of `chunk_size` tokens (one compiled function for every chunk).
+- Prefill runs in chunks (one compiled function per chunk shape): on the Pallas prefill kernels
+  (`flint_jax.prefill`) where `Flint.pallas_prefill`, else the XLA chunk step.
 - The cache length is bucketed (a power of two >= prompt + new tokens, at least 64) so
   different prompt lengths reuse compiled steps; it is sized and checked before allocation.
 - Each decode step is one jitted call (model, sampling and the seen-token mask fused; the cache
@@ -50,7 +51,10 @@ class Flint:
     "pallas"), `mesh` (or None), `max_length` (the longest sequence a cache may hold),
     `generation_config` (dict from generation_config.json), `source` (path loaded),
     `decode_plan` (a function (quant, batch) -> `fast_decode.DecodePlan` for the Pallas step, or
-    None for `fast_decode.decode_plan`, the measured choices).
+    None for `fast_decode.decode_plan`, the measured choices), `prefill_kernels` ("auto": the
+    Pallas prefill kernels (`flint_jax.prefill`: grouped-GEMM experts, flash attention with
+    sinks, chunks of thousands of tokens) where `kernels` is "pallas" on a GPU, else the XLA
+    chunk step; "pallas" forces them, in interpret mode off the GPU; "xla" never).
     """
 
     config: FlintConfig
@@ -68,6 +72,7 @@ class Flint:
     # (quant, batch) -> fast_decode.DecodePlan for the Pallas step (None: fast_decode.decode_plan);
     # may be changed at any time (the jitted steps are keyed by it).
     decode_plan: Any = None
+    prefill_kernels: str = "auto"
 
     def __post_init__(self):
         if not self.max_length:
@@ -121,6 +126,16 @@ class Flint:
         return (f"Flint({c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_experts} "
                 f"experts, dtype={jnp.dtype(self.dtype).name}, nvfp4={self.quant}, "
                 f"kernels={self.kernels!r}, source={self.source!r})")
+
+    @property
+    def pallas_prefill(self) -> bool:
+        """Whether prompts go through the Pallas prefill kernels (see `prefill_kernels`)."""
+        if self.prefill_kernels not in ("auto", "pallas", "xla"):
+            raise ValueError(f"prefill_kernels must be 'auto', 'pallas' or 'xla', got "
+                             f"{self.prefill_kernels!r}")
+        if self.prefill_kernels == "auto":
+            return self.kernels == "pallas" and jax.default_backend() == "gpu"
+        return self.prefill_kernels == "pallas"
 
     # ---- jitted pure functions, built once per handle -------------------------------------
     def chunk_fn(self, logits: str, capture: tuple[str, ...] = ()):
@@ -403,14 +418,34 @@ def _compile_notice(model: Flint, what: str, shape: str):
                 f"seconds to a minute or more) ...")
 
 
-def prefill_chunk(t_max: int, cache_length: int, chunk_size: int = 256) -> int:
-    """The prefill chunk length for prompts of at most `t_max` tokens."""
-    return min(chunk_size, bucket_length(t_max, cache_length, minimum=16))
+#: The XLA path's prefill chunk (tokens per row): its MoE is a dense `ragged_dot`.
+XLA_CHUNK = 256
 
 
-def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: int = 256,
+def prefill_chunk(t_max: int, cache_length: int, chunk_size: int | None = None,
+                  model: Flint | None = None, batch: int = 1) -> int:
+    """The prefill chunk length for prompts of at most `t_max` tokens: `chunk_size` if given,
+    else on the Pallas prefill kernels `flint_jax.prefill.chunk_length` (a power of two, up to
+    16K tokens per chunk over the batch: each expert's weights read once per thousands of
+    tokens), on the XLA path `XLA_CHUNK`; never longer than the cache's bucket needs."""
+    if chunk_size is None and model is not None and model.pallas_prefill:
+        from flint_jax import prefill as pallas_prefill
+        return pallas_prefill.chunk_length(batch, t_max)
+    return min(chunk_size or XLA_CHUNK, bucket_length(t_max, cache_length, minimum=16))
+
+
+def _prefill_step(model: Flint, logits: str):
+    """The jitted chunk step of the prefill path `model` uses (`Flint.pallas_prefill`)."""
+    if model.pallas_prefill:
+        from flint_jax import prefill as pallas_prefill
+        return pallas_prefill.chunk_fn(model, logits)
+    return model.chunk_fn(logits)
+
+
+def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: int | None = None,
             stats: GenerationStats | None = None):
-    """Allocates a cache and runs the prompts through it in chunks.
+    """Allocates a cache and runs the prompts through it in chunks (`prefill_chunk`), on the
+    Pallas prefill kernels or the XLA chunk step (`Flint.prefill_kernels`).
 
     Returns (last-token logits f32 [B, V], cache). Rows may have different lengths. With
     `stats`, the first chunk call's time is added to `stats.compile_s` (when the caller knows it
@@ -424,12 +459,12 @@ def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: 
     shardings = model.cache_sharding(b, cache_length) if model.cache_sharding else None
     cache = init_cache(cfg, b, cache_length, model.dtype, shardings)
     t_max = int(lengths.max())
-    chunk = prefill_chunk(t_max, cache_length, chunk_size)
+    chunk = prefill_chunk(t_max, cache_length, chunk_size, model, b)
     n_chunks = -(-t_max // chunk)
     tokens = np.zeros((b, n_chunks * chunk), np.int32)
     for i, r in enumerate(rows):
         tokens[i, :len(r)] = r
-    fn = model.chunk_fn("last")
+    fn = _prefill_step(model, "last")
     last = None
     for c in range(n_chunks):
         n = np.clip(lengths - c * chunk, 0, chunk).astype(np.int32)
@@ -469,7 +504,7 @@ class _TextTracker:
 def stream_generate(model: Flint, rows: list[list[int]], *, max_new_tokens: int = 256,
                     params: sampling.SamplingParams | None = None, seed: int | None = None,
                     key: jax.Array | None = None, stop_token_ids: Sequence[int] | None = None,
-                    stop: Sequence[str] | None = None, chunk_size: int = 256,
+                    stop: Sequence[str] | None = None, chunk_size: int | None = None,
                     decode_block: int | None = None,
                     stats: GenerationStats | None = None) -> Iterator[StreamEvent]:
     """Yields a `StreamEvent` per generated token per live row, in step order.
@@ -498,8 +533,8 @@ def stream_generate(model: Flint, rows: list[list[int]], *, max_new_tokens: int 
     if decode_block is None:
         decode_block = 8 if jax.default_backend() == "gpu" else 1
     # The steps this call runs, by jit key and shape: a new one compiles on its first call.
-    chunk = prefill_chunk(t_max, cache_len, chunk_size)
-    steps = {"prefill step": ("chunk", "last", (), b, chunk, cache_len),
+    chunk = prefill_chunk(t_max, cache_len, chunk_size, model, b)
+    steps = {"prefill step": ("chunk", model.pallas_prefill, "last", b, chunk, cache_len),
              "sampler": ("sample", params, with_seen, b)}
     if max_new_tokens > 1:
         steps["decode step"] = ("decode", params, with_seen, model.kernels, model.decode_plan,
@@ -592,7 +627,7 @@ def generate(model: Flint, prompt, *, max_new_tokens: int = 256, temperature: fl
              repetition_penalty: float | None = None, seed: int | None = None,
              key: jax.Array | None = None, stop: str | Sequence[str] | None = None,
              stop_token_ids: Sequence[int] | None = None, stream: bool = False,
-             logprobs: bool = False, return_details: bool = False, chunk_size: int = 256,
+             logprobs: bool = False, return_details: bool = False, chunk_size: int | None = None,
              decode_block: int | None = None):
     """Generates continuations of one or several prompts.
 
@@ -680,8 +715,10 @@ def default_stop_ids(model: Flint) -> list[int]:
 
 
 def forward(model: Flint, input_ids, *, lengths=None, capture: Sequence[str] = (),
-            params: Any = None, chunk_size: int = 512):
-    """fp32 logits `[B, T, V]` of whole sequences (chunked through a cache; XLA path).
+            params: Any = None, chunk_size: int | None = None):
+    """fp32 logits `[B, T, V]` of whole sequences, chunked through a cache: on the Pallas
+    prefill kernels where the model uses them (`Flint.pallas_prefill`; not with `capture` or
+    `params`, which need the module's own math), else the XLA path.
 
     Args:
       input_ids: int `[T]` or `[B, T]`.
@@ -706,12 +743,17 @@ def forward(model: Flint, input_ids, *, lengths=None, capture: Sequence[str] = (
         raise PromptTooLongError(f"input has {t} tokens but the model holds at most "
                                  f"{model.max_length}")
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-    chunk = min(chunk_size, bucket_length(t, 1 << 30, minimum=16))
+    pallas = model.pallas_prefill and not capture and params is None
+    if pallas and chunk_size is None:
+        from flint_jax import prefill as pallas_prefill
+        chunk = pallas_prefill.chunk_length(b, t)
+    else:
+        chunk = min(chunk_size or 512, bucket_length(t, 1 << 30, minimum=16))
     n_chunks = -(-t // chunk)
     cache_len = bucket_length(n_chunks * chunk, 1 << 30)
     check_cache_fits(model.config, b, cache_len, model.dtype)
-    fn = _forward_fn(model, chunk, n_chunks, cache_len, tuple(capture))
-    if _new_shapes(model, [("forward", chunk, n_chunks, cache_len, tuple(capture), b)]):
+    fn = _forward_fn(model, chunk, n_chunks, cache_len, tuple(capture), pallas)
+    if _new_shapes(model, [("forward", chunk, n_chunks, cache_len, tuple(capture), pallas, b)]):
         _compile_notice(model, "forward pass", f"batch {b}, {n_chunks * chunk} tokens")
     logits, captured = fn(model.state if params is None else params, ids, lengths)
     logits = logits[:, :t]
@@ -722,8 +764,9 @@ def forward(model: Flint, input_ids, *, lengths=None, capture: Sequence[str] = (
     return (logits, captured) if capture else logits
 
 
-def _forward_fn(model: Flint, chunk: int, n_chunks: int, cache_len: int, capture):
+def _forward_fn(model: Flint, chunk: int, n_chunks: int, cache_len: int, capture, pallas: bool):
     def build():
+        from flint_jax import prefill as pallas_prefill
         from flint_jax.cache import cache_shapes
         graphdef, cfg, dtype = model.graphdef, model.config, model.dtype
 
@@ -736,8 +779,11 @@ def _forward_fn(model: Flint, chunk: int, n_chunks: int, cache_len: int, capture
             outs, caps = [], []
             for c in range(n_chunks):
                 n = jnp.clip(lengths - c * chunk, 0, chunk)
-                lo, cache, cap = m(ids[:, c * chunk:(c + 1) * chunk], cache, n, logits="all",
-                                   capture=capture)
+                part = ids[:, c * chunk:(c + 1) * chunk]
+                if pallas:
+                    lo, cache, cap = pallas_prefill.chunk_forward(m, part, cache, n, logits="all")
+                else:
+                    lo, cache, cap = m(part, cache, n, logits="all", capture=capture)
                 outs.append(lo)
                 caps.append(cap)
             logits = jnp.concatenate(outs, axis=1)
@@ -745,4 +791,4 @@ def _forward_fn(model: Flint, chunk: int, n_chunks: int, cache_len: int, capture
             return logits, captured
 
         return jax.jit(run)
-    return model.jitted(("forward", chunk, n_chunks, cache_len, capture), build)
+    return model.jitted(("forward", chunk, n_chunks, cache_len, capture, pallas), build)

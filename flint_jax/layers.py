@@ -75,21 +75,26 @@ def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """Grouped matmul `[N, K] x [G, K, M]` -> f32 `[N, M]` (rows grouped by `sizes`)."""
+def ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, precision=None) -> jax.Array:
+    """Grouped matmul `[N, K] x [G, K, M]` -> f32 `[N, M]` (rows grouped by `sizes`).
+
+    `precision` as `jax.lax.ragged_dot`'s (None: the default, which on a GPU rounds f32 operands
+    to TF32)."""
     x, w = _operands(x, w)
-    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=F32)
+    return jax.lax.ragged_dot(x, w, sizes, precision=precision, preferred_element_type=F32)
 
 
-def router_topk(x: jax.Array, router_w: jax.Array, k: int, norm_topk_prob: bool = True):
+def router_topk(x: jax.Array, router_w: jax.Array, k: int, norm_topk_prob: bool = True,
+                precision=jax.lax.Precision.HIGHEST):
     """Flint's router: fp32 logits, sigmoid scores, top-k (no selection bias), renormalised.
 
     x: [N, D]; router_w: [E, D] (fp32 in memory). Returns (scores f32 [N, E], weights f32 [N, k],
-    ids int32 [N, k]).
+    ids int32 [N, k]). `precision`: of the fp32 logits dot (another fp32-exact algorithm may be
+    given, e.g. `DotAlgorithmPreset.BF16_BF16_F32_X6` for bf16 x: its products are exact).
     """
     logits = jax.lax.dot_general(
         x.astype(F32), router_w.astype(F32), (((1,), (1,)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
+        precision=precision, preferred_element_type=F32)
     scores = jax.nn.sigmoid(logits)
     weights, ids = jax.lax.top_k(scores, k)
     if norm_topk_prob:

@@ -1,4 +1,4 @@
-"""Fused Pallas (Triton backend) kernels for Flint decode on NVIDIA GPUs (H200 target).
+"""Fused Pallas (Triton backend) kernels for Flint decode and prefill on NVIDIA GPUs (H200 target).
 
 One op per module (the MoE: one package of rooms), each kernel beside its plain-jnp
 ``*_reference`` (same math-level signature, the numerical contract of the kernel and the XLA
@@ -18,6 +18,8 @@ multi_gemv``): the package re-exports nothing, so a module and its op never shad
 | ``add_rms_norm_router`` | ``add_rms_norm_router``: residual add + RMSNorm + fp32 router GEMV (batch 1) |
 | ``moe`` | the routed MoE: ``routing`` / ``gate_up`` / ``down`` / ``combine`` / ``tiling`` (``MoEPlan``) |
 | ``pdl`` | ``launch_dependents``: every kernel wrapper's ``early_trigger`` lets the next kernel launch first |
+| ``grouped_matmul`` | ``moe_experts``: prefill's routed experts, grouped GEMMs over rows sorted by expert (``group_rows``), fused SiLU(gate)*up, BF16 or NVFP4 decoded in the K loop |
+| ``prefill_attention`` | ``prefill_attention``: flash attention with sinks for prefill chunks (bottom-right causal, GQA, window blocks skipped, cache or ring + chunk keys) |
 
 Every wrapper is jitted with its tuning knobs static, takes ``early_trigger`` (static) and
 ``interpret=True`` to run on CPU. Measurements and the tuning log live in ``docs/kernels.md``.

@@ -151,7 +151,10 @@ def test_moe_decode_routed_step_plans(fmt, m):
   np.testing.assert_array_equal(np.asarray(ref_route.ids), np.asarray(route.ids))
   assert_routed_close(y, ref, top_k, plan, f"moe routed {fmt} M={m}")
   y_default, _ = moe_decode_routed(x, logits, experts, shared, **kw)
-  np.testing.assert_array_equal(np.asarray(y_default, np.float32), np.asarray(y, np.float32))
+  # the rows the plan defines (per-token slots leave the others unwritten: garbage on a GPU)
+  defined = (lambda a: a) if plan.slot_rows == "all" else (lambda a: used_rows(a, top_k))
+  np.testing.assert_array_equal(np.asarray(defined(y_default), np.float32),
+                                np.asarray(defined(y), np.float32))
   if plan.gate_up_f16:   # the f16 K steps move h by less than its bf16 rounding
     y32, _ = moe_decode_routed(x, logits, experts, shared, plan=moe_plan(fmt, fmt, m, f16=False),
                                **kw)
@@ -172,7 +175,10 @@ def test_gate_up_and_down_references():
     y = down_reference(h, hs, experts, shared, route.ids, slot_rows=slot_rows)
     got = y if slot_rows == "all" else used_rows(y, 4)
     want = ref if slot_rows == "all" else used_rows(ref, 4)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    if INTERPRET:   # the same XLA ops on the CPU: bit for bit
+      np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    else:           # a GPU's XLA fuses the two compositions differently: bf16 roundings move
+      assert_close(got, want, what=f"composed references, slot_rows={slot_rows}")
 
 
 @pytest.mark.parametrize("m,d,split_k", [(1, 512, 2), (1, 256, 4), (2, 256, 2)])

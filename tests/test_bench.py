@@ -6,10 +6,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-import decode_bench  # noqa: E402
 import gpu_suite  # noqa: E402
 import numpy as np  # noqa: E402
 
+from flint_jax import bench as decode_bench  # noqa: E402
 from flint_jax.config import preset  # noqa: E402
 
 
@@ -84,7 +84,7 @@ def test_parity_tiny_on_cpu():
 
 
 def test_fixed_routing_zeroes_only_the_routers():
-    """`pallas_fixroute`'s state: every router weight zero (so every token selects experts
+    """`--option routing=fixed`'s state: every router weight zero (so every token selects experts
     0 .. top_k - 1), every other leaf the very same array."""
     from flax import nnx
     cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
@@ -103,22 +103,41 @@ def test_fixed_routing_zeroes_only_the_routers():
     assert routers == 1
 
 
-def test_make_handle_plan_variants():
-    """Bench path names: "pallas" is the measured plan (``decode_plan``), "pallas_<field>=<value>,
-    ..." a plan variant (``DecodePlan`` fields, ``moe.`` + ``MoEPlan`` fields); a bad one is
-    refused."""
+def test_make_handle_options():
+    """`--option key=value`: "pallas" is the measured plan (``decode_plan``) unless options
+    change it (``DecodePlan`` fields, ``moe.`` + ``MoEPlan`` fields, comma-joined or repeated);
+    the xla path ignores plan fields; unknown keys, values and paths are refused."""
     from flint_jax.fast_decode import decode_plan
     cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
     graphdef, state = decode_bench.build_state(cfg, quant=False)
     assert decode_bench.make_handle(cfg, graphdef, state, False, "pallas").decode_plan is None
-    h = decode_bench.make_handle(cfg, graphdef, state, False,
-                                 "pallas_early_trigger=false,qkv_split_k=2,moe.slot_rows=all")
+    opts = ["early_trigger=false,qkv_split_k=2", "moe.slot_rows=all"]
+    h = decode_bench.make_handle(cfg, graphdef, state, False, "pallas", opts)
     p = h.decode_plan(False, 8)
     want = decode_plan(False, 8)
     assert (p.early_trigger, p.qkv_split_k, p.moe.slot_rows) == (False, 2, "all")
     assert p.layer_end == want.layer_end and p.moe.block_n == want.moe.block_n
-    with pytest.raises(ValueError, match="want field=value"):
-        decode_bench.make_handle(cfg, graphdef, state, False, "pallas_notrig")
+    assert decode_bench.make_handle(cfg, graphdef, state, False, "xla", opts).decode_plan is None
+    for bad, match in [(["notrig"], "want key=value"), (["no_such_field=1"], "not a DecodePlan"),
+                       (["moe.nope=1"], "MoEPlan has no field"), (["scales=fp8"], "want one of")]:
+        with pytest.raises(ValueError, match=match):
+            decode_bench.make_handle(cfg, graphdef, state, False, "pallas", bad)
+    with pytest.raises(ValueError, match="bad path"):
+        decode_bench.make_handle(cfg, graphdef, state, False, "pallas_early_trigger=false")
+
+
+def test_cli_bench_parses_options():
+    """`flint-jax bench` takes --option (repeatable) and only xla / pallas as --paths; the bench
+    code is imported from the package (no sys.path editing: it works from a wheel)."""
+    from flint_jax import cli
+    a = cli.build_parser().parse_args(["bench", "--config", "smoke", "--paths", "pallas",
+                                       "--option", "early_trigger=false",
+                                       "--option", "moe.slot_rows=all"])
+    assert a.option == ["early_trigger=false", "moe.slot_rows=all"] and a.paths == ["pallas"]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--paths", "pallas_early_trigger=false"])
+    src = open(cli.__file__).read()
+    assert "sys.path" not in src
 
 
 def test_step_kernel_bytes_add_up_to_the_step_floor():

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flint_jax import bench as decode_bench
+from flint_jax import bench
 from flint_jax.config import preset
 from flint_jax.decode import prefill
 from flint_jax.decode import Flint
@@ -55,8 +55,8 @@ def choice_gap(a, b):
 
 
 def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, options=()):
-    xla = decode_bench.make_handle(cfg, graphdef, state, quant, "xla", options)
-    pal = decode_bench.make_handle(cfg, graphdef, state, quant, "pallas", options)
+    xla = bench.make_handle(cfg, graphdef, state, quant, "xla", options)
+    pal = bench.make_handle(cfg, graphdef, state, quant, "pallas", options)
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, cfg.vocab_size, size=prompt_len - 37 * i).tolist() for i in range(batch)]
     # One prefill, copied for each path and loop: XLA's GPU prefill is not bit-reproducible
@@ -76,7 +76,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, options=
         a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
         ref_logits_x.append(a)
         if np.array_equal(np.asarray(tx), np.asarray(tp)):
-            errs.append(decode_bench.rel_l2(a, b))
+            errs.append(bench.rel_l2(a, b))
             near_tie = near_tie or choice_gap(a, b)
         tx, tp = jnp.argmax(lx, -1).astype(jnp.int32), jnp.argmax(lp, -1).astype(jnp.int32)
         toks_x.append(np.asarray(tx))
@@ -96,7 +96,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, options=
             a1 = np.asarray(l1, np.float32)
             if np.array_equal(np.asarray(t1), tx0[i]):
                 ref_row = ref_logits_x[i][:1]
-                errs_1.append(decode_bench.rel_l2(ref_row, a1))
+                errs_1.append(bench.rel_l2(ref_row, a1))
                 tie_1 = tie_1 or choice_gap(ref_row, a1)
             t1 = jnp.argmax(l1, -1).astype(jnp.int32)
             toks_1.append(np.asarray(t1))
@@ -122,7 +122,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, options=
         lx, cache_x = fx(xla.leaves, cache_x, t)
         lp, cache_p = fp(pal.leaves, cache_p, t)
         a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
-        tf_errs.append(decode_bench.rel_l2(a, b))
+        tf_errs.append(bench.rel_l2(a, b))
         tf_agree.append(float(np.mean(a.argmax(-1) == b.argmax(-1))))
         gap = choice_gap(a, b)
         if gap is not None:   # how close the reference's own choice was where they differ
@@ -165,7 +165,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=470)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    decode_bench.parse_options(a.option)   # a bad option fails before the weights are built
+    bench.parse_options(a.option)   # a bad option fails before the weights are built
     if not set(a.paths.split(",")) <= {"xla", "pallas"}:
         ap.error("--paths: xla, pallas or xla,pallas (variants: --option KEY=VALUE)")
     t_start = time.perf_counter()
@@ -181,7 +181,7 @@ def main():
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
 
-    graphdef, state = decode_bench.build_state(cfg, quant)
+    graphdef, state = bench.build_state(cfg, quant)
     jax.block_until_ready(state)
     res["timeline"]["weights_built_s"] = time.perf_counter() - t_start
     print(f"[{a.format}] weights built in {res['timeline']['weights_built_s']:.1f} s", flush=True)
@@ -216,13 +216,13 @@ def main():
         batch, context = (int(v) for v in case.split("x"))
         t0 = time.perf_counter()
         paths = a.paths.split(",")
-        row = decode_bench.run_case(cfg, graphdef, state, quant, batch, context, paths,
+        row = bench.run_case(cfg, graphdef, state, quant, batch, context, paths,
                                     a.steps, a.trace, options=a.option)
         row["case_s"] = time.perf_counter() - t0
         res["cases"].append(row)
-        print(decode_bench.format_row(row, paths) + f" [{row['case_s']:.0f} s]", flush=True)
+        print(bench.format_row(row, paths) + f" [{row['case_s']:.0f} s]", flush=True)
         save()
-    print(decode_bench.table(res["cases"], a.paths.split(",")))
+    print(bench.table(res["cases"], a.paths.split(",")))
     save()
 
 

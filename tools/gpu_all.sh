@@ -91,11 +91,12 @@ for stage in "${stages[@]}"; do
         [ -n "${bf16_pid:-}" ] && wait "$bf16_pid"
         run_tests 0
       fi
-      # KERNEL_GROUPS (e.g. "tune2"): kernel microbenchmark groups run on GPU 0 after the BF16 suite.
+      # KERNEL_GROUPS (e.g. "moe,router"; benchmarks/kernels.py GROUPS: gemv, nvfp4, qkv, moe,
+      # attention, norms, router): kernel microbenchmark groups run on GPU 0 after the BF16 suite.
       if [ -n "${KERNEL_GROUPS:-}" ]; then
         [ -n "${bf16_pid:-}" ] && wait "$bf16_pid"
         CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${KERNEL_TIMEOUT:-240} \
-          python3 benchmarks/kernels.py --out "$OUT/kernels" --groups "$KERNEL_GROUPS" --variants 0 \
+          python3 benchmarks/kernels.py --out "$OUT/kernels" --groups "$KERNEL_GROUPS" \
           --budget "${KERNEL_BUDGET:-180}" --compile-threads 16 > "$OUT/kernels.log" 2>&1
         sed -n '/^| group/,$p' "$OUT/kernels.log" | cut -c1-200
       fi

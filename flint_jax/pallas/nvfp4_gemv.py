@@ -706,7 +706,7 @@ def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1,
   M > 1 (``dot``): bn64 bk256 w4 (q_proj 17.5 us, o_proj split-K 4 13.1 us, gate|up 33.6 us vs
   XLA 40.7); N >= 16384: bn128 w8 (65536x2048: 81 us vs XLA 185 us). Measured (H200 runs 104-105,
   M = 8, pre-scaled scales, ``kernels.py --groups m8dense,m8dense2``; run 109 ``--groups
-  m8silu`` for the dense gate|up pair): bk128 (o_proj split-K 4 8.05 us against 9.3; split-K 8
+  m8silu`` for the dense gate|up pair; groups of kernels.py at 35c0874): bk128 (o_proj split-K 4 8.05 us against 9.3; split-K 8
   7.2, not taken: 8 partials for the norm kernel to sum; bn32 11.0, bn16 24.5, bn128 10.6; the
   gate|up pair 22.5 against 27.5 at bk256).
   Session-3 sweep, M = 1, N <= 2048 (o_proj 2048x4096): bn16 bk1024 split-K 4 w8 5.4 us (the

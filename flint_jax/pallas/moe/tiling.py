@@ -180,7 +180,7 @@ def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool 
   - NVFP4 M=8: gate_up bn64 bk256 w4 (98); down bn64 bk128 w4 (37.6, against 43.0).
   - BF16 M=8, round 2: 64-wide K steps, 5 / 4 stages: 84.5 us for both (89.5 at bk128).
   - NVFP4 M=8 (pre-scaled scales, the ``mul`` decode; kernels.py --groups moetune /
-    m8swap, runs 79-80): gate_up on swap-AB tiles (the decoded weights as wgmma's register A
+    m8swap at 35c0874, runs 79-80): gate_up on swap-AB tiles (the decoded weights as wgmma's register A
     operand) bn128 bk256 w8: 144.5 / 144.7 us for both kernels against 160.3 / 160.2 (dot
     bn64 bk256 w4); the down kernel's swap tiles gain under 4 us: it stays ``dot``. ``method`` /
     ``method_down`` keys: the tile methods where they differ from the format's default.

@@ -12,6 +12,10 @@ Results are rewritten to `--out` after every case, so a run cut short still repo
 measured; `--budget-s` stops starting new cases past that many seconds.
 
     python benchmarks/gpu_suite.py --format bf16 --out $OUT/bf16.json
+    python benchmarks/gpu_suite.py --format nvfp4 --paths pallas --option early_trigger=true ...
+
+`--paths` chooses between the reference (xla) and the plan (pallas); `--option KEY=VALUE`
+(repeatable) changes the plan, as for `flint-jax bench` (``flint_jax.bench.parse_options``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import decode_bench
+from flint_jax import bench
 from flint_jax.config import preset
 from flint_jax.decode import prefill
 from flint_jax.decode import Flint
@@ -50,9 +54,9 @@ def choice_gap(a, b):
             "max_abs_diff": float(np.abs(a[r] - b[r]).max())}
 
 
-def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pallas"):
-    xla = Flint(config=cfg, graphdef=graphdef, state=state, quant=quant, kernels="xla")
-    pal = decode_bench.make_handle(cfg, graphdef, state, quant, path)
+def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, options=()):
+    xla = bench.make_handle(cfg, graphdef, state, quant, "xla", options)
+    pal = bench.make_handle(cfg, graphdef, state, quant, "pallas", options)
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, cfg.vocab_size, size=prompt_len - 37 * i).tolist() for i in range(batch)]
     # One prefill, copied for each path and loop: XLA's GPU prefill is not bit-reproducible
@@ -72,7 +76,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
         a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
         ref_logits_x.append(a)
         if np.array_equal(np.asarray(tx), np.asarray(tp)):
-            errs.append(decode_bench.rel_l2(a, b))
+            errs.append(bench.rel_l2(a, b))
             near_tie = near_tie or choice_gap(a, b)
         tx, tp = jnp.argmax(lx, -1).astype(jnp.int32), jnp.argmax(lp, -1).astype(jnp.int32)
         toks_x.append(np.asarray(tx))
@@ -92,7 +96,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
             a1 = np.asarray(l1, np.float32)
             if np.array_equal(np.asarray(t1), tx0[i]):
                 ref_row = ref_logits_x[i][:1]
-                errs_1.append(decode_bench.rel_l2(ref_row, a1))
+                errs_1.append(bench.rel_l2(ref_row, a1))
                 tie_1 = tie_1 or choice_gap(ref_row, a1)
             t1 = jnp.argmax(l1, -1).astype(jnp.int32)
             toks_1.append(np.asarray(t1))
@@ -118,7 +122,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
         lx, cache_x = fx(xla.leaves, cache_x, t)
         lp, cache_p = fp(pal.leaves, cache_p, t)
         a, b = np.asarray(lx, np.float32), np.asarray(lp, np.float32)
-        tf_errs.append(decode_bench.rel_l2(a, b))
+        tf_errs.append(bench.rel_l2(a, b))
         tf_agree.append(float(np.mean(a.argmax(-1) == b.argmax(-1))))
         gap = choice_gap(a, b)
         if gap is not None:   # how close the reference's own choice was where they differ
@@ -129,7 +133,7 @@ def parity(cfg, graphdef, state, quant, steps, batch=2, prompt_len=600, path="pa
             "teacher_forced_argmax_agreement": float(np.mean(tf_agree)),
             "teacher_forced_disagreements": tf_ties,
             "teacher_forced_rel_l2_per_step": tf_errs,
-            "path": path, "batch": batch, "prompt_lens": [len(r) for r in rows], "steps": steps,
+            "options": list(options), "batch": batch, "prompt_lens": [len(r) for r in rows], "steps": steps,
             "tokens_identical": all(same),
             "first_divergence": None if all(same) else same.index(False),
             # The two tokens' logit gap in each path where they first chose differently,
@@ -146,33 +150,38 @@ def main():
     ap.add_argument("--config", default="flint")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--parity-steps", type=int, default=32)
-    ap.add_argument("--parity-path", default="pallas",
-                    help="the path compared with xla (decode_bench.make_handle names)")
     ap.add_argument("--parity-batch", type=int, default=2)
     ap.add_argument("--cases", default="1x1024,8x1024,1x100000,8x100000,1x8192,8x8192",
                     help="comma-separated BATCHxCONTEXT, in order")
     ap.add_argument("--paths", default="xla,pallas",
-                    help="paths every case runs (xla = the reference path, pallas = the default "
-                         "Pallas step); drop xla for a quick diagnostic run")
+                    help="paths every case runs (xla = the reference path, pallas = the plan, "
+                         "changed by --option); drop xla for a quick diagnostic run")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="change the Pallas plan (repeatable): DecodePlan fields, "
+                         "moe.<MoEPlan field>, scales=e4m3, routing=fixed "
+                         "(flint_jax.bench.parse_options)")
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timing window")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--budget-s", type=float, default=470)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    bench.parse_options(a.option)   # a bad option fails before the weights are built
+    if not set(a.paths.split(",")) <= {"xla", "pallas"}:
+        ap.error("--paths: xla, pallas or xla,pallas (variants: --option KEY=VALUE)")
     t_start = time.perf_counter()
     cfg = preset(a.config)
     if a.layers:
         cfg = cfg.replace(num_hidden_layers=a.layers)
     quant = a.format == "nvfp4"
     res = {"device": jax.devices()[0].device_kind, "format": a.format,
-           "layers": cfg.num_hidden_layers, "timeline": {}, "cases": []}
+           "layers": cfg.num_hidden_layers, "options": a.option, "timeline": {}, "cases": []}
 
     def save():
         res["timeline"]["elapsed_s"] = time.perf_counter() - t_start
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
 
-    graphdef, state = decode_bench.build_state(cfg, quant)
+    graphdef, state = bench.build_state(cfg, quant)
     jax.block_until_ready(state)
     res["timeline"]["weights_built_s"] = time.perf_counter() - t_start
     print(f"[{a.format}] weights built in {res['timeline']['weights_built_s']:.1f} s", flush=True)
@@ -181,7 +190,7 @@ def main():
         t0 = time.perf_counter()
         try:
             res["parity"] = parity(cfg, graphdef, state, quant, a.parity_steps,
-                                   batch=a.parity_batch, path=a.parity_path)
+                                   batch=a.parity_batch, options=a.option)
         except Exception as e:  # noqa: BLE001 (report, then run the benchmark cases)
             res["parity"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
         res["timeline"]["parity_s"] = time.perf_counter() - t0
@@ -190,7 +199,7 @@ def main():
             print(f"[{a.format}] parity FAILED: {p['error'][:500]}", flush=True)
             save()
     if a.parity_steps and "error" not in p:
-        print(f"[{a.format}] parity ({p['path']}, batch {p['batch']}): tokens identical over {p['steps']} steps: "
+        print(f"[{a.format}] parity (pallas{''.join(' ' + o for o in p['options'])}, batch {p['batch']}): tokens identical over {p['steps']} steps: "
               f"{p['tokens_identical']} (first divergence {p['first_divergence']}, "
               f"{p['first_divergence_near_tie']}); logits rel-L2 "
               f"max {p['rel_l2_max']:.2e} median {p['rel_l2_median']:.2e}; teacher-forced: "
@@ -207,13 +216,13 @@ def main():
         batch, context = (int(v) for v in case.split("x"))
         t0 = time.perf_counter()
         paths = a.paths.split(",")
-        row = decode_bench.run_case(cfg, graphdef, state, quant, batch, context, paths,
-                                    a.steps, a.trace)
+        row = bench.run_case(cfg, graphdef, state, quant, batch, context, paths,
+                                    a.steps, a.trace, options=a.option)
         row["case_s"] = time.perf_counter() - t0
         res["cases"].append(row)
-        print(decode_bench.format_row(row, paths) + f" [{row['case_s']:.0f} s]", flush=True)
+        print(bench.format_row(row, paths) + f" [{row['case_s']:.0f} s]", flush=True)
         save()
-    print(decode_bench.table(res["cases"], a.paths.split(",")))
+    print(bench.table(res["cases"], a.paths.split(",")))
     save()
 
 

@@ -2,7 +2,7 @@
 
 Run on the GPU (tools/gpu_kernels.sh): ``PYTHONPATH=. python3 benchmarks/kernels.py --out DIR``.
 
-Method (see docs/kernels.md):
+Method (docs/kernels.md at 35c0874, "Method"):
 - Every case is jitted once, warmed up, then called ``--calls`` times back to back inside one
   ``jax.profiler`` trace, rotating over enough independent input sets that the weights of one
   call are not in the 60 MB L2 when it runs (>= 3x L2 of distinct weights per rotation).

@@ -10,6 +10,7 @@ Examples:
   flint-jax inspect flint.gguf --config /hf/flint
   flint-jax bench --config smoke                   # a CPU smoke run (~35 s on 2 cores)
   flint-jax bench --dtype bf16 --batch 1 8 --context 1024 8192
+  flint-jax bench --dtype nvfp4 --batch 8 --paths pallas --option qkv_split_k=4
 
 MODEL is a local HF directory, a converted checkpoint, a .gguf file, or `demo`. A .gguf file
 takes its config.json and tokenizer from its own directory, else from --hf-config DIR.
@@ -291,13 +292,8 @@ def bench_options(a):
 
 def cmd_bench(a) -> int:
     bench_options(a)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-    try:
-        import decode_bench
-    except ImportError:
-        raise ValueError("the benchmark code lives in the repository's benchmarks/ folder: run "
-                         "from a source checkout") from None
-    return decode_bench.main(a)
+    from flint_jax import bench
+    return bench.main(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Times the decode step of a Flint with random weights, XLA "
                        "and Pallas paths side by side, for every weight format x batch x "
                        "context (see docs/performance.md). The full-size default is for a GPU; "
-                       "on a CPU run `--config smoke` (about 35 s on 2 cores).")
+                       "on a CPU run `--config smoke` (about 35 s on 2 cores). A variant of the "
+                       "Pallas plan: --option KEY=VALUE (repeatable).")
     p.add_argument("--dtype", nargs="+", default=None, choices=["bf16", "nvfp4"],
                    help="weight formats (default both)")
     p.add_argument("--batch", nargs="+", type=int, default=None,
@@ -360,10 +357,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="fewer layers (quick runs)")
     p.add_argument("--steps", type=int, default=None,
                    help="timed decode steps per window (default 50)")
-    p.add_argument("--paths", nargs="+", default=["xla", "pallas"],
-                   help="decode paths to time side by side: xla (reference), pallas (the "
-                        "measured plan, fast_decode.decode_plan), or a plan variant such as "
-                        "pallas_early_trigger=false (benchmarks/decode_bench.make_handle)")
+    p.add_argument("--paths", nargs="+", default=["xla", "pallas"], choices=["xla", "pallas"],
+                   help="decode paths to time side by side: xla (the reference) and pallas "
+                        "(the plan: fast_decode.decode_plan, changed by --option)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="change the Pallas plan (repeatable): a DecodePlan field "
+                        "(early_trigger=false, layer_end=norm, qkv_split_k=2, ...), "
+                        "moe.<MoEPlan field> (moe.slot_rows=all), scales=e4m3 (NVFP4 block "
+                        "scales not pre-scaled) or routing=fixed (router weights zeroed, both "
+                        "paths); see flint_jax/bench.py parse_options")
     p.add_argument("--config", default="flint",
                    help="flint (full size, the default; a GPU), a smaller preset (tiny, "
                         "tiny-gqa8, small: every case of the grid, minutes on a CPU), or smoke: "

@@ -54,7 +54,7 @@ MAX_BATCH = 16
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
     """The fused kernels of the Pallas step at one (weight format, batch size): the measured
-    choices (H200; docs/performance.md perf log N / run N), built by ``decode_plan``.
+    choices (H200 run N: docs/gpu_runs/runN/, or docs at 35c0874), built by ``decode_plan``.
 
     | field | BF16 1 | BF16 2-4 | BF16 5-7 | BF16 8-16 | NVFP4 1 | NVFP4 2-3 | NVFP4 4-16 |
     |---|---|---|---|---|---|---|---|
@@ -78,7 +78,7 @@ class DecodePlan:
     layer_end: where each layer's end (MoE combine or dense output, residual add, the next
       layer's RMSNorm) runs. "qkv": inside the next layer's q|k|v kernel (``norm_qkv``; one
       launch less per layer; runs 13, 20, 22: 10.2 against 12.2 us for the pair it replaces;
-      slower for NVFP4, run 38, and at batch 8, perf log 9, 22, 35). "down": the MoE combine +
+      slower for NVFP4, run 38, and at batch 8, docs at 35c0874). "down": the MoE combine +
       residual add by the down kernel's last programs (``moe_decode_routed_combine``, counters
       in the cache), the RMSNorm by the next q|k|v kernel as it loads the residual
       (``multi_gemv(rms_sumsq=)``): H200 runs 59 and 125-126 (NVFP4 1x1K busy 1797 against
@@ -175,7 +175,7 @@ def _fit_split(split: int, k: int, quant: bool) -> int:
 # - BF16 o_proj, dense down and LM head: XLA (its GEMV reaches 3 TB/s where the Pallas one
 #   reaches 2; the Pallas BF16 o_proj at batch > 1 measured no faster, run 57). BF16 q|k|v and
 #   MoE: Pallas, because one kernel replaces 3 (q|k|v) or ~12 (MoE) launches: 4.45 -> 3.10 ms per
-#   token at batch 1 (perf log 6-7).
+#   token at batch 1 (H200 runs 7-8, docs at 35c0874).
 # - Attention, Q/K-norm + RoPE + cache write, residual add + RMSNorm: Pallas (1.1-30x).
 
 

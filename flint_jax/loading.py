@@ -201,7 +201,7 @@ def make_handle(cfg, graphdef, state, *, dtype, quant, kernels, mesh, rules, max
     if quant and kernels == "pallas" and jax.default_backend() == "gpu":
         # The Pallas kernels' NVFP4 decode multiplies by bf16 scale * 2^119: holding the block
         # scales that way (exact, +11% of the NVFP4 bytes) spares every kernel their conversion;
-        # batch 8 decodes 6% faster, batch 1 the same (H200, perf log 52).
+        # batch 8 decodes 6% faster, batch 1 the same (H200 run 74).
         from flint_jax import nvfp4
         state = nvfp4.prescale_state(state)
     handle = Flint(config=cfg, graphdef=graphdef, state=state, dtype=dtype, quant=quant,

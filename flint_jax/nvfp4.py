@@ -343,7 +343,7 @@ def prescale_state(state):
 
     Exact, and every NVFP4 kernel (and ``dequantize``) gives bit-identical results with it;
     the block scales take twice the bytes (+11% of the NVFP4 weights). Measured on the H200
-    (docs/performance.md, perf log 52): the tensor-core (M = 8) NVFP4 kernels issue ~14% fewer
+    (H200 runs 71-74, docs at 35c0874): the tensor-core (M = 8) NVFP4 kernels issue ~14% fewer
     instructions per K step and run 5-14% faster; the M = 1 kernels are unchanged."""
     def one(a):
         return prescale_block_scales(a) if getattr(a, "dtype", None) == jnp.float8_e4m3fn else a

@@ -6,10 +6,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-import decode_bench  # noqa: E402
 import gpu_suite  # noqa: E402
 import numpy as np  # noqa: E402
 
+from flint_jax import bench  # noqa: E402
 from flint_jax.config import preset  # noqa: E402
 
 
@@ -23,7 +23,7 @@ def test_kernel_stats_counts_stream_kernels_only():
     events = meta + [{"ph": "X", "pid": 1, "tid": 7, "name": n, "dur": d} for n, d in kernels]
     events += [{"ph": "X", "pid": 1, "tid": 8, "name": "host_op", "dur": 100.0},   # not a kernel
                {"ph": "i", "pid": 1, "tid": 7, "name": "marker"}]                  # not complete
-    stats = decode_bench.kernel_stats({"traceEvents": events}, steps=2, top=2)
+    stats = bench.kernel_stats({"traceEvents": events}, steps=2, top=2)
     assert stats["kernels"] == 3.0
     assert stats["kernel_us"] == pytest.approx(19.0)
     assert stats["by_kernel"] == [["attn", 1.0, 11.0], ["gemv", 1.5, 7.5]]
@@ -31,16 +31,16 @@ def test_kernel_stats_counts_stream_kernels_only():
 
 def test_busy_time_counts_overlaps_once():
     """Kernels launched early (PDL) overlap their predecessors: the union, not the sum."""
-    assert decode_bench.busy_time([]) == 0.0
-    assert decode_bench.busy_time([(0.0, 4.0), (10.0, 2.0)]) == 6.0            # a gap
-    assert decode_bench.busy_time([(0.0, 4.0), (3.0, 5.0), (3.5, 1.0)]) == 8.0  # overlaps
-    assert decode_bench.busy_time([(5.0, 1.0), (0.0, 10.0)]) == 10.0           # unsorted, nested
+    assert bench.busy_time([]) == 0.0
+    assert bench.busy_time([(0.0, 4.0), (10.0, 2.0)]) == 6.0            # a gap
+    assert bench.busy_time([(0.0, 4.0), (3.0, 5.0), (3.5, 1.0)]) == 8.0  # overlaps
+    assert bench.busy_time([(5.0, 1.0), (0.0, 10.0)]) == 10.0           # unsorted, nested
 
 
 def test_run_case_tiny_on_cpu():
     cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=())   # two MoE layers
-    graphdef, state = decode_bench.build_state(cfg, quant=False)
-    row = decode_bench.run_case(cfg, graphdef, state, False, batch=2, context=40,
+    graphdef, state = bench.build_state(cfg, quant=False)
+    row = bench.run_case(cfg, graphdef, state, False, batch=2, context=40,
                                 paths=["xla", "pallas"], steps=1, trace=False, loop_block=1)
     for p in ("xla", "pallas"):
         assert f"{p}_error" not in row, row.get(f"{p}_error")
@@ -48,7 +48,7 @@ def test_run_case_tiny_on_cpu():
     assert row["floor_ms"] > 0
     # Same cache contents and token for both paths: the logits agree to bf16 accuracy.
     assert row["rel_l2_pallas_vs_xla"] < 2e-2
-    assert "| bf16 | 2 | 40 |" in decode_bench.table([row], ["xla", "pallas"])
+    assert "| bf16 | 2 | 40 |" in bench.table([row], ["xla", "pallas"])
 
 
 def test_choice_gap_reports_the_first_disagreeing_row():
@@ -67,7 +67,7 @@ def test_choice_gap_reports_the_first_disagreeing_row():
 
 def test_parity_tiny_on_cpu():
     cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=())
-    graphdef, state = decode_bench.build_state(cfg, quant=True)
+    graphdef, state = bench.build_state(cfg, quant=True)
     p = gpu_suite.parity(cfg, graphdef, state, True, steps=2, batch=2, prompt_len=45)
     assert p["steps"] == 2 and p["prompt_lens"] == [45, 8]
     assert 0.0 <= p["teacher_forced_argmax_agreement"] <= 1.0
@@ -84,12 +84,12 @@ def test_parity_tiny_on_cpu():
 
 
 def test_fixed_routing_zeroes_only_the_routers():
-    """`pallas_fixroute`'s state: every router weight zero (so every token selects experts
+    """`--option routing=fixed`'s state: every router weight zero (so every token selects experts
     0 .. top_k - 1), every other leaf the very same array."""
     from flax import nnx
     cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
-    _, state = decode_bench.build_state(cfg, quant=False)
-    fixed = decode_bench._fixed_routing(state)
+    _, state = bench.build_state(cfg, quant=False)
+    fixed = bench._fixed_routing(state)
     before = dict(nnx.to_flat_state(state))
     routers = 0
     for path, var in nnx.to_flat_state(fixed):
@@ -103,27 +103,46 @@ def test_fixed_routing_zeroes_only_the_routers():
     assert routers == 1
 
 
-def test_make_handle_plan_variants():
-    """Bench path names: "pallas" is the measured plan (``decode_plan``), "pallas_<field>=<value>,
-    ..." a plan variant (``DecodePlan`` fields, ``moe.`` + ``MoEPlan`` fields); a bad one is
-    refused."""
+def test_make_handle_options():
+    """`--option key=value`: "pallas" is the measured plan (``decode_plan``) unless options
+    change it (``DecodePlan`` fields, ``moe.`` + ``MoEPlan`` fields, comma-joined or repeated);
+    the xla path ignores plan fields; unknown keys, values and paths are refused."""
     from flint_jax.fast_decode import decode_plan
     cfg = preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
-    graphdef, state = decode_bench.build_state(cfg, quant=False)
-    assert decode_bench.make_handle(cfg, graphdef, state, False, "pallas").decode_plan is None
-    h = decode_bench.make_handle(cfg, graphdef, state, False,
-                                 "pallas_early_trigger=false,qkv_split_k=2,moe.slot_rows=all")
+    graphdef, state = bench.build_state(cfg, quant=False)
+    assert bench.make_handle(cfg, graphdef, state, False, "pallas").decode_plan is None
+    opts = ["early_trigger=false,qkv_split_k=2", "moe.slot_rows=all"]
+    h = bench.make_handle(cfg, graphdef, state, False, "pallas", opts)
     p = h.decode_plan(False, 8)
     want = decode_plan(False, 8)
     assert (p.early_trigger, p.qkv_split_k, p.moe.slot_rows) == (False, 2, "all")
     assert p.layer_end == want.layer_end and p.moe.block_n == want.moe.block_n
-    with pytest.raises(ValueError, match="want field=value"):
-        decode_bench.make_handle(cfg, graphdef, state, False, "pallas_notrig")
+    assert bench.make_handle(cfg, graphdef, state, False, "xla", opts).decode_plan is None
+    for bad, match in [(["notrig"], "want key=value"), (["no_such_field=1"], "not a DecodePlan"),
+                       (["moe.nope=1"], "MoEPlan has no field"), (["scales=fp8"], "want one of")]:
+        with pytest.raises(ValueError, match=match):
+            bench.make_handle(cfg, graphdef, state, False, "pallas", bad)
+    with pytest.raises(ValueError, match="bad path"):
+        bench.make_handle(cfg, graphdef, state, False, "pallas_early_trigger=false")
+
+
+def test_cli_bench_parses_options():
+    """`flint-jax bench` takes --option (repeatable) and only xla / pallas as --paths; the bench
+    code is imported from the package (no sys.path editing: it works from a wheel)."""
+    from flint_jax import cli
+    a = cli.build_parser().parse_args(["bench", "--config", "smoke", "--paths", "pallas",
+                                       "--option", "early_trigger=false",
+                                       "--option", "moe.slot_rows=all"])
+    assert a.option == ["early_trigger=false", "moe.slot_rows=all"] and a.paths == ["pallas"]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--paths", "pallas_early_trigger=false"])
+    src = open(cli.__file__).read()
+    assert "sys.path" not in src
 
 
 def test_step_kernel_bytes_add_up_to_the_step_floor():
     """tools/step_kernel_tbps.py's per-kernel byte model, summed over a step's kernels, is the
-    floor's byte count (decode_bench.step_bytes) less the embedding rows, for BF16 where both
+    floor's byte count (bench.step_bytes) less the embedding rows, for BF16 where both
     count 2 B per weight; kernels without a model (merge, top-k) count nothing."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
     import step_kernel_tbps  # noqa: E402
@@ -138,7 +157,7 @@ def test_step_kernel_bytes_add_up_to_the_step_floor():
     for batch, context in [(1, 1024), (8, 100_000), (3, 300)]:
         total = sum(calls * (step_kernel_tbps.kernel_bytes(name, calls, cfg, "bf16", batch, context)
                              or 0.0) for name, calls in step)
-        want = decode_bench.step_bytes(cfg, batch, context, quant=False) - batch * cfg.hidden_size * 2
+        want = bench.step_bytes(cfg, batch, context, quant=False) - batch * cfg.hidden_size * 2
         assert total == pytest.approx(want, rel=1e-12), (batch, context)
     assert step_kernel_tbps.kernel_bytes("flint_decode_attn_merge_ns16", 49, cfg, "bf16", 1, 1024) is None
     # NVFP4 weights as held on the device: 4-bit codes and a bf16 block scale per 16 values.

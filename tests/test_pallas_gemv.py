@@ -41,7 +41,7 @@ def test_gemv_silu_mul_rejects_bad_shapes():
 def test_silu_mul_rounds_where_the_model_does():
   """The kernels' gate|up epilogue rounds g and u to bf16 before silu * up, as the model's
   bf16 projections do (layers.silu_mul of two bf16 outputs): bit-identical on any fp32 inputs,
-  and not the same as rounding only at the end (which the kernels did before session 5)."""
+  and not the same as rounding only at the end (which the kernels' first versions did)."""
   from flint_jax import layers  # pylint: disable=g-import-not-at-top
   from flint_jax.pallas._common import silu_mul_f32  # pylint: disable=g-import-not-at-top
   g = rng("silu_round")

@@ -7,7 +7,8 @@
 #                 compiled (tools/gpu_kernels.sh tests; ~400 s)
 #   kernels       per-kernel timings (tools/gpu_kernels.sh bench; docs/kernels.md)
 #   suite_bf16    full-size model, BF16: Pallas vs XLA parity (32 greedy steps) and the decode
-#                 benchmark (ms/step, tokens/s, % of HBM floor, kernels/step) (benchmarks/gpu_suite.py)
+#                 benchmark (ms/step, tokens/s, % of HBM floor, kernels/step) (benchmarks/gpu_suite.py
+#                 on flint_jax/bench.py; a plan variant: OPTIONS="KEY=VALUE ...", see suites_x2)
 #   suite_nvfp4   the same with NVFP4 weights
 #   checkpoints   synth -> convert -> load -> generate at full size (tools/gpu_checkpoints.sh nvfp4)
 #   sharded       2 GPUs (nvidia-h200-x2): a BF16 checkpoint restored over both equals one GPU
@@ -34,26 +35,29 @@ stages=("$@")
   python3 -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'
 } 2>&1 | tee "$OUT/env.txt"
 
+opts=""; for o in ${OPTIONS:-}; do opts="$opts --option $o"; done
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date -u +%T))"
   case $stage in
     tests)       OUT=$OUT bash tools/gpu_kernels.sh tests ;;
     kernels)     OUT=$OUT bash tools/gpu_kernels.sh bench ;;
-    suite_bf16)  python3 benchmarks/gpu_suite.py --format bf16 --trace --out "$OUT/suite_bf16.json" \
+    suite_bf16)  python3 benchmarks/gpu_suite.py --format bf16 --trace --out "$OUT/suite_bf16.json" $opts \
                    2>&1 | grep -v "DeprecationWarning\|warnings.warn" | tee "$OUT/suite_bf16.log" ;;
-    suite_nvfp4) python3 benchmarks/gpu_suite.py --format nvfp4 --trace --out "$OUT/suite_nvfp4.json" \
+    suite_nvfp4) python3 benchmarks/gpu_suite.py --format nvfp4 --trace --out "$OUT/suite_nvfp4.json" $opts \
                    2>&1 | grep -v "DeprecationWarning\|warnings.warn" | tee "$OUT/suite_nvfp4.log" ;;
     suites_x2)
       # FORMATS (default "bf16 nvfp4"): BF16 suite on GPU 0, NVFP4 suite on GPU 1; the compiled
       # tests of the newest kernels without preallocation (4 workers), see TESTS_WHEN.
-      # CASES, PATHS, PARITY_STEPS, PARITY_PATH, PARITY_BATCH, V1_CASES, FUSED_CASES ("none": none), FUSED_PATHS, SUITE_BUDGET
-      # (s; SUITE_BUDGET_NVFP4 for the NVFP4 suite) choose the work:
+      # CASES, PATHS (xla,pallas | pallas), PARITY_STEPS, PARITY_BATCH, OPTIONS (a plan variant:
+      # space-separated KEY=VALUE, each passed as --option, e.g. "early_trigger=false
+      # moe.slot_rows=all"; see flint_jax/bench.py parse_options), SUITE_BUDGET (s;
+      # SUITE_BUDGET_NVFP4 for the NVFP4 suite) choose the work:
       # a 10-minute call fits parity + about 4 cases per format (compiles dominate).
       CASES=${CASES:-1x1024,8x1024,1x8192,8x8192,8x100000,1x100000}
       SUITE="python3 benchmarks/gpu_suite.py --trace --cases $CASES
              --paths ${PATHS:-xla,pallas}
-             --parity-steps ${PARITY_STEPS:-32} --parity-path ${PARITY_PATH:-pallas}
-             --parity-batch ${PARITY_BATCH:-2}"
+             --parity-steps ${PARITY_STEPS:-32} --parity-batch ${PARITY_BATCH:-2}"
+      for o in ${OPTIONS:-}; do SUITE="$SUITE --option $o"; done
       # TESTS_WHEN: "concurrent" (default: on GPU 1 beside the NVFP4 suite, whose timings it then
       # disturbs), "after" (on GPU 0 once the BF16 suite is done: clean timings) or "none";
       # TEST_FILES overrides the test files.
@@ -87,11 +91,12 @@ for stage in "${stages[@]}"; do
         [ -n "${bf16_pid:-}" ] && wait "$bf16_pid"
         run_tests 0
       fi
-      # KERNEL_GROUPS (e.g. "tune2"): kernel microbenchmark groups run on GPU 0 after the BF16 suite.
+      # KERNEL_GROUPS (e.g. "moe,router"; benchmarks/kernels.py GROUPS: gemv, nvfp4, qkv, moe,
+      # attention, norms, router): kernel microbenchmark groups run on GPU 0 after the BF16 suite.
       if [ -n "${KERNEL_GROUPS:-}" ]; then
         [ -n "${bf16_pid:-}" ] && wait "$bf16_pid"
         CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${KERNEL_TIMEOUT:-240} \
-          python3 benchmarks/kernels.py --out "$OUT/kernels" --groups "$KERNEL_GROUPS" --variants 0 \
+          python3 benchmarks/kernels.py --out "$OUT/kernels" --groups "$KERNEL_GROUPS" \
           --budget "${KERNEL_BUDGET:-180}" --compile-threads 16 > "$OUT/kernels.log" 2>&1
         sed -n '/^| group/,$p' "$OUT/kernels.log" | cut -c1-200
       fi

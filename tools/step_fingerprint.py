@@ -1,15 +1,16 @@
 """Logits, kernel count and ms/token of the default Pallas decode step, for comparing two trees.
 
-Run once per source tree (PYTHONPATH=TREE:TREE/benchmarks), each writing an .npz of the step's
+Run once per source tree (PYTHONPATH=TREE; TREE:TREE/benchmarks for trees before the bench moved
+into ``flint_jax.bench``), each writing an .npz of the step's
 fp32 logits for fixed inputs and a .json of its kernels per step and median ms per step; then
 `--compare A.npz B.npz` says whether the logits are bit-identical. Used to check that a refactor
 leaves the default step unchanged (docs/performance.md, "How the redesign was checked"):
 
     PYTHONPATH=old:old/benchmarks python3 tools/step_fingerprint.py --out $OUT/old
-    PYTHONPATH=.:benchmarks       python3 tools/step_fingerprint.py --out $OUT/new
+    PYTHONPATH=.                  python3 tools/step_fingerprint.py --out $OUT/new
     python3 tools/step_fingerprint.py --compare $OUT/old $OUT/new
 
-Inputs: full-size random weights (`decode_bench.build_state`, the same on every run), a random
+Inputs: full-size random weights (`flint_jax.bench.build_state`, the same on every run), a random
 cache of `--context` tokens, and `--steps` steps fed fixed random tokens; BF16 and NVFP4 at batch
 1 and 8. `--config tiny` runs a small model (interpret mode on the CPU).
 """
@@ -26,16 +27,26 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _bench():
+    """The decode bench's module: ``flint_jax.bench``, or benchmarks/decode_bench.py in older
+    trees."""
+    try:
+        from flint_jax import bench
+    except ImportError:
+        import decode_bench as bench
+    return bench
+
+
 def pallas_step(cfg, graphdef, state, quant):
     """(jitted step (leaves, cache, tokens) -> (logits, cache), leaves) of the default Pallas
     path as `flint_jax.load` sets it up (NVFP4 block scales prescaled on the GPU)."""
-    import decode_bench
+    decode_bench = _bench()
     handle = decode_bench.make_handle(cfg, graphdef, state, quant, "pallas")
     return handle.decode_logits_fn(), handle.leaves
 
 
 def fingerprint(cfg, quant, batch, context, steps, cache_length, timed_steps):
-    import decode_bench
+    decode_bench = _bench()
     graphdef, state = decode_bench.build_state(cfg, quant)
     step, leaves = pallas_step(cfg, graphdef, state, quant)
     rng = np.random.default_rng(7)

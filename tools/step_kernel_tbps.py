@@ -7,7 +7,7 @@ one call must read at least (weights as the model holds them, the KV cache in us
 bandwidth that gives, against the 4.3 TB/s copy ceiling (spec section 9). Kernels without a
 byte model (merges, norms, top-k, XLA glue) print "-": they are latency-bound by design.
 
-The byte model follows `benchmarks/decode_bench.step_bytes`, per kernel: NVFP4 weights as held
+The byte model follows `flint_jax.bench.step_bytes`, per kernel: NVFP4 weights as held
 on the device (4-bit codes + bf16 pre-scaled block scales: 0.625 B per value), BF16 2 B; the
 routed experts a batch touches counted by their expectation under uniform routing,
 E * (1 - (1 - k/E)^B). Which matrix a GEMV kernel streams is told by its name and call count
@@ -15,7 +15,7 @@ E * (1 - (1 - k/E)^B). Which matrix a GEMV kernel streams is told by its name an
 
 With the early PDL trigger on (BF16's default, `DecodePlan.early_trigger`) a kernel is placed
 while its predecessor runs and its traced time includes that wait: read BF16 per-kernel times
-from the `pallas_early_trigger=false` path (the same step with the trigger off).
+from a suite run with `--option early_trigger=false` (the same step with the trigger off).
 """
 
 from __future__ import annotations

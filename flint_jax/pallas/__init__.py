@@ -22,7 +22,8 @@ multi_gemv``): the package re-exports nothing, so a module and its op never shad
 | ``prefill_attention`` | ``prefill_attention``: flash attention with sinks for prefill chunks (bottom-right causal, GQA, window blocks skipped, cache or ring + chunk keys) |
 
 Every wrapper is jitted with its tuning knobs static, takes ``early_trigger`` (static) and
-``interpret=True`` to run on CPU. Measurements and the tuning log live in ``docs/kernels.md``.
+``interpret=True`` to run on CPU. One section per kernel in ``docs/kernels.md``
+(its tuning log is in that file at commit 35c0874).
 """
 
 # In interpret mode jax 0.11.2's Pallas lowering imports its fuser lazily, in the middle of the

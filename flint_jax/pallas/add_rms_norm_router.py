@@ -30,10 +30,10 @@ rows; with ``block_d < Dp`` (fewer registers) each row first computes its mean s
 full row, then, per chunk, reloads its h/a chunk, renormalises it with that statistic
 (elementwise, so bit-identical to the full-row x) and the router chunk (an L1/L2 hit after the
 first row). Default tiles: block_e = 4, block_d = Dp ([4, 2048] fp32 = 64 registers per thread
-at 4 warps, loaded before the norm so the 32 KB per program stream under it). Session 3 measured
+at 4 warps, loaded before the norm so the 32 KB per program stream under it). An H200 sweep measured
 the old default (block_e = 8, block_d = 1024: the router chunks loaded after the norm): 4.7 us
-at M = 1 against 1.8 + 2.5 for ``add_rms_norm`` and XLA's router dot (run 9); ``--groups arnr``
-of ``benchmarks/kernels.py`` sweeps ``block_e``, ``block_d`` and ``num_warps``. Rows (M <= 16)
+at M = 1 against 1.8 + 2.5 for ``add_rms_norm`` and XLA's router dot (run 9; the sweep of ``block_e``, ``block_d``
+and ``num_warps`` was ``benchmarks/kernels.py --groups arnr`` at 35c0874). Rows (M <= 16)
 are a ``fori_loop`` inside the program. E need not be a multiple of ``block_e`` or a power of
 two, nor D a power of two (masked loads and stores).
 

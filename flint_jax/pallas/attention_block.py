@@ -224,7 +224,8 @@ def qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, positions, k_cache, v_ca
   kernel (none when ``num_splits`` is 1); see the module docstring.
 
   RoPE's cos / sin (``rope=True``): by default every program computes them (libdevice sincos,
-  ~30% of a ring program's instructions, SASS session 18). ``return_cos_sin=True`` appends them
+  ~30% of a ring program's instructions in its SASS, H200 runs 115-118, docs at 35c0874).
+  ``return_cos_sin=True`` appends them
   to the returned tuple ([B, 2, Dh/2] f32, stored by one program per row), and a later call
   given them as ``rope_cos_sin`` (same positions and theta) loads them instead: the decode step
   computes them in its first sliding layer only, with no extra kernel.

@@ -41,7 +41,7 @@ MAX_ROWS = 16
 def default_gemv_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1):
   """(block_n, block_k, split_k, num_warps) for an [n, k] bf16 weight on an H200.
 
-  From the H200 sweeps of docs/kernels.md (GPU runs 1-2, device time per call):
+  From the H200 kernel-bench sweeps (runs 1-2, docs/kernels.md at 35c0874; device time per call):
   q_proj 4096x2048: bn64 bk256 best at M=1 (swap, 8.6 us) and M=8 (7.5 us); N=2048 layers
   (o_proj, dense down): bn64 + split-K 2 (9.1 / 11.2 us, vs 17.6 / 22.6 us at bn16); k_proj
   (N=512): bn16 + split-K 4 (3.4-3.7 us); LM head: bn128 (139-142 us, 4.3-4.4 TB/s).

@@ -87,9 +87,9 @@ def default_multi_gemv_blocks(ns, k: int, *, m: int = 1, fmt: str = "bf16",
 
   BF16, and NVFP4 at M > 1: the single-matrix H200 defaults of the largest matrix (no split-K),
   block_n lowered to the largest power of two <= that default dividing every N_i (the H200 sweep
-  of session 3 found nothing faster for Flint's q|k|v: BF16 M=1 swap bn64 bk256 9.8 us).
+  of runs 9-11 found nothing faster for Flint's q|k|v: BF16 M=1 swap bn64 bk256 9.8 us).
   NVFP4 at M = 1: 16-row blocks, K steps of 512, 8 warps (Flint q|k|v 6.35 us against 10.4 us
-  at bn32 bk512 w4: the CUDA-core decode needs many warps per SM, docs/kernels.md); ``blocks``
+  at bn32 bk512 w4: the CUDA-core decode needs many warps per SM, docs at 35c0874); ``blocks``
   K steps of 1024 with 16 warps (run 85: 5.33 us against 5.76 at bk512 w8). NVFP4 ``rows`` (M
   row sums per decoded tile) takes the M = 1 tiles.
   """

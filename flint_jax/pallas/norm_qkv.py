@@ -39,8 +39,8 @@ kernel's x (program 0 writes it in a third pass; for tests).
 
 The decode step runs it for BF16 weights at batch 1 (``DecodePlan.layer_end == "qkv"``): one
 launch less per layer, 0.05-0.1 ms per token (H200 runs 13, 20, 22; the kernel 10.2 against
-12.2 us for the pair it replaces). Retired after 35c0874: NVFP4 weights (slower: run 38,
-perf log 9, 22, 35) and K slices (``split_k``: 13.4 against 10.4 us, run 48: every program
+12.2 us for the pair it replaces). Retired after 35c0874: NVFP4 weights (slower: run 38, and at
+batch 8, docs at 35c0874) and K slices (``split_k``: 13.4 against 10.4 us, run 48: every program
 repeats the statistic pass).
 
 With M == 1 the rows are not padded for the elementwise work: s / x chunks are 1-D and

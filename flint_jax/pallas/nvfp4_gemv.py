@@ -30,7 +30,7 @@ Decode of a 16-byte weight chunk (knob ``decode``):
   pre-multiplied by ``2^119`` (exact, no overflow below 448 * 2^119); ``2^7`` goes to the
   epilogue. About 2.25 integer/bf16 instructions per weight value instead of ~8. The CUDA-core
   tiles get the values as f32 from the same asm (one instruction per value), and x through
-  ``x_to_f32``. (Session 11's shift sequence and a bf16-output variant, bit-identical and
+  ``x_to_f32``. (An earlier shift-and-or sequence and a bf16-output variant, bit-identical and
   slower, were retired after 35c0874.)
 
 A K step loads ``[BN, nb, 2, 16]`` code bytes (nb 64-value blocks), decodes them and reshapes to
@@ -42,12 +42,12 @@ Tile method (knob ``method``, see ``_common.mm_tile``): ``blocks`` (default at M
 weights times x on the CUDA cores, each 16-value block's sum in the thread, one reduction
 after the K loop), ``rows`` (CUDA-core row sums for each of M rows, one decode; default at M = 2
 below 16384 output rows) or ``dot`` / ``swap`` on the tensor cores (see ``default_method``).
-Measured on the H200 (docs/kernels.md):
+Measured on the H200 (docs/kernels.md at 35c0874):
 M = 1 is 1.7-2.2x faster than XLA's dequantize + GEMV (q_proj 9.9 vs 16.7 us, dense gate|up
 19.4 vs 42.2 us); M = 8 is at parity on the 2048-row layers and 2.2x faster on large N, but far
 from the bandwidth floor. (The decoded operand does *not* go through shared memory: Triton
-decodes straight into the ``mma.sync`` operand registers, per the SASS (``tools/triton_sass.py``);
-the M = 8 tile is latency-bound inside each warp, docs/kernels.md "Session 7".)
+decodes straight into the ``mma.sync`` operand registers, per the SASS (``tools/triton_sass.py`` at 35c0874);
+the M = 8 tile is latency-bound inside each warp: H200 run 32, docs at 35c0874.)
 
 Shapes / dtypes: x [M, K] bf16, M <= 16, K % 64 == 0; returns [M, N] ``out_dtype`` (bf16 default,
 f32 for a logits head).
@@ -88,7 +88,7 @@ class NVFP4Weight(NamedTuple):
 # Block scales may also be given *pre-scaled*: bf16 holding ``scale * 2^119`` (exact), the operand
 # the ``asm`` decode multiplies by; the kernels then skip the e4m3 -> f16 -> f32 -> bf16
 # conversions and the multiply per scale, for twice the scale bytes (+11% of the weight bytes).
-# ``flint_jax.nvfp4.prescale_state`` converts a model (docs/kernels.md "Session 11").
+# ``flint_jax.nvfp4.prescale_state`` converts a model (H200 runs 71-74, docs at 35c0874).
 def is_block_scale_dtype(dtype) -> bool:
   """float8_e4m3fn (the checkpoint's) or bf16 (``prescale_block_scales``)."""
   return dtype in (jnp.float8_e4m3fn, jnp.bfloat16)
@@ -133,7 +133,7 @@ def _fp8_decode(codes):
   return lax.bitcast_convert_type(e, jnp.float8_e4m3fn).astype(jnp.bfloat16)
 
 
-# Marlin's bit placement by one integer multiply (session 11's two shifts and an or were
+# Marlin's bit placement by one integer multiply (an earlier decode's two shifts and an or were
 # retired after 35c0874): with the nibble isolated at bit p of each lane (p = 0 low, 4 high), ``t * (2^(6-p) + 2^(12-p))`` puts a copy of it at
 # bit 6 (e1 e0 m -> bits 6-8) and one at bit 12 (s -> bit 15); the copies do not overlap, so no
 # carries, and the lane's product stays below bit 16. Mask, then the scale multiply.
@@ -428,7 +428,7 @@ def f16_sums_for_tile(bn: int, bk: int, num_warps: int) -> str:
   """How an f16 K step on [bn, bk / 64, 2, 16]-byte code tiles and ``num_warps`` warps sums its
   products before the block scales (``blocks_fma_f16``): "block" (f16 lanes over a whole
   16-value block, then f32: H200 run 158, the 8x1K MoE gate_up 35.7 -> 29.7 us per layer) or
-  "pair" (each pair of products rounded to f16, then f32: session 24's form; the pair sums as a
+  "pair" (each pair of products rounded to f16, then f32: the first f16 form, H200 runs 154-156; the pair sums as a
   choice were retired after 35c0874). The asm runs on packs of 4 elements that each thread must
   hold: "block" splits a thread's whole 16-byte groups into four words, so it needs >= 16 code
   bytes per thread, else the "pair" sums (one word at a time) are taken; below 4 bytes per
@@ -678,7 +678,7 @@ def default_method(m: int, n: int = 0) -> str:
   its 16 MMA rows there); ``rows`` (CUDA-core row sums per row) at M = 2 for N < 16384 rows (H200, run 30: o_proj 8.2 against 16.8 us, dense
   down 14.7 against 21.3, dense gate|up 25.6 against 39.8; at M = 4 it wins only for the o_proj,
   and the LM head keeps a tensor-core method: 190 against 215 us at M = 2); for N >= 16384 (the
-  LM head) ``swap`` (session 12: 142.6 against 185.6 us at M = 8); ``dot`` otherwise."""
+  LM head) ``swap`` (H200 run 80: 142.6 against 185.6 us at M = 8); ``dot`` otherwise."""
   if m == 1:
     return "blocks"
   if n >= 16384:   # the LM head: swap-AB tiles (wgmma, register A), 142.6 against 185.6 us at
@@ -699,14 +699,14 @@ def default_nvfp4_blocks(n: int, k: int, *, m: int = 1, n_mats: int = 1,
   against 73.2 on the f32 tiles' bk256 and 61.3 on bk1024 with 8 warps); otherwise as the f32
   ``blocks`` tiles (not timed).
 
-  From the H200 sweeps (docs/kernels.md, GPU run 2, device time per call):
+  From the H200 sweeps (kernel-bench run 2, docs/kernels.md at 35c0874; device time per call):
   M = 1 (``reduce``): q_proj 4096x2048 bn32 bk512 w4 10.1 us (XLA 16.7); o_proj 2048x4096 bn64
   split-K 4 11.3 us (XLA 15.1); dense down 2048x6144 bn64 bk512 split-K 3 w8 12.4 us (XLA 20.8);
   dense gate|up bn64 bk512 w8 19.7 us (XLA 42.5).
   M > 1 (``dot``): bn64 bk256 w4 (q_proj 17.5 us, o_proj split-K 4 13.1 us, gate|up 33.6 us vs
-  XLA 40.7); N >= 16384: bn128 w8 (65536x2048: 81 us vs XLA 185 us). Session 16 (runs 104-105,
+  XLA 40.7); N >= 16384: bn128 w8 (65536x2048: 81 us vs XLA 185 us). Measured (H200 runs 104-105,
   M = 8, pre-scaled scales, ``kernels.py --groups m8dense,m8dense2``; run 109 ``--groups
-  m8silu`` for the dense gate|up pair): bk128 (o_proj split-K 4 8.05 us against 9.3; split-K 8
+  m8silu`` for the dense gate|up pair; groups of kernels.py at 35c0874): bk128 (o_proj split-K 4 8.05 us against 9.3; split-K 8
   7.2, not taken: 8 partials for the norm kernel to sum; bn32 11.0, bn16 24.5, bn128 10.6; the
   gate|up pair 22.5 against 27.5 at bk256).
   Session-3 sweep, M = 1, N <= 2048 (o_proj 2048x4096): bn16 bk1024 split-K 4 w8 5.4 us (the

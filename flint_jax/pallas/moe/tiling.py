@@ -170,7 +170,7 @@ def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool 
   then on bk128 with 4 stages (its M = 1 tile, bn64 bk256 3 stages, asks for 288 KB of shared
   memory, the H200 has 227 KB; run 109).
 
-  From the session-3 sweep (docs/kernels.md; Flint sizes, device us of gate_up + down):
+  From the H200 sweep of runs 9-11 (docs/kernels.md at 35c0874; Flint sizes, device us of gate_up + down):
   - BF16 M=1: gate_up bn64 bk256 w4 (13.0); down bn64 bk128 (7.7, against 10.8 with the old
     single 512-wide K step: a one-iteration loop cannot pipeline its loads).
   - BF16 M=8: bn64 bk128 w4 4 stages for both (54.8 + 34.2, against 59.7 + 62.2).
@@ -179,8 +179,8 @@ def default_moe_tiling(fe: str, m: int, token: bool = False, shared_token: bool 
     gate_up bk1024 w16 2 stages, down 2 stages: 16.2 us for both (17.3 with round 1's).
   - NVFP4 M=8: gate_up bn64 bk256 w4 (98); down bn64 bk128 w4 (37.6, against 43.0).
   - BF16 M=8, round 2: 64-wide K steps, 5 / 4 stages: 84.5 us for both (89.5 at bk128).
-  - NVFP4 M=8, session 12 (pre-scaled scales, the ``mul`` decode; kernels.py --groups moetune /
-    m8swap, runs 79-80): gate_up on swap-AB tiles (the decoded weights as wgmma's register A
+  - NVFP4 M=8 (pre-scaled scales, the ``mul`` decode; kernels.py --groups moetune /
+    m8swap at 35c0874, runs 79-80): gate_up on swap-AB tiles (the decoded weights as wgmma's register A
     operand) bn128 bk256 w8: 144.5 / 144.7 us for both kernels against 160.3 / 160.2 (dot
     bn64 bk256 w4); the down kernel's swap tiles gain under 4 us: it stays ``dot``. ``method`` /
     ``method_down`` keys: the tile methods where they differ from the format's default.

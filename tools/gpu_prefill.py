@@ -26,7 +26,7 @@ case whose estimated time would end past ``--budget`` seconds is skipped and lis
 4. ``model``: ``--cases`` (default ``bf16:1x8K bf16:8x2K bf16:1x32K bf16:1x100K nvfp4:1x8K
    nvfp4:1x32K``; ``bf16:1x262K`` on request) through ``flint_jax.prefill.prefill`` with its
    chunk policy (16K tokens per chunk) on full-size random weights built on the device
-   (``benchmarks/decode_bench.build_state``; NVFP4 block scales pre-scaled as ``flint_jax.load``
+   (``flint_jax.bench.build_state``; NVFP4 block scales pre-scaled as ``flint_jax.load``
    does on a GPU): the first call (compile + run) and the median of ``--reps`` runs (1 for the
    100K+ cases), the compute floor (matmul + attention FLOPs at 790 TFLOP/s), memory (weights,
    cache, device peak). ``--xla`` adds the XLA path at 1 x 8K (256-token chunks, ~60 s) and the
@@ -65,7 +65,6 @@ import numpy as np  # noqa: E402
 from flint_jax import decode, layers, prefill  # noqa: E402
 from flint_jax.config import kv_cache_bytes, preset  # noqa: E402
 from flint_jax.pallas import grouped_matmul as gm  # noqa: E402
-from flint_jax.pallas.nvfp4_gemv import NVFP4Weight  # noqa: E402
 from flint_jax.pallas.prefill_attention import (prefill_attention,  # noqa: E402
                                                 prefill_attention_reference)
 
@@ -340,7 +339,7 @@ def flops(cfg, lengths) -> dict:
 
 
 def build_model(cfg, quant):
-  from decode_bench import build_state   # benchmarks/decode_bench.py
+  from flint_jax.bench import build_state
   from flint_jax.decode import Flint
   from flint_jax.nvfp4 import prescale_state
   graphdef, state = build_state(cfg, quant)
@@ -397,9 +396,9 @@ def _kind(name: str) -> str:
 
 
 def profile_summary(trace, top=30) -> dict:
-  """GPU kernels of a perfetto trace by name and by kind (``decode_bench.kernel_stats``' rules:
+  """GPU kernels of a perfetto trace by name and by kind (``flint_jax.bench.kernel_stats``' rules:
   complete events on threads named "Stream...")."""
-  from decode_bench import busy_time
+  from flint_jax.bench import busy_time
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   streams = {(ev.get("pid"), ev.get("tid")) for ev in events
              if ev.get("ph") == "M" and ev.get("name") == "thread_name"

@@ -10,7 +10,7 @@ checked this way against 35c0874 for batch 1-16):
 
     PYTHONPATH=<tree> python tools/step_jaxpr.py OUT bf16:1,bf16:8,nvfp4:1,nvfp4:8
 """
-import os, sys, re, time
+import os, sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax, jax.numpy as jnp
 from jax._src import core

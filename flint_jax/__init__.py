@@ -11,25 +11,36 @@ The first call for new shapes compiles (a notice goes to the `flint_jax` logger 
 `text.stats` holds the call's time to first token and tokens/s.
 """
 
-from flint_jax.chat_api import chat
-from flint_jax.chat_format import parse_assistant
-from flint_jax.config import FlintConfig, preset
-from flint_jax.decode import (Flint, GeneratedText, GenerationOutput, GenerationStats,
-                              MaxNewTokensClampedWarning, StreamEvent, forward, generate)
-from flint_jax.loading import from_module, load
-from flint_jax.sampling import SamplingParams
-from flint_jax import convert  # noqa: E402  (the module: convert.convert(src, dst))
-
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it. Everything loads on first use (PEP 562), so that
+# `import flint_jax` (and the `flint-jax` command's start, which Ctrl-C may interrupt) does not
+# import jax until a name that needs it is touched.
+_LAZY = {
+    "chat": "chat_api", "parse_assistant": "chat_format", "FlintConfig": "config",
+    "preset": "config", "Flint": "decode", "GeneratedText": "decode",
+    "GenerationOutput": "decode", "GenerationStats": "decode",
+    "MaxNewTokensClampedWarning": "decode", "StreamEvent": "decode", "forward": "decode",
+    "generate": "decode", "from_module": "loading", "load": "loading",
+    "SamplingParams": "sampling", "expert_usage": "research", "logit_lens": "research",
+    "router_entropy": "research", "sink_mass": "research", "token_rank_prob": "research",
+    "ExpertUsage": "research",
+}
 
 
 def __getattr__(name):
-    # Heavier or optional parts load on first use.
-    if name in ("expert_usage", "logit_lens", "router_entropy", "sink_mass", "token_rank_prob",
-                "ExpertUsage"):
-        from flint_jax import research
-        return getattr(research, name)
+    import importlib
+    if name == "convert":   # the module: convert.convert(src, dst)
+        return importlib.import_module("flint_jax.convert")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"flint_jax.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'flint_jax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | {"convert"})
 
 
 __all__ = ["Flint", "FlintConfig", "GeneratedText", "GenerationOutput", "GenerationStats",

@@ -385,17 +385,49 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    if not getattr(a, "func", None):
-        parser.print_help()
-        return 2
-    debug = a.debug or os.environ.get("FLINT_JAX_DEBUG")
-    _setup_output(a)
+    # A Ctrl-C gives one line and status 130, no traceback, from the command's first instant:
+    # `import flint_jax` loads nothing heavy (its names load on first use), the libraries load
+    # under `starting`, and later the writing commands clean up and say so themselves
+    # (cli_checkpoints._guard, output_path).
+    import signal
+    command = "flint-jax"
+
+    def starting(signum, frame):
+        # Nothing is written yet, and a KeyboardInterrupt raised inside the imports can be
+        # swallowed by a library's callback (Python then prints "Exception ignored ..."): end now.
+        print(f"{command}: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, starting)
+    try:
+        parser = build_parser()
+        a = parser.parse_args(argv)
+        if not getattr(a, "func", None):
+            parser.print_help()
+            return 2
+        command = f"flint-jax {a.command}"
+        debug = a.debug or os.environ.get("FLINT_JAX_DEBUG")
+        _setup_output(a)
+        _import_libraries()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        return _run(a, debug)
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _import_libraries():
+    """The seconds of importing jax, flax and orbax, done while a Ctrl-C ends the process at once
+    (`main`)."""
+    import flint_jax.checkpoint  # noqa: F401
+    import flint_jax.decode  # noqa: F401
+
+
+def _run(a, debug) -> int:
     try:
         return a.func(a) or 0
-    except KeyboardInterrupt:
-        return 130
     except (ValueError, OSError, MemoryError) as e:
         if debug:
             raise

@@ -469,6 +469,24 @@ def test_sigint_during_convert(mid_src, tmp_path, pct):
     no_leftovers(tmp_path, "x")
 
 
+@pytest.mark.parametrize("delay", [0.4, 1.0, 2.0])
+def test_sigint_while_starting(mid_src, tmp_path, delay):
+    """Ctrl-C while the command starts (jax still importing, nothing written yet): one line,
+    status 130, no traceback, nothing left."""
+    dst = tmp_path / "x"
+    w = Watched(["convert", mid_src, dst], tmp_path)
+    time.sleep(delay)
+    assert w.p.poll() is None
+    rc, dt, err = w.interrupt()
+    lines = after_bars(err, "convert x:")
+    assert "Traceback" not in err, err[-3000:]
+    # "flint-jax: interrupted" before the arguments are parsed, then with the command's name
+    assert rc == 130 and len(lines) == 1 and re.fullmatch(
+        r"flint-jax( convert)?: interrupted( \(nothing written\))?", lines[0]), (rc, lines)
+    assert dt < 2.0, dt
+    no_leftovers(tmp_path, "x")
+
+
 def test_sigint_during_quantize_and_synth(mid_src, tmp_path):
     w = Watched(["quantize", mid_src, tmp_path / "q"], tmp_path)
     w.wait_pct(20)

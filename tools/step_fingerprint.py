@@ -45,6 +45,19 @@ def pallas_step(cfg, graphdef, state, quant):
     return handle.decode_logits_fn(), handle.leaves
 
 
+def loop_ms(cfg, quant, batch, context, cache_length):
+    """Steady ms per token of `generate`'s loop (blocks of 8 greedy steps, one call queued behind
+    the running one: `bench.time_loop`), the figure the performance tables report."""
+    bench = _bench()
+    graphdef, state = bench.build_state(cfg, quant)
+    handle = bench.make_handle(cfg, graphdef, state, quant, "pallas")
+    cache = bench.random_cache(cfg, batch, cache_length, context)
+    tokens = jnp.zeros((batch,), jnp.int32)
+    steady, idle, cache = bench.time_loop(handle, cache, tokens, 8, 4)
+    del handle, state, cache
+    return {"loop_ms": steady, "loop_from_idle_ms": idle}
+
+
 def fingerprint(cfg, quant, batch, context, steps, cache_length, timed_steps):
     decode_bench = _bench()
     graphdef, state = decode_bench.build_state(cfg, quant)
@@ -82,10 +95,17 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=4, help="steps whose logits are kept")
     p.add_argument("--timed-steps", type=int, default=20)
+    p.add_argument("--loop", action="store_true",
+                   help="only time generate's loop (steady ms/token) per case, no logits")
     a = p.parse_args(argv)
     if a.compare:
-        pa, pb = (np.load(x + ".npz") for x in a.compare)
         ja, jb = (json.load(open(x + ".json")) for x in a.compare)
+        if not os.path.exists(a.compare[0] + ".npz"):   # --loop runs: timings only
+            for key in ja:
+                print(f"{key:12s} steady ms/token in generate's loop {ja[key]['loop_ms']:.3f} / "
+                      f"{jb[key]['loop_ms']:.3f}")
+            return 0
+        pa, pb = (np.load(x + ".npz") for x in a.compare)
         ok = True
         for key in pa.files:
             same = np.array_equal(pa[key], pb[key])
@@ -105,12 +125,18 @@ def main(argv=None) -> int:
     for fmt in a.formats:
         for b in a.batches:
             key = f"{fmt}_b{b}"
-            logits, res = fingerprint(cfg, fmt == "nvfp4", b, a.context, a.steps,
-                                      -(-(a.context + 64) // 256) * 256, a.timed_steps)
-            arrays[key], results[key] = logits, res
+            cache_length = -(-(a.context + 64) // 256) * 256
+            if a.loop:
+                res = loop_ms(cfg, fmt == "nvfp4", b, a.context, cache_length)
+            else:
+                logits, res = fingerprint(cfg, fmt == "nvfp4", b, a.context, a.steps,
+                                          cache_length, a.timed_steps)
+                arrays[key] = logits
+            results[key] = res
             print(key, json.dumps(res), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    np.savez(a.out + ".npz", **arrays)
+    if arrays:
+        np.savez(a.out + ".npz", **arrays)
     with open(a.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
     return 0

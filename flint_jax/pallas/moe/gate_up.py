@@ -27,6 +27,7 @@ resets its counter entry to zero (so the counter comes back zeroed: the decode s
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -180,8 +181,12 @@ def gate_up(x, experts, shared, plan: T.MoEPlan, dims, *, route, route_ids=None,
   method, token_method = plan.method, plan.token_method
   C.check_method(method, m)
   bk = min(plan.block_k, C.pow2_divisor(d, plan.block_k))
-  bn = C.pow2_divisor(min(inter, inter_s), plan.block_n)
-  C.check(bn >= 16, f"block_n too small for the dims ({bn}): I and I_s need 16 | dim")
+  # one row block for the routed and the shared experts' programs: it must divide both I and
+  # I_s (issue 45: a block dividing only min(I, I_s) left the tail rows of the larger one
+  # unwritten, and the down kernel read them: NaN logits at I = 32, I_s = 48)
+  bn = C.pow2_divisor(math.gcd(inter, inter_s), plan.block_n)
+  C.check(bn >= 16 and inter % bn == 0 and inter_s % bn == 0,
+          f"block_n too small for the dims ({bn}): I={inter} and I_s={inter_s} need 16 | both")
   if "nvfp4" in (fe, fs):
     C.check(bk >= 64 and d % 64 == 0 and inter % 64 == 0,
             "NVFP4 needs D, I, I_s multiples of 64")

@@ -271,19 +271,22 @@ def gate_up(x, experts, shared, plan: T.MoEPlan, dims, *, route, route_ids=None,
     names.append("counter_out")
     out_shape.append(jax.ShapeDtypeStruct(counter.shape, jnp.int32))
   decode = NV.resolve_decode(decode, interpret)
+  # small models (D or I of 64..192): fewer warps where the f16 K step's tile is too small for
+  # the plan's (issue 45; every Flint tile fits the plan's warps)
+  warps = NV.f16_warps_that_fit(bn, bk, plan.num_warps) if x16 else plan.num_warps
   kernel = functools.partial(
       _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter,
       inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
       method=method, route=route, token_method=token_method, split_k=sk, finish=sk > 1,
       shared_first=plan.shared_first, shared_token=shared_token, x16=x16, h16=h16,
       # the f16 K step's sums as its tiles allow
-      f16_sums=NV.f16_sums_for_tile(bn, bk, plan.num_warps) if x16 else "block",
+      f16_sums=NV.f16_sums_for_tile(bn, bk, warps) if x16 else "block",
       interpret=interpret)
   tag = "_routed" + ("_token" if token else "") + ("_shtok" if shared_token else "")
   res = list(C.pallas_call(
       kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
       input_output_aliases=aliases,
-      compiler_params=C.compiler_params(plan.num_warps, plan.num_stages), interpret=interpret,
+      compiler_params=C.compiler_params(warps, plan.num_stages), interpret=interpret,
       early_trigger=early_trigger,
       name=(f"flint_moe_gate_up{tag}{'_x16' if x16 else ''}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
             + (f"_splitk{sk}_finish" if sk > 1 else "")),

@@ -46,7 +46,7 @@ def realistic(state, rng, std):
     out = []
     for path, v in flat:
         name = "/".join(map(str, path))
-        a = v.value
+        a = v[...]
         if a.dtype in (jnp.bfloat16, jnp.float32) and std != 0.02:
             if name.endswith("norm/weight") or "layernorm" in name:
                 a = (1 + 0.3 * rng.standard_normal(a.shape)).astype(a.dtype)

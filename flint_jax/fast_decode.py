@@ -257,6 +257,11 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
 
     def _pallas_step(m, cache: KVCache, tokens, p: DecodePlan, xla_ops=frozenset()):
         b = tokens.shape[0]
+        # the BF16 gate_up's K slices halved until each holds whole K steps of D (small models;
+        # Flint's D = 2048 takes the plan's)
+        gsk = _fit_split(p.moe.gate_up_split_k, cfg.hidden_size, p.quant)
+        if gsk != p.moe.gate_up_split_k:
+            p = dataclasses.replace(p, moe=dataclasses.replace(p.moe, gate_up_split_k=gsk))
         layers_ = m.model.layers
         n_layers = len(layers_)
         kw = dict(interpret=interpret, early_trigger=p.early_trigger)   # every kernel's

@@ -51,6 +51,13 @@ CASES = [
                             num_key_value_heads=1, num_experts=8, num_experts_per_tok=3,
                             moe_intermediate_size=64, shared_expert_intermediate_size=128,
                             intermediate_size=128, vocab_size=203), True, 1, 0.02),
+    # D = 48: the BF16 batch-1 gate_up's 2 K slices of 24 values do not hold whole K steps of 16
+    # (FLINT_SWEEP=full's random8 found it): the step takes 1 slice
+    ("bf16_d48_splitk", dict(hidden_size=48, head_dim=32, num_attention_heads=2,
+                             num_key_value_heads=1, num_experts=32, num_experts_per_tok=5,
+                             moe_intermediate_size=16, shared_expert_intermediate_size=128,
+                             intermediate_size=64, vocab_size=394, sliding_window=10),
+     False, 1, 0.02),
     # batch 3, wide heads, realistic (std 0.08) weights: near-tie routing flips allowed
     ("bf16_b3_std08", dict(hidden_size=96, head_dim=64, num_attention_heads=4,
                            num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,

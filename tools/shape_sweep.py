@@ -8,7 +8,6 @@ path's k-th / (k+1)-th sigmoid-score margin.
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import jax
@@ -105,19 +104,19 @@ def describe(cfg, quant):
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    std = float(sys.argv[sys.argv.index("--std") + 1]) if "--std" in sys.argv else 0.02
-    args = [a for a in args if a != str(std) and a != sys.argv[sys.argv.index("--std") + 1]] \
-        if "--std" in sys.argv else args
-    n = int(args[0])
-    start = int(args[1]) if len(args) > 1 else 0
-    for i in range(start, start + n):
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("n", type=int)
+    ap.add_argument("start", type=int, nargs="?", default=0)
+    ap.add_argument("--std", type=float, default=0.02)
+    a = ap.parse_args()
+    for i in range(a.start, a.start + a.n):
         rng = np.random.default_rng(1000 + i)
-        quant = bool(i % 2) and std == 0.02
+        quant = bool(i % 2) and a.std == 0.02
         cfg = sample_cfg(rng, quant)
         t0 = time.time()
         try:
-            res = [round(r, 5) for r in run(cfg, quant, batch=1 + 2 * (i % 3 == 0), std=std)]
+            res = [round(r, 5) for r in run(cfg, quant, batch=1 + 2 * (i % 3 == 0), std=a.std)]
         except Exception as e:  # noqa: BLE001
             res = "ERR " + str(e).splitlines()[0][:200]
         print(i, json.dumps(describe(cfg, quant)), res, f"{time.time() - t0:.0f}s", flush=True)

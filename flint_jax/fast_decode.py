@@ -37,6 +37,7 @@ from flint_jax.pallas.moe import (MoEPlan, moe_combine_add_rms_norm, moe_decode_
                                   moe_decode_routed_combine, moe_plan, router_logits)
 from flint_jax.pallas.multi_gemv import multi_gemv
 from flint_jax.pallas.norm_qkv import norm_qkv
+from flint_jax.pallas.support import decode_support
 from flint_jax.pallas.nvfp4_gemv import (NVFP4Weight, nvfp4_gemv, nvfp4_gemv_silu_mul,
                                          x16_operand)
 
@@ -243,13 +244,24 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                 raise ValueError(f"the Pallas decode path takes at most {MAX_BATCH} rows, got {b}")
             return fallback(state, cache, tokens)
         m = nnx.merge(graphdef, state)
-        p = plan_for(m.model.layers[0].self_attn.q_proj.quant, b)
+        quant = m.model.layers[0].self_attn.q_proj.quant
+        # what the kernels support (pallas.support; loading refuses or falls back at load)
+        sup = decode_support(cfg, quant, m.model.embed_tokens.weight[...].dtype)
+        if not sup.ok:
+            raise ValueError(f"the Pallas decode step does not support this model: "
+                             f"{sup.message()}")
+        p = plan_for(quant, b)
         if p.batch != b:
             raise ValueError(f"the plan is for batch {p.batch}, the step runs {b} rows")
-        return _pallas_step(m, cache, tokens, p)
+        return _pallas_step(m, cache, tokens, p, sup.xla_ops())
 
-    def _pallas_step(m, cache: KVCache, tokens, p: DecodePlan):
+    def _pallas_step(m, cache: KVCache, tokens, p: DecodePlan, xla_ops=frozenset()):
         b = tokens.shape[0]
+        # the BF16 gate_up's K slices halved until each holds whole K steps of D (small models;
+        # Flint's D = 2048 takes the plan's)
+        gsk = _fit_split(p.moe.gate_up_split_k, cfg.hidden_size, p.quant)
+        if gsk != p.moe.gate_up_split_k:
+            p = dataclasses.replace(p, moe=dataclasses.replace(p.moe, gate_up_split_k=gsk))
         layers_ = m.model.layers
         n_layers = len(layers_)
         kw = dict(interpret=interpret, early_trigger=p.early_trigger)   # every kernel's
@@ -331,8 +343,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         norm = last    # else the next q|k|v normalises: x = sums of squares
                         h, x, _, counters, *x16_head = moe_decode_routed_combine(
                             *moe_args, h, nxt, counters, counter_base=COMBINE_COUNTER_BASE,
-                            eps=eps, norm=norm, x16_next=last and p.lm_head_f16, top_k=top_k,
-                            plan=p.moe, **x16_rows, **kw)
+                            eps=eps, norm=norm, top_k=top_k, plan=p.moe,
+                            x16_next=last and p.lm_head_f16 and "lm_head" not in xla_ops,
+                            **x16_rows, **kw)
                         if not norm:
                             x, pending_rms = None, (x, nxt)
                     else:
@@ -349,7 +362,9 @@ def make_decode_step(graphdef, cfg: FlintConfig, *, interpret: bool = False, fal
                         pending = (y, None)
                     else:
                         h, x = add_rms_norm(h, y, nxt, eps=eps, x16=False, **kw)
-        if p.lm_head_f16 and m.lm_head.quant:   # the LM head on the f16 operand
+        if "lm_head" in xla_ops:    # a vocabulary the NVFP4 LM head kernel cannot tile
+            logits = m.lm_head(x, out_dtype=jnp.float32)
+        elif p.lm_head_f16 and m.lm_head.quant:   # the LM head on the f16 operand
             x16, x_inv = x16_head[0] if x16_head else x16_operand(x)
             logits = _linear(m.lm_head, x16, kw, out_dtype=jnp.float32, x_inv=x_inv)
         else:

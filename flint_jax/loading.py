@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterable
 
 import jax
@@ -32,13 +33,33 @@ from flint_jax.tokenizer import Tokenizer
 KERNEL_CHOICES = ("auto", "pallas", "xla")
 
 
-def resolve_kernels(kernels: str) -> str:
-    """"auto" is the Pallas path on GPU and the XLA path elsewhere."""
+def resolve_kernels(kernels: str, cfg: FlintConfig | None = None, *, quant: bool = False,
+                    dtype=jnp.bfloat16) -> str:
+    """"auto" is the Pallas path on GPU and the XLA path elsewhere. With the model's ``cfg``
+    (``quant``, ``dtype``), the Pallas path is checked against what its kernels support
+    (``pallas.support.decode_support``): "pallas" refuses an unsupported model with a
+    ValueError naming the field and the limit; "auto" takes the XLA path with a one-line
+    warning. Without ``cfg`` only the choice is checked ("auto" stays "auto")."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
-    if kernels == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return kernels
+    if cfg is None:
+        return kernels
+    if kernels == "auto" and jax.default_backend() != "gpu":
+        return "xla"
+    if kernels == "xla":
+        return kernels
+    from flint_jax.pallas.support import decode_support
+    sup = decode_support(cfg, quant, dtype)
+    if not sup.ok:
+        if kernels == "pallas":
+            raise ValueError(f"kernels='pallas' does not support this model: {sup.message()}")
+        warnings.warn(f"flint_jax: the XLA decode path for this model (the Pallas kernels do "
+                      f"not support {sup.message()})", stacklevel=3)
+        return "xla"
+    for op in sorted(sup.xla_ops()):
+        warnings.warn(f"flint_jax: the Pallas decode step runs {op} on XLA "
+                      f"({sup.message(op)})", stacklevel=3)
+    return "pallas"
 
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
@@ -141,7 +162,7 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
     """
     path = os.fspath(path)
     dtype = parse_dtype(dtype)
-    kernels = resolve_kernels(kernels)
+    kernels = resolve_kernels(kernels)   # the choice; make_handle checks the model
     mesh = auto_mesh(mesh)
     if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
         if hf_config is None:
@@ -198,6 +219,7 @@ def make_handle(cfg, graphdef, state, *, dtype, quant, kernels, mesh, rules, max
         cache_sh = _CacheShardingFactory(cfg, mesh, rules, dtype)
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}")
+    kernels = resolve_kernels(kernels, cfg, quant=quant, dtype=dtype)
     if quant and kernels == "pallas" and jax.default_backend() == "gpu":
         # The Pallas kernels' NVFP4 decode multiplies by bf16 scale * 2^119: holding the block
         # scales that way (exact, +11% of the NVFP4 bytes) spares every kernel their conversion;
@@ -238,7 +260,8 @@ def from_module(module: FlintForCausalLM, *, tokenizer: Tokenizer | None = None,
     graphdef, state = nnx.split(module)
     cfg = module.cfg
     h = Flint(config=cfg, graphdef=graphdef, state=state, dtype=module.dtype, quant=module.quant,
-              kernels=resolve_kernels(kernels), tokenizer=tokenizer,
+              kernels=resolve_kernels(kernels, cfg, quant=module.quant, dtype=module.dtype),
+              tokenizer=tokenizer,
               max_length=min(max_length or cfg.max_position_embeddings, cfg.max_position_embeddings),
               generation_config=generation_config or {}, source="<module>")
     return h

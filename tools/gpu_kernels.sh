@@ -3,7 +3,9 @@
 #   1. the kernel tests in compiled mode (tests/test_pallas_*.py; INTERPRET is False on a GPU,
 #      so the same tests compare compiled kernels with their references, Flint-sized cases on)
 #      and the decode-step tests (tests/test_fast_decode.py: compiled steps against XLA and
-#      against each other); ~400 s on 8 workers (H200 run 166),
+#      against each other); ~400 s on 8 workers (H200 run 166); and the shape sweep
+#      (tests/test_shape_sweep.py with FLINT_SWEEP=full: 20 configurations, compiled; not yet
+#      timed on a GPU),
 #   2. benchmarks/kernels.py: device time of each kernel and its XLA reference at Flint sizes.
 # Usage: tools/gpu_kernels.sh [all|tests|bench]   (env: BENCH_BUDGET, BENCH_ARGS, TEST_TIMEOUT)
 # "all" does not fit one 10-minute device call: run "tests" and "bench" as two calls.
@@ -22,8 +24,9 @@ BUDGET=${BENCH_BUDGET:-300}
 
 if [[ "$MODE" == all || "$MODE" == tests ]]; then
   echo "=== tests (compiled) ==="
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout "${TEST_TIMEOUT:-540}" \
-    python3 -m pytest tests/test_pallas_*.py tests/test_fast_decode.py -q -n 8 \
+  FLINT_SWEEP=full XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout "${TEST_TIMEOUT:-540}" \
+    python3 -m pytest tests/test_pallas_*.py tests/test_fast_decode.py tests/test_shape_sweep.py \
+    -q -n 8 \
     -p no:cacheprovider --durations=10 \
     > "$OUT/tests.log" 2>&1
   echo "pytest exit $?"

@@ -175,13 +175,16 @@ def down(h_parts, experts, shared, plan: T.MoEPlan, dims, route_ids, *, top_k, d
     names += ["cmb_s", "cmb_x" if c_norm else "cmb_ss", "cmb_counter_out"]
     names += ["cmb_x16", "cmb_xinv"] if c_x16 else []
   decode = NV.resolve_decode(decode, interpret)
+  # small models: fewer warps where the f16 K step's tile is too small for the plan's (issue 45)
+  warps = (NV.f16_warps_that_fit(bn_dn, min(bk_dn, bk_s_dn), plan.num_warps_down) if h16
+           else plan.num_warps_down)
   kernel = functools.partial(
       _down_kernel, names=names, m=m, mp=C.pad_rows(m, method_down), inter=inter,
       inter_s=inter_s, bn=bn_dn, bk=bk_dn, bk_s=bk_s_dn, n_slots_max=u, fe=fe, fs=fs,
       decode=decode, method=method_down, route_top_k=top_k, token_method=token_method,
       combine=combine_kw, shared_first=plan.shared_first, shared_token=shared_token, h16=h16,
       # the f16 K step's sums as its tiles allow
-      f16_sums=(NV.f16_sums_for_tile(bn_dn, min(bk_dn, bk_s_dn), plan.num_warps_down) if h16
+      f16_sums=(NV.f16_sums_for_tile(bn_dn, min(bk_dn, bk_s_dn), warps) if h16
                 else "block"),
       interpret=interpret)
   out_shape = [jax.ShapeDtypeStruct(((u + 1) * m, d), x_dtype)]
@@ -199,7 +202,7 @@ def down(h_parts, experts, shared, plan: T.MoEPlan, dims, route_ids, *, top_k, d
   res = C.pallas_call(
       kernel, grid=(d // bn_dn, u + (m if shared_token else 1)), out_shape=tuple(out_shape),
       input_output_aliases=aliases,
-      compiler_params=C.compiler_params(plan.num_warps_down, plan.num_stages_down),
+      compiler_params=C.compiler_params(warps, plan.num_stages_down),
       interpret=interpret, early_trigger=early_trigger,
       name=(f"flint_moe_down_split{tag}{'_h16' if h16 else ''}_{fe}_{fs}_{method_down}_bn{bn_dn}"
             f"{'' if combine is None else '_combine' if c_norm else '_residual'}"

@@ -27,6 +27,7 @@ resets its counter entry to zero (so the counter comes back zeroed: the decode s
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -180,8 +181,12 @@ def gate_up(x, experts, shared, plan: T.MoEPlan, dims, *, route, route_ids=None,
   method, token_method = plan.method, plan.token_method
   C.check_method(method, m)
   bk = min(plan.block_k, C.pow2_divisor(d, plan.block_k))
-  bn = C.pow2_divisor(min(inter, inter_s), plan.block_n)
-  C.check(bn >= 16, f"block_n too small for the dims ({bn}): I and I_s need 16 | dim")
+  # one row block for the routed and the shared experts' programs: it must divide both I and
+  # I_s (issue 45: a block dividing only min(I, I_s) left the tail rows of the larger one
+  # unwritten, and the down kernel read them: NaN logits at I = 32, I_s = 48)
+  bn = C.pow2_divisor(math.gcd(inter, inter_s), plan.block_n)
+  C.check(bn >= 16 and inter % bn == 0 and inter_s % bn == 0,
+          f"block_n too small for the dims ({bn}): I={inter} and I_s={inter_s} need 16 | both")
   if "nvfp4" in (fe, fs):
     C.check(bk >= 64 and d % 64 == 0 and inter % 64 == 0,
             "NVFP4 needs D, I, I_s multiples of 64")
@@ -266,19 +271,22 @@ def gate_up(x, experts, shared, plan: T.MoEPlan, dims, *, route, route_ids=None,
     names.append("counter_out")
     out_shape.append(jax.ShapeDtypeStruct(counter.shape, jnp.int32))
   decode = NV.resolve_decode(decode, interpret)
+  # small models (D or I of 64..192): fewer warps where the f16 K step's tile is too small for
+  # the plan's (issue 45; every Flint tile fits the plan's warps)
+  warps = NV.f16_warps_that_fit(bn, bk, plan.num_warps) if x16 else plan.num_warps
   kernel = functools.partial(
       _gate_up_kernel, names=names, m=m, mp=C.pad_rows(m, method), inter=inter,
       inter_s=inter_s, bn=bn, bk=bk, bk_s=bk, d=d, fe=fe, fs=fs, n_slots_max=u, decode=decode,
       method=method, route=route, token_method=token_method, split_k=sk, finish=sk > 1,
       shared_first=plan.shared_first, shared_token=shared_token, x16=x16, h16=h16,
       # the f16 K step's sums as its tiles allow
-      f16_sums=NV.f16_sums_for_tile(bn, bk, plan.num_warps) if x16 else "block",
+      f16_sums=NV.f16_sums_for_tile(bn, bk, warps) if x16 else "block",
       interpret=interpret)
   tag = "_routed" + ("_token" if token else "") + ("_shtok" if shared_token else "")
   res = list(C.pallas_call(
       kernel, grid=(n_prog, sk) if sk > 1 else (n_prog,), out_shape=tuple(out_shape),
       input_output_aliases=aliases,
-      compiler_params=C.compiler_params(plan.num_warps, plan.num_stages), interpret=interpret,
+      compiler_params=C.compiler_params(warps, plan.num_stages), interpret=interpret,
       early_trigger=early_trigger,
       name=(f"flint_moe_gate_up{tag}{'_x16' if x16 else ''}_{fe}_{fs}_{method}_bn{bn}_bk{bk}"
             + (f"_splitk{sk}_finish" if sk > 1 else "")),

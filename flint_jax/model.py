@@ -11,7 +11,6 @@ decode steps are the same code), so no `[T, T]` score matrix of a whole prompt i
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -29,7 +29,6 @@ return values at padded positions too, which are meaningless.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -51,7 +51,6 @@ sizes take the unmasked path (``pl.ds`` slices, contiguous loads).
 from __future__ import annotations
 
 import functools
-import sys
 from typing import NamedTuple
 
 import jax
@@ -61,10 +60,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flint_jax.pallas import _common as C
-import flint_jax.pallas.nvfp4_gemv  # noqa: F401  (the module; the package re-exports a function
-from flint_jax.pallas.nvfp4_gemv import NVFP4Weight  # of the same name)
-
-nv = sys.modules["flint_jax.pallas.nvfp4_gemv"]
+from flint_jax.pallas import nvfp4_gemv as nv
+from flint_jax.pallas.nvfp4_gemv import NVFP4Weight
 
 __all__ = ["GroupedRows", "ScaledWeight", "group_rows", "grouped_matmul",
            "grouped_matmul_silu_mul", "grouped_matmul_reference",

@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 from flint_jax.pallas import _common as C
 from flint_jax.pallas import nvfp4_gemv as NV
 from flint_jax.pallas.moe import tiling as T
-from flint_jax.pallas.moe.routing import MoERoute, slot_route
+from flint_jax.pallas.moe.routing import slot_route
 
 __all__ = ["gate_up", "gate_up_reference"]
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from flint_jax.pallas import _common as C

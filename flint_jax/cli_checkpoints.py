@@ -179,12 +179,13 @@ LOCAL_ONLY = ("Paths are local: a hub ID (RecursiveSI/flint) is not fetched. Dow
 
 def _gguf_config_beside(fn):
     """A GGUF source without --hf-config takes config.json and the tokenizer from its own
-    directory when config.json is there (`loading.find_gguf_config`)."""
+    directory when config.json is there (`gguf_io.find_gguf_config`)."""
 
     def run(args) -> int:
         src = str(args.src)
         if args.hf_config is None and os.path.isfile(src):
-            from flint_jax.loading import _is_gguf, find_gguf_config
+            from flint_jax.gguf_io import find_gguf_config
+            from flint_jax.loading import _is_gguf
             if src.endswith(".gguf") or _is_gguf(src):
                 args.hf_config = find_gguf_config(src)
         return fn(args)

@@ -251,8 +251,11 @@ def plan_gguf(path: str, hf_config: str | None, *, dtype: str = "auto",
     if mixed not in MIXED:
         raise ConvertError(f"mixed must be one of {MIXED}, got {mixed!r}")
     if hf_config is None:
-        raise ConvertError(f"{path}: a GGUF file holds no usable config; pass hf_config (--hf-config "
-                           "DIR) naming the BF16 repo directory with config.json and the tokenizer")
+        hf_config = gguf_io.find_gguf_config(path)   # config.json beside the file
+    if hf_config is None:
+        raise ConvertError(f"{path}: a GGUF file holds no usable config and no config.json lies "
+                           "beside it; pass hf_config (--hf-config DIR) naming the BF16 repo "
+                           "directory with config.json and the tokenizer")
     if not os.path.isdir(hf_config):
         raise ConvertError(f"{hf_config}: hf_config must be a directory holding config.json")
     cfg = FlintConfig.from_json(hf_config)

@@ -45,6 +45,7 @@ arrays with ``raw_dtype=BF16`` (shape kept, 2 bytes each) and read back as uint8
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
 import warnings
@@ -224,6 +225,15 @@ def flint_gguf_names(num_layers: int, dense_layers: Iterable[int]) -> list[str]:
 
 
 # --- reading --------------------------------------------------------------------------------
+
+
+def find_gguf_config(path: str | os.PathLike) -> str | None:
+    """The directory beside a `.gguf` file when it holds `config.json` (the layout `flint-jax
+    synth --format gguf` and `flint-jax quantize` write, and a GGUF put into the BF16 repo's
+    directory), else None. The tokenizer files are taken from the same directory."""
+    d = os.path.dirname(os.path.abspath(os.fspath(path)))
+    return d if os.path.isfile(os.path.join(d, "config.json")) else None
+
 
 
 class _FlintReader(GGUFReader):
@@ -519,7 +529,8 @@ def nvfp4_tensors(
 __all__ = [
     "GGUFError", "FlintGGUF", "open_gguf", "write_gguf", "nvfp4_tensors",
     "gguf_to_hf_name", "hf_to_gguf_name", "flint_gguf_names", "may_be_nvfp4",
-    "scale_name", "input_scale_name", "legacy_scale_name", "companion_of", "is_companion",
+    "find_gguf_config", "scale_name", "input_scale_name", "legacy_scale_name", "companion_of",
+    "is_companion",
     "LegacyScaleNameWarning",
     "F32", "BF16", "NVFP4", "PREC_A4_KEY",
 ]

@@ -211,7 +211,7 @@ def _inspect_gguf(path: str, config: str | None, check_blocks: bool) -> Report:
                         if "legacy_scale" in kinds else "")
                      + (f"; {kinds.count('input_scale')} activation scales X.input_scale (unused: "
                         "W4A16)" if "input_scale" in kinds else ""))
-    from flint_jax.loading import find_gguf_config
+    from flint_jax.gguf_io import find_gguf_config
     cfg, src = _load_cfg(config, find_gguf_config(path) if config is None else None, notes)
     problems: list[str] = []
     if cfg is None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flint_jax import checkpoint
+from flint_jax import checkpoint, gguf_io
 from flint_jax.config import FlintConfig
 from flint_jax.convert import BF16, F16, F32, ConvertError, plan_gguf
 from flint_jax.decode import Flint
@@ -151,7 +151,7 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
         `flint-jax convert`, or an NVFP4 `.gguf` file. Hub IDs are not fetched: download the
         checkpoint first (e.g. `hf download RecursiveSI/flint --local-dir DIR`).
       hf_config: for a `.gguf` file, the directory with `config.json` and the tokenizer files;
-        default the file's own directory when `config.json` is there (`find_gguf_config`).
+        default the file's own directory when `config.json` is there (`gguf_io.find_gguf_config`).
       dtype: "bfloat16" (default) or "float32" (everything computed in fp32; parity tests).
       mesh: a `jax.sharding.Mesh`; parameters and caches are sharded over it (heads and
         intermediate dims over the tensor axis, experts over "expert" or the tensor axis).
@@ -166,7 +166,7 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
     mesh = auto_mesh(mesh)
     if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
         if hf_config is None:
-            hf_config = find_gguf_config(path)
+            hf_config = gguf_io.find_gguf_config(path)
         return load_gguf(path, hf_config=hf_config, dtype=dtype, mesh=mesh, kernels=kernels,
                          max_length=max_length, rules=rules)
     if not os.path.isdir(path):
@@ -187,14 +187,6 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
                                   mesh=mesh, rules=rules, source=path, progress=progress)
     return make_handle(cfg, graphdef, state, dtype=dtype, quant=False, kernels=kernels, mesh=mesh,
                        rules=rules, max_length=max_length, meta_dir=path, source=path)
-
-
-def find_gguf_config(path: str | os.PathLike) -> str | None:
-    """The directory beside a `.gguf` file when it holds `config.json` (the layout `flint-jax
-    synth --format gguf` writes, and a GGUF put into the BF16 repo's directory), else None. The
-    tokenizer files are taken from the same directory."""
-    d = os.path.dirname(os.path.abspath(os.fspath(path)))
-    return d if os.path.isfile(os.path.join(d, "config.json")) else None
 
 
 def auto_mesh(mesh):

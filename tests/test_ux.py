@@ -136,3 +136,13 @@ def test_bench_smoke_preset():
     assert a.dtype == ["bf16"] and a.context == [64]          # an explicit option still applies
     a = cli.bench_options(parser.parse_args(["bench"]))
     assert a.config == "flint" and a.batch == [1, 8] and a.steps == 50
+
+
+def test_python_convert_finds_gguf_config_beside(tmp_path):
+    """`flint_jax.convert.convert(model.gguf, dst)` from Python, like the CLI, takes config.json
+    and the tokenizer from the file's own directory."""
+    import flint_jax
+    from flint_jax import synth
+    synth.synth(tmp_path / "g", fmt="gguf", config="tiny", layers=2, experts=4)
+    flint_jax.convert.convert(tmp_path / "g" / "model.gguf", tmp_path / "conv", progress=False)
+    assert flint_jax.load(tmp_path / "conv", kernels="xla").quant

@@ -311,8 +311,9 @@ def test_config_disagrees_gguf(tmp_path, good_gguf, field, value, match):
 
 
 def test_gguf_needs_hf_config(tmp_path, good_gguf):
-    convert_fails(good_gguf, tmp_path / "out", r"tiny_a\.gguf: a GGUF file holds no usable config; "
-                                               r"pass hf_config \(--hf-config DIR\)")
+    convert_fails(good_gguf, tmp_path / "out", r"tiny_a\.gguf: a GGUF file holds no usable config "
+                                               r"and no config.json lies beside it; pass hf_config "
+                                               r"\(--hf-config DIR\)")
     with pytest.raises(ValueError, match="hf_config"):
         flint_jax.load(good_gguf)
 

@@ -451,6 +451,15 @@ def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: 
     `stats`, the first chunk call's time is added to `stats.compile_s` (when the caller knows it
     compiles).
     """
+    chunk = prefill_chunk(max(len(r) for r in rows), cache_length, chunk_size, model, len(rows))
+    return run_prefill(model, rows, cache_length, chunk, _prefill_step(model, "last"), stats)
+
+
+def run_prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk: int, fn,
+                stats: GenerationStats | None = None):
+    """`prefill` with the chunk length and the jitted chunk step `fn` (`Flint.chunk_fn`'s
+    signature) given: allocates the cache, runs the right-padded rows through it chunk by chunk
+    and keeps each row's logits at its last token."""
     cfg = model.config
     b = len(rows)
     lengths = np.array([len(r) for r in rows], np.int32)
@@ -459,12 +468,10 @@ def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: 
     shardings = model.cache_sharding(b, cache_length) if model.cache_sharding else None
     cache = init_cache(cfg, b, cache_length, model.dtype, shardings)
     t_max = int(lengths.max())
-    chunk = prefill_chunk(t_max, cache_length, chunk_size, model, b)
     n_chunks = -(-t_max // chunk)
     tokens = np.zeros((b, n_chunks * chunk), np.int32)
     for i, r in enumerate(rows):
         tokens[i, :len(r)] = r
-    fn = _prefill_step(model, "last")
     last = None
     for c in range(n_chunks):
         n = np.clip(lengths - c * chunk, 0, chunk).astype(np.int32)

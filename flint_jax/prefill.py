@@ -38,10 +38,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flint_jax import layers
-from flint_jax.cache import KVCache, check_cache_fits, init_cache
+from flint_jax.cache import KVCache
 from flint_jax.pallas.grouped_matmul import moe_experts
 from flint_jax.pallas.prefill_attention import prefill_attention
 
@@ -248,24 +247,6 @@ def prefill(model, rows: list[list[int]], cache_length: int, chunk_size: int | N
   in chunks of ``chunk_size`` tokens per row (None: ``chunk_length(B, longest, max_tokens)``).
 
   Returns (last-token logits f32 [B, V], cache). Rows may have different lengths."""
-  cfg = model.config
-  b = len(rows)
-  lengths = np.array([len(r) for r in rows], np.int32)
-  check_cache_fits(cfg, b, cache_length, model.dtype,
-                   num_devices=model.mesh.size if model.mesh is not None else 1)
-  shardings = model.cache_sharding(b, cache_length) if model.cache_sharding else None
-  cache = init_cache(cfg, b, cache_length, model.dtype, shardings)
-  t_max = int(lengths.max())
-  chunk = chunk_size or chunk_length(b, t_max, max_tokens)
-  n_chunks = -(-t_max // chunk)
-  tokens = np.zeros((b, n_chunks * chunk), np.int32)
-  for i, r in enumerate(rows):
-    tokens[i, :len(r)] = r
-  fn = chunk_fn(model, "last", options)
-  last = None
-  for c in range(n_chunks):
-    n = np.clip(lengths - c * chunk, 0, chunk).astype(np.int32)
-    logits, cache, _ = fn(model.leaves, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]), cache,
-                          jnp.asarray(n))
-    last = logits if last is None else jnp.where(jnp.asarray(n > 0)[:, None], logits, last)
-  return last, cache
+  from flint_jax import decode   # pylint: disable=g-import-not-at-top
+  chunk = chunk_size or chunk_length(len(rows), max(len(r) for r in rows), max_tokens)
+  return decode.run_prefill(model, rows, cache_length, chunk, chunk_fn(model, "last", options))

@@ -25,6 +25,23 @@ def golden(name: str):
     return np.load(GOLDEN / name / "golden.npz")
 
 
+def disk_fills_after(monkeypatch, n_writes: int) -> dict:
+    """Orbax's tensor writes fail with ENOSPC after the first `n_writes` (a disk filling up
+    midway through a checkpoint). Returns the call counter {"n": writes attempted}."""
+    from orbax.checkpoint import type_handlers
+    real = type_handlers.NumpyHandler._background_serialize
+    calls = {"n": 0}
+
+    async def failing(self, values, infos, args=None):
+        calls["n"] += 1
+        if calls["n"] > n_writes:
+            raise OSError(28, "No space left on device")
+        return await real(self, values, infos, args)
+
+    monkeypatch.setattr(type_handlers.NumpyHandler, "_background_serialize", failing)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def fp32_models():
     """flint_jax handles of the golden checkpoints in fp32 (XLA path), loaded once."""

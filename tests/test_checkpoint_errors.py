@@ -146,17 +146,8 @@ def test_dst_exists_and_overwrite(tmp_path):
 
 def test_write_error_midway(tmp_path, monkeypatch, capsys):
     """The disk fills after a few tensors: one line naming DST and a tensor, nothing left."""
-    from orbax.checkpoint import type_handlers
-    real = type_handlers.NumpyHandler._background_serialize
-    calls = {"n": 0}
-
-    async def failing(self, values, infos, args=None):
-        calls["n"] += 1
-        if calls["n"] > 3:
-            raise OSError(28, "No space left on device")
-        return await real(self, values, infos, args)
-
-    monkeypatch.setattr(type_handlers.NumpyHandler, "_background_serialize", failing)
+    from conftest import disk_fills_after
+    calls = disk_fills_after(monkeypatch, 3)
     dst = tmp_path / "out"
     msg = convert_fails(GOLDEN / "tiny_a", dst, r"out: writing the checkpoint failed at tensor "
                                                 r"'[\w.]+': OSError: \[Errno 28\] No space left")

@@ -246,18 +246,9 @@ def test_overwrite_keeps_old_until_complete(tmp_path, monkeypatch):
     (bad / "model.safetensors").write_bytes((TINY / "model.safetensors").read_bytes()[:-5000])
     with pytest.raises(ValueError, match="truncated"):
         convert.convert(bad, dst, progress=False, overwrite=True)
-    from orbax.checkpoint import type_handlers
-    real = type_handlers.NumpyHandler._background_serialize
-    calls = {"n": 0}
-
-    async def failing(self, values, infos, args=None):
-        calls["n"] += 1
-        if calls["n"] > 3:
-            raise OSError(28, "No space left on device")
-        return await real(self, values, infos, args)
-
+    from conftest import disk_fills_after
     with monkeypatch.context() as m:
-        m.setattr(type_handlers.NumpyHandler, "_background_serialize", failing)
+        disk_fills_after(m, 3)
         with pytest.raises(ValueError, match="No space left"):
             convert.convert(TINY, dst, progress=False, overwrite=True)
     assert snapshot(dst) == before

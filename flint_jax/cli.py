@@ -38,6 +38,7 @@ import sys
 import warnings
 
 DEMO = "demo"
+DEMO_RANDOM = "demo-random"
 
 
 def _add_debug(p: argparse.ArgumentParser):
@@ -54,7 +55,8 @@ def _add_quiet(p: argparse.ArgumentParser):
 
 def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("model", help="a local HF directory, converted checkpoint or .gguf file, or "
-                                 "'demo' (hub IDs are not fetched: download first; "
+                                 "'demo' (the shipped small trained model) or 'demo-random' "
+                                 "(random weights) (hub IDs are not fetched: download first; "
                                  "`flint-jax --help` says how)")
     p.add_argument("--hf-config", metavar="DIR",
                    help="for a .gguf file: the directory with config.json and the tokenizer "
@@ -127,8 +129,15 @@ def _load(a):
     if a.model == DEMO:
         from flint_jax.demo import demo_checkpoint
         path = demo_checkpoint()
-        print(f"[flint-jax] demo model: a small Flint with RANDOM weights ({path}); its text is "
-              "meaningless.", file=sys.stderr)
+        if not _quiet(a):
+            print(f"[flint-jax] demo model: a small Flint trained on Python's standard library and "
+                  f"generated chats ({path})", file=sys.stderr)
+    elif a.model == DEMO_RANDOM:
+        from flint_jax.demo import random_checkpoint
+        path = random_checkpoint()
+        if not _quiet(a):
+            print(f"[flint-jax] demo-random: a small Flint with RANDOM weights ({path}); its text is "
+                  "meaningless.", file=sys.stderr)
     else:
         path = a.model
     return flint_jax.load(path, dtype=a.dtype, kernels=a.kernels, max_length=a.max_length,
@@ -240,34 +249,47 @@ def cmd_chat(a) -> int:
     return 0
 
 
+DEMO_CODE_PROMPT = "import os\n\n\ndef list_python_files(root):\n"
+DEMO_CHAT = "What is 17 + 25?"
+DEMO_TOOL_REQUEST = "What's the weather in Oslo?"
+
+
 def cmd_demo(a) -> int:
     import flint_jax
     from flint_jax.demo import demo_checkpoint
+    from flint_jax.demo_data import DEMO_TOOLS
     path = demo_checkpoint()
-    print("flint-jax demo: a small Flint (6 layers, hidden 128, 8 experts, sliding window 9) "
-          f"with RANDOM weights, built on the fly at {path}.\nIts text is meaningless: the demo "
-          "shows the pipeline (load, generate, stream, chat) running, not a trained model.\n")
+    print("flint-jax demo: a small Flint (12M parameters: 6 layers, 16 experts top-4, sliding and "
+          f"full attention) shipped with flint_jax at\n{path}. It was trained on Python's standard "
+          "library and generated chats: it completes Python, follows the chat format and calls "
+          "four made-up tools; it knows nothing else (docs/demo_model.md).\n")
     model = flint_jax.load(path, kernels=a.kernels)
     print(model)
-    prompt = "The weather today is"
-    print(f"\n[generate] {prompt!r} ->")
-    events = flint_jax.generate(model, prompt, max_new_tokens=a.max_new_tokens, seed=a.seed,
-                                stream=True)
+    greedy = dict(temperature=a.temperature, seed=a.seed)
+    print(f"\n[complete] {DEMO_CODE_PROMPT!r} ->")
+    events = flint_jax.generate(model, DEMO_CODE_PROMPT, max_new_tokens=a.max_new_tokens,
+                                stream=True, **greedy)
+    sys.stdout.write(DEMO_CODE_PROMPT)
     for ev in events:
         sys.stdout.write(ev.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
     _print_stats(a, events.stats)
-    print("\n[chat] user: What is the capital of France?")
-    msg = flint_jax.chat(model, [{"role": "user", "content": "What is the capital of France?"}],
-                         max_new_tokens=a.max_new_tokens, seed=a.seed)
-    print(json.dumps({k: msg[k] for k in ("reasoning_content", "content", "tool_calls",
-                                          "finish_reason")}, ensure_ascii=False, indent=1))
+    show = ("reasoning_content", "content", "tool_calls", "finish_reason")
+    print(f"\n[chat] user: {DEMO_CHAT}")
+    msg = flint_jax.chat(model, [{"role": "user", "content": DEMO_CHAT}],
+                         max_new_tokens=a.max_new_tokens, **greedy)
+    print(json.dumps({k: msg[k] for k in show}, ensure_ascii=False, indent=1))
+    names = ", ".join(t["function"]["name"] for t in DEMO_TOOLS)
+    print(f"\n[tool call] tools: {names}; user: {DEMO_TOOL_REQUEST}")
+    msg = flint_jax.chat(model, [{"role": "user", "content": DEMO_TOOL_REQUEST}], tools=DEMO_TOOLS,
+                         enable_thinking=False, max_new_tokens=a.max_new_tokens, **greedy)
+    print(json.dumps({k: msg[k] for k in show}, ensure_ascii=False, indent=1))
     if msg.get("stats"):
         from flint_jax.decode import GenerationStats
         _print_stats(a, GenerationStats(**msg["stats"]))
-    print("\nNext: `flint-jax generate MODEL \"prompt\"` on a real checkpoint, or "
-          "`flint-jax convert` to convert one (see README).")
+    print("\nNext: `flint-jax chat demo`, `flint-jax generate MODEL \"prompt\"` on a real "
+          "checkpoint, or `flint-jax convert` to convert one (see README).")
     return 0
 
 
@@ -303,12 +325,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show full tracebacks (also FLINT_JAX_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="run the embedded random-weight model (no download)",
-                       description="Builds a small Flint with RANDOM weights (once, into "
-                       "~/.cache/flint_jax or $FLINT_JAX_DEMO_DIR) and runs generate and chat on "
-                       "it: the pipeline runs, the text is meaningless.")
-    p.add_argument("--max-new-tokens", type=int, default=24,
-                   help="tokens to generate in each part (default 24)")
+    p = sub.add_parser("demo", help="run the shipped small trained model (no download)",
+                       description="Loads the small Flint shipped with flint_jax (trained on "
+                       "Python's standard library and generated chats) and shows a Python "
+                       "completion, a chat answer and a parsed tool call. The model name `demo` "
+                       "works in every other command too (`demo-random`: random weights).")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate in each part (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
     p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "xla"],
                    help="decode kernels: Pallas on GPU by default, XLA elsewhere (pallas runs in "

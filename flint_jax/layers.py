@@ -84,6 +84,34 @@ def ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, precision=None) -> 
     return jax.lax.ragged_dot(x, w, sizes, precision=precision, preferred_element_type=F32)
 
 
+def blocked_ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, block: int = 128) -> jax.Array:
+    """`ragged_dot` as batched GEMMs over row blocks: same result, real grouped-GEMM cost on CPU.
+
+    x: [N, K] rows grouped by `sizes` ([G] int32, summing to N); w: [G, K, M]. Each group's rows are
+    copied into blocks of `block` rows (the group's last block zero-padded), every block is
+    multiplied by its group's weights (gathered per block), and the rows are read back: at most
+    N + G * (block - 1) rows of work. XLA:CPU's `ragged_dot` computes every group for every row
+    (measured 5.6 against 125 GFLOP/s useful for a dense GEMM, training the demo model at 16
+    experts); this form costs `(N/block + G)` weight blocks of memory, so it suits training and
+    small models, not a full-size prefill. Returns f32 [N, M].
+    """
+    n, kdim = x.shape
+    g = w.shape[0]
+    nb = -(-(n + g * (block - 1)) // block)
+    x, w = _operands(x, w)
+    sizes = sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    padded = (sizes + block - 1) // block * block
+    pstarts = jnp.cumsum(padded) - padded
+    group = jnp.repeat(jnp.arange(g, dtype=jnp.int32), sizes, total_repeat_length=n)
+    dest = pstarts[group] + jnp.arange(n, dtype=jnp.int32) - starts[group]
+    xp = jnp.zeros((nb * block, kdim), x.dtype).at[dest].set(x)
+    block_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(nb) * block, side="right")
+    wb = w[jnp.minimum(block_group, g - 1)]  # [nb, K, M]
+    y = jnp.einsum("bnk,bkm->bnm", xp.reshape(nb, block, kdim), wb, preferred_element_type=F32)
+    return y.reshape(nb * block, -1)[dest]
+
+
 def router_topk(x: jax.Array, router_w: jax.Array, k: int, norm_topk_prob: bool = True,
                 precision=jax.lax.Precision.HIGHEST):
     """Flint's router: fp32 logits, sigmoid scores, top-k (no selection bias), renormalised.

@@ -283,6 +283,9 @@ class FlintMoE(nnx.Module):
         self.experts = FlintExperts(cfg, dtype=dtype, quant=quant, rngs=rngs)
         self.shared_expert = FlintMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size,
                                       dtype=dtype, quant=quant, rngs=rngs)
+        # The grouped matmul of many tokens: "ragged" (`jax.lax.ragged_dot`) or "blocked"
+        # (`layers.blocked_ragged_dot`, batched GEMMs: training on a CPU); see `use_blocked_experts`.
+        self.grouped_matmul = "ragged"
 
     def __call__(self, x, captures=None):
         """x: [B, T, D] -> [B, T, D]. `out = sum_k w_k y_k + shared(x)` combined in fp32."""
@@ -329,16 +332,26 @@ class FlintMoE(nnx.Module):
         sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
         all_ids = jnp.arange(cfg.num_experts)
         gu, dn, gu_scale, dn_scale = self.experts.selected(all_ids, x.dtype)
-        h = layers.ragged_dot(xs, gu.transpose(0, 2, 1), sizes)
+        grouped = layers.blocked_ragged_dot if self.grouped_matmul == "blocked" else layers.ragged_dot
+        h = grouped(xs, gu.transpose(0, 2, 1), sizes)
         e_sorted = flat[order]
         s = gu_scale[e_sorted]  # [N*k, 2]
         gate = (h[:, :inter] * s[:, :1]).astype(x.dtype)
         up = (h[:, inter:] * s[:, 1:]).astype(x.dtype)
         act = layers.silu_mul(gate, up)
-        y = layers.ragged_dot(act, dn.transpose(0, 2, 1), sizes)
+        y = grouped(act, dn.transpose(0, 2, 1), sizes)
         y = (y * dn_scale[e_sorted][:, None]).astype(x.dtype).astype(F32)
         w = weights.reshape(-1)[order]
         return jnp.zeros((n, x.shape[1]), F32).at[tok].add(y * w[:, None])
+
+
+def use_blocked_experts(model: "FlintForCausalLM", blocked: bool = True) -> None:
+    """Makes every MoE layer of `model` run its many-token experts as `layers.blocked_ragged_dot`
+    (same values as `ragged_dot` up to summation order; much faster on a CPU, memory grows with
+    the weight blocks gathered). Set before `nnx.split` / jit."""
+    for layer in model.model.layers:
+        if layer.moe:
+            layer.mlp.grouped_matmul = "blocked" if blocked else "ragged"
 
 
 class FlintDecoderLayer(nnx.Module):

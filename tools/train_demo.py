@@ -318,6 +318,8 @@ def main(argv=None):
                    help="use only the first N files of each split (tests)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop (and save) after N steps in this run")
+    p.add_argument("--export-only", action="store_true",
+                   help="write --out (and --plot) from the saved state, without training")
     p.add_argument("--plot", default=None, help="write the loss curve PNG here (needs matplotlib)")
     args = p.parse_args(argv)
 
@@ -357,6 +359,15 @@ def main(argv=None):
         print(f"[train_demo] resumed at step {log['step']}", flush=True)
     log.update(params=n_params, tokens_per_step=args.batch * args.seq, device=jax.devices()[0].device_kind,
                command="python tools/train_demo.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    if args.export_only:
+        if loaded is None or not (args.out or args.plot):
+            raise SystemExit(f"--export-only needs a saved state in {args.work} and --out or --plot")
+        if args.plot:
+            plot_loss(log, args.plot)
+        if args.out:
+            export(args.out, cfg, params, graphdef, tok, log)
+            print(f"[train_demo] wrote {args.out} (step {log['step']})", flush=True)
+        return
     train_step, eval_step = make_steps(graphdef, cfg, optimizer, args.balance)
     evals = eval_batches(tok, toks["eval"], args.seq)
 

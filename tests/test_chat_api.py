@@ -14,9 +14,7 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    import os
-    os.environ["FLINT_JAX_DEMO_DIR"] = str(tmp_path_factory.mktemp("demo") / "ckpt")
+def demo():
     from flint_jax.demo import demo_model
     return demo_model(kernels="xla")
 

@@ -24,16 +24,29 @@ def demo_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("demo") / "ckpt"
 
 
-def test_demo_runs(demo_dir):
-    res = run_cli("demo", "--max-new-tokens", "8", demo_dir=demo_dir)
+def test_demo_runs():
+    # The shipped trained model: a completion, a chat answer and a parsed tool call (greedy).
+    res = run_cli("demo", "--max-new-tokens", "48")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "RANDOM weights" in res.stdout and "[chat]" in res.stdout
+    out = res.stdout
+    assert "[complete]" in out and "[chat]" in out and "[tool call]" in out
+    tool_part = out.split("[tool call]", 1)[1]
+    reply = json.loads(tool_part[tool_part.index("\n{"):tool_part.index("\n}") + 2])
+    call = reply["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and call["arguments"]["city"] == "Oslo", reply
+
+
+def test_demo_random_is_a_model_name(demo_dir):
+    res = run_cli("generate", "demo-random", "Hello", "--max-new-tokens", "4", "--temperature",
+                  "0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "RANDOM weights" in res.stderr
     assert os.path.exists(demo_dir / "model.safetensors")
 
 
-def test_generate_json(demo_dir):
+def test_generate_json():
     res = run_cli("generate", "demo", "Hello", "--max-new-tokens", "6", "--temperature", "0",
-                  "--json", demo_dir=demo_dir)
+                  "--json")
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["prompt"] == "Hello" and len(out["token_ids"]) == len(out["logprobs"]) >= 1
@@ -45,18 +58,17 @@ def test_generate_json(demo_dir):
     assert res.stderr.count("[flint-jax] compiling the") == 1
     # Greedy is deterministic: the same call gives the same ids.
     again = json.loads(run_cli("generate", "demo", "Hello", "--max-new-tokens", "6",
-                               "--temperature", "0", "--json",
-                               demo_dir=demo_dir).stdout.strip().splitlines()[-1])
+                               "--temperature", "0", "--json").stdout.strip().splitlines()[-1])
     assert again["token_ids"] == out["token_ids"]
 
 
-def test_chat_with_piped_input(demo_dir, tmp_path):
+def test_chat_with_piped_input(tmp_path):
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([{"type": "function", "function": {
         "name": "get_weather", "parameters": {"type": "object",
                                               "properties": {"city": {"type": "string"}}}}}]))
     res = run_cli("chat", "demo", "--tools", str(tools), "--max-new-tokens", "6",
-                  stdin="hello\n/reset\nsecond question\n/exit\n", demo_dir=demo_dir)
+                  stdin="hello\n/reset\nsecond question\n/exit\n")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "[conversation cleared]" in res.stdout
     assert res.stdout.count("[thinking]") + res.stdout.count("[answer]") >= 2
@@ -64,11 +76,11 @@ def test_chat_with_piped_input(demo_dir, tmp_path):
     assert res.stderr.count("prompt tokens at") == 2 and "tok/s" not in res.stdout
 
 
-def test_generate_clamps_names_the_flag_and_reports_timings(demo_dir):
+def test_generate_clamps_names_the_flag_and_reports_timings():
     # --max-length 16 leaves too little room for 40 new tokens: clamped with a warning naming
     # the CLI's flag; --debug after the command is accepted; the timings go to stderr.
     res = run_cli("generate", "demo", "Hello", "--max-new-tokens", "40", "--max-length", "16",
-                  "--temperature", "0", "--debug", demo_dir=demo_dir)
+                  "--temperature", "0", "--debug")
     assert res.returncode == 0, res.stderr[-3000:]
     err = res.stderr
     assert "flint-jax generate: warning: max_new_tokens=40 does not fit" in err, err
@@ -77,8 +89,7 @@ def test_generate_clamps_names_the_flag_and_reports_timings(demo_dir):
     assert "generated at" in err and "first token after" in err
     assert "tok/s" not in res.stdout
     # The prompt alone too long: one error line naming --max-length; --quiet drops the notices.
-    res = run_cli("generate", "demo", "Hello world, hello again", "--max-length", "2", "--quiet",
-                  demo_dir=demo_dir)
+    res = run_cli("generate", "demo", "Hello world, hello again", "--max-length", "2", "--quiet")
     assert res.returncode == 1
     assert "flint-jax generate: error: prompt row 0 has" in res.stderr
     assert "--max-length N" in res.stderr and "compiling" not in res.stderr

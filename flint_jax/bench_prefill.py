@@ -49,6 +49,8 @@ SMOKE_CASES = ["1x64", "2x40"]
 #: full attention, so every prefill kernel (ring and full attention, grouped-GEMM experts) runs.
 SMOKE_CONFIG = dict(num_hidden_layers=2, layer_types=(SLIDING, FULL), mlp_only_layers=(0,))
 REFERENCE_CHUNK = 256   # tokens per row per chunk of the reference XLA path
+#: The XLA path takes ~8 s per 8K tokens on the H200 (~34 s at 32K): timed up to this many.
+DEFAULT_REFERENCE_MAX_TOKENS = 8192
 
 
 def parse_case(name: str) -> list[int]:
@@ -107,16 +109,20 @@ def cache_length(cfg: FlintConfig, rows) -> int:
     return decode.bucket_length(max(len(r) for r in rows) + 256, cfg.max_position_embeddings)
 
 
-def build_model(cfg: FlintConfig, quant: bool) -> decode.Flint:
-    """Random weights built on the device (NVFP4 block scales pre-scaled to bf16) in a handle
-    whose decode kernels are Pallas."""
+def model_handle(cfg: FlintConfig, graphdef, state, quant: bool) -> decode.Flint:
+    """A handle on ``nnx.split``'s (graphdef, state) whose decode kernels are Pallas, NVFP4 block
+    scales pre-scaled to bf16 (a copy of them: +11% of the NVFP4 weights)."""
     from flint_jax.nvfp4 import prescale_state
-    graphdef, state = build_state(cfg, quant)
     if quant:
         state = prescale_state(state)
     jax.block_until_ready(jax.tree.leaves(state))
     return decode.Flint(config=cfg, graphdef=graphdef, state=state, dtype=jnp.bfloat16,
                         quant=quant, kernels="pallas", max_length=cfg.max_position_embeddings)
+
+
+def build_model(cfg: FlintConfig, quant: bool) -> decode.Flint:
+    """``model_handle`` on random weights built on the device (``bench.build_state``)."""
+    return model_handle(cfg, *build_state(cfg, quant), quant)
 
 
 def reference_model(model: decode.Flint) -> decode.Flint:

@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reps", type=int, default=None,
                    help="timed prefills per case and path after the first (compiling) one "
                         "(default 3; smoke: 1)")
-    g.add_argument("--reference-max-tokens", type=int, default=8192,
+    g.add_argument("--reference-max-tokens", type=int, default=8192,   # bench_prefill's default
                    help="also time the reference XLA path (256-token chunks) and compare its "
                         "logits on cases of at most this many tokens in all (default 8192; it "
                         "takes ~8 s per 8K tokens on the H200); 0: never")

@@ -6,7 +6,10 @@
    teacher-forced (both paths fed the XLA path's greedy tokens: relative L2 and argmax agreement
    at every step, which a single early near-tie cannot end);
 2. bench: decode ms/step of both paths (median of windows of back-to-back steps), tokens/s,
-   percent of the HBM floor, kernels per step from a profiler trace, for each (batch, context).
+   percent of the HBM floor, kernels per step from a profiler trace, for each (batch, context);
+3. prefill (time to first token): `--prefill-cases` (default 1x8K 8x2K) through the Pallas
+   prefill kernels, ms, tokens/s and percent of the compute floor, beside the XLA path (when
+   `--paths` has it) on cases of at most 8,192 tokens (`flint_jax.bench_prefill.run_case`).
 
 Results are rewritten to `--out` after every case, so a run cut short still reports what it
 measured; `--budget-s` stops starting new cases past that many seconds.
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flint_jax import bench
+from flint_jax import bench, bench_prefill
 from flint_jax.config import preset
 from flint_jax.decode import prefill
 from flint_jax.decode import Flint
@@ -162,10 +165,15 @@ def main():
                          "(flint_jax.bench.parse_options)")
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timing window")
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--prefill-cases", nargs="*", default=["1x8K", "8x2K"], metavar="CASE",
+                    help="prefill cases after the decode cases (flint_jax.bench_prefill: BxN, "
+                         "K = 1024, e.g. 1x32K); none given: no prefill stage")
     ap.add_argument("--budget-s", type=float, default=470)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     bench.parse_options(a.option)   # a bad option fails before the weights are built
+    for case in a.prefill_cases:
+        bench_prefill.parse_case(case)
     if not set(a.paths.split(",")) <= {"xla", "pallas"}:
         ap.error("--paths: xla, pallas or xla,pallas (variants: --option KEY=VALUE)")
     t_start = time.perf_counter()
@@ -224,6 +232,24 @@ def main():
         save()
     print(bench.table(res["cases"], a.paths.split(",")))
     save()
+    if a.prefill_cases:
+        prefill_stage(a, res, bench_prefill.model_handle(cfg, graphdef, state, quant), t_start,
+                      save)
+
+
+def prefill_stage(a, res, model, t_start, save):
+    """The prefill cases (3 timed runs each), results into ``res["prefill"]``; the XLA path
+    beside them when ``--paths`` has it."""
+    ref_max = bench_prefill.DEFAULT_REFERENCE_MAX_TOKENS if "xla" in a.paths.split(",") else 0
+    res["prefill"] = []
+    for case in a.prefill_cases:
+        if time.perf_counter() - t_start > a.budget_s:
+            print(f"[{a.format}] budget reached: skipping prefill {case}", flush=True)
+            res.setdefault("skipped", []).append(f"prefill {case}")
+            continue
+        res["prefill"] += bench_prefill.run_case(model, case, 3, ref_max)
+        save()
+    print(bench_prefill.table(res["prefill"]))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ Examples:
   flint-jax bench --config smoke                   # a CPU smoke run (~35 s on 2 cores)
   flint-jax bench --dtype bf16 --batch 1 8 --context 1024 8192
   flint-jax bench --dtype nvfp4 --batch 8 --paths pallas --option qkv_split_k=4
+  flint-jax bench --prefill --config smoke         # prefill benchmark, CPU smoke run
+  flint-jax bench --prefill --cases 1x8K 8x2K 1x32K --dtype bf16 --reps 3
 
 MODEL is a local HF directory, a converted checkpoint, a .gguf file, or `demo`. A .gguf file
 takes its config.json and tokenizer from its own directory, else from --hf-config DIR.
@@ -312,7 +314,33 @@ def bench_options(a):
     return a
 
 
+# `bench --prefill`: the options only one of the two benchmarks takes (unset = None or empty).
+DECODE_ONLY = ("batch", "context", "steps", "option")
+PREFILL_ONLY = ("cases", "reps")
+
+
+def prefill_options(a):
+    """Fills the prefill benchmark's options left unset: `--config smoke` (kept: bench_prefill
+    makes its 2-layer tiny config) gets its scaled-down cases and 1 timed run, any other config
+    the issue's cases and 3 runs; both weight formats."""
+    from flint_jax import bench_prefill
+    smoke = a.config == "smoke"
+    a.cases = a.cases or (bench_prefill.SMOKE_CASES if smoke else bench_prefill.DEFAULT_CASES)
+    a.reps = a.reps or (1 if smoke else 3)
+    a.dtype = a.dtype or ["bf16", "nvfp4"]
+    return a
+
+
 def cmd_bench(a) -> int:
+    mixed = [k for k in (DECODE_ONLY if a.prefill else PREFILL_ONLY) if getattr(a, k)]
+    if a.prefill and a.trace:
+        mixed.append("trace")
+    if mixed:
+        which = "the decode benchmark (without --prefill)" if a.prefill else "--prefill"
+        raise ValueError(f"--{mixed[0].replace('_', '-')} is an option of {which}")
+    if a.prefill:
+        from flint_jax import bench_prefill
+        return bench_prefill.main(prefill_options(a))
     bench_options(a)
     from flint_jax import bench
     return bench.main(a)
@@ -367,12 +395,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_debug(p)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("bench", help="decode benchmark (GPU; `--config smoke` on a CPU)",
+    p = sub.add_parser("bench", help="decode or (--prefill) prefill benchmark (GPU; `--config "
+                       "smoke` on a CPU)",
                        description="Times the decode step of a Flint with random weights, XLA "
                        "and Pallas paths side by side, for every weight format x batch x "
                        "context (see docs/performance.md). The full-size default is for a GPU; "
                        "on a CPU run `--config smoke` (about 35 s on 2 cores). A variant of the "
-                       "Pallas plan: --option KEY=VALUE (repeatable).")
+                       "Pallas plan: --option KEY=VALUE (repeatable). With --prefill: times whole "
+                       "prompts through the Pallas prefill kernels (ms, tokens/s, % of the "
+                       "compute floor) beside the XLA path where the prompt is short enough "
+                       "(--reference-max-tokens), for every weight format x --cases (see "
+                       "docs/prefill.md).")
     p.add_argument("--dtype", nargs="+", default=None, choices=["bf16", "nvfp4"],
                    help="weight formats (default both)")
     p.add_argument("--batch", nargs="+", type=int, default=None,
@@ -395,9 +428,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flint (full size, the default; a GPU), a smaller preset (tiny, "
                         "tiny-gqa8, small: every case of the grid, minutes on a CPU), or smoke: "
                         "tiny with 2 layers, bf16 and nvfp4, batch 1, context 64, 2 steps; about "
-                        "35 s on 2 CPU cores (options given explicitly still apply)")
+                        "35 s on 2 CPU cores (options given explicitly still apply); with "
+                        "--prefill, smoke is tiny with 2 layers (one dense, one MoE), cases 1x64 "
+                        "2x40, 1 timed run")
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--trace", action="store_true", help="count kernels with the profiler (GPU)")
+    g = p.add_argument_group("prefill benchmark (--prefill)")
+    g.add_argument("--prefill", action="store_true",
+                   help="time prefill instead of decode: flint_jax/bench_prefill.py (--dtype, "
+                        "--config, --layers and --out apply too)")
+    g.add_argument("--cases", nargs="+", default=None, metavar="CASE",
+                   help="prompts: BxN rows x tokens, K = 1024 (default 1x8K 8x2K 1x32K 1x100K "
+                        "1x262K, where 1x100K is 100,000 tokens; smoke: 1x64 2x40)")
+    g.add_argument("--reps", type=int, default=None,
+                   help="timed prefills per case and path after the first (compiling) one "
+                        "(default 3; smoke: 1)")
+    g.add_argument("--reference-max-tokens", type=int, default=8192,   # bench_prefill's default
+                   help="also time the reference XLA path (256-token chunks) and compare its "
+                        "logits on cases of at most this many tokens in all (default 8192; it "
+                        "takes ~8 s per 8K tokens on the H200); 0: never")
     _add_debug(p)
     p.set_defaults(func=cmd_bench)
 

@@ -163,3 +163,92 @@ def test_step_kernel_bytes_add_up_to_the_step_floor():
     # NVFP4 weights as held on the device: 4-bit codes and a bf16 block scale per 16 values.
     o_proj = step_kernel_tbps.kernel_bytes("flint_nvfp4_gemv_blocks", 49, cfg, "nvfp4", 1, 1024)
     assert o_proj == cfg.hidden_size * cfg.num_attention_heads * cfg.head_dim * (0.5 + 2 / 16)
+
+
+# ---- the prefill benchmark (`flint-jax bench --prefill`, flint_jax/bench_prefill.py) ---------
+
+def test_prefill_case_names():
+    from flint_jax.bench_prefill import parse_case
+    assert parse_case("1x8K") == [8192]
+    assert parse_case("8x2K") == [2048] * 8
+    assert parse_case("1x32K") == [32768]
+    assert parse_case("1x100K") == [100000]          # the named case: 100,000 tokens
+    assert parse_case("1x262K") == [262144]
+    assert parse_case("2x100") == [100, 100]
+    assert parse_case("3x2K") == [2048] * 3
+    assert parse_case("1x100k") == [102400]          # generic: K = 1024
+    for bad in ["8K", "0x10", "2x0", "1x", "ax2", "1x8M", "1x8K "]:
+        with pytest.raises(ValueError, match="bad prefill case") as e:
+            parse_case(bad)
+        assert repr(bad) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prefill_flops_by_hand():
+    """A 3-layer tiny config (0: dense + sliding, 1: MoE + full, 2: MoE + sliding; window 9),
+    rows of 5 and 20 tokens, every term written out."""
+    from flint_jax.bench_prefill import PEAK_FLOPS, prefill_flops
+    from flint_jax.config import FULL, SLIDING
+    cfg = preset("tiny", num_hidden_layers=3, layer_types=(SLIDING, FULL, SLIDING),
+                 mlp_only_layers=(0,))
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.vocab_size,
+            cfg.sliding_window) == (128, 4, 2, 64, 192, 8, 2, 64, 128, 512, 9)
+    # multiply-adds per token and layer
+    attn_proj = 128 * 256 + 128 * 128 + 128 * 128 + 256 * 128     # q, k, v, o
+    dense = 3 * 128 * 192                                         # gate, up, down
+    moe = 8 * 128 + 2 * 3 * 128 * 64 + 3 * 128 * 128              # router, 2 experts, shared
+    per_token = (attn_proj + dense) + (attn_proj + moe) + (attn_proj + moe)
+    assert per_token == 567296
+    matmul = 2 * per_token * 25 + 2 * 2 * 128 * 512               # 25 tokens; lm head per row
+    # query-key pairs: causal over every key (full) or the last 9 keys (sliding)
+    full_pairs = (1 + 2 + 3 + 4 + 5) + sum(range(1, 21))          # 15 + 210
+    slide_pairs = 15 + (sum(range(1, 10)) + 11 * 9)               # row of 20: 45 + 99
+    attention = 4 * 4 * 64 * (1 * full_pairs + 2 * slide_pairs)   # QK^T and PV, 2 FLOPs each
+    got = prefill_flops(cfg, [5, 20])
+    assert got["matmul"] == matmul == 28626944
+    assert got["attention"] == attention == 556032
+    assert got["floor_ms"] == pytest.approx((matmul + attention) / PEAK_FLOPS * 1e3, rel=1e-12)
+
+
+def test_cli_bench_prefill_options():
+    """--prefill fills its own defaults (smoke: the scaled-down cases, 1 run); the options of the
+    other benchmark are refused with a one-line error."""
+    from flint_jax import bench_prefill, cli
+    parser = cli.build_parser()
+    a = cli.prefill_options(parser.parse_args(["bench", "--prefill", "--config", "smoke"]))
+    assert (a.config, a.cases, a.reps, a.dtype) == ("smoke", ["1x64", "2x40"], 1,
+                                                    ["bf16", "nvfp4"])
+    a = cli.prefill_options(parser.parse_args(["bench", "--prefill", "--dtype", "bf16"]))
+    assert (a.cases, a.reps, a.dtype) == (bench_prefill.DEFAULT_CASES, 3, ["bf16"])
+    assert a.reference_max_tokens == 8192 == bench_prefill.DEFAULT_REFERENCE_MAX_TOKENS
+    with pytest.raises(ValueError, match="--batch is an option of the decode benchmark"):
+        cli.cmd_bench(parser.parse_args(["bench", "--prefill", "--batch", "8"]))
+    with pytest.raises(ValueError, match="--cases is an option of --prefill"):
+        cli.cmd_bench(parser.parse_args(["bench", "--cases", "1x8K"]))
+
+
+def test_cli_bench_prefill_smoke(tmp_path):
+    """`flint-jax bench --prefill --config smoke` on the CPU: both formats x both cases x both
+    paths, and the Pallas prefill's last-token logits close to the XLA path's."""
+    import json
+    import subprocess
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "prefill.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-m", "flint_jax.cli", "bench", "--prefill", "--config",
+                          "smoke", "--out", str(out)], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "| format | case | path |" in res.stdout
+    rows = {(r["format"], r["case"], r["path"]): r for r in json.loads(out.read_text())["cases"]}
+    assert set(rows) == {(f, c, p) for f in ("bf16", "nvfp4") for c in ("1x64", "2x40")
+                         for p in ("pallas", "xla")}
+    for key, r in rows.items():
+        assert "error" not in r, (key, r.get("error"))
+        assert r["ms"] > 0 and r["tokens_per_s"] > 0 and r["floor_ms"] > 0, key
+        assert r["pct_of_floor"] > 0 and r["finite"], key
+        assert r["tokens"] == (64 if r["case"] == "1x64" else 80), key
+        if r["path"] == "pallas":
+            assert r["rel_l2_vs_xla"] < 1e-2, key

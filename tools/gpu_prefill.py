@@ -63,12 +63,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from flint_jax import decode, layers, prefill  # noqa: E402
+from flint_jax.bench_prefill import (NAMED_CASES, build_model, cache_length,  # noqa: E402
+                                    prefill_flops, reference_model, run_prefill)
 from flint_jax.config import kv_cache_bytes, preset  # noqa: E402
 from flint_jax.pallas import grouped_matmul as gm  # noqa: E402
 from flint_jax.pallas.prefill_attention import (prefill_attention,  # noqa: E402
                                                 prefill_attention_reference)
 
-PEAK_FLOPS = 790e12   # bf16 dense, measured on the H200 (FLINT_SPEC section 9)
 F32, BF = jnp.float32, jnp.bfloat16
 T0 = time.perf_counter()
 RESULTS: dict = {"check": [], "kernels": [], "profile": [], "model": [], "skipped": []}
@@ -76,10 +77,8 @@ OUT_PATH = None
 INTERPRET = False
 
 # name -> (row lengths, timed runs at most, estimated seconds per run for the budget guard)
-CASES = {
-    "1x8K": ([8192], 3, 0.5), "8x2K": ([2048] * 8, 3, 0.5), "1x32K": ([32768], 3, 2),
-    "1x100K": ([100000], 1, 12), "1x262K": ([262144], 1, 50),
-}
+CASES = {name: (NAMED_CASES[name], reps, est) for name, reps, est in (
+    ("1x8K", 3, 0.5), ("8x2K", 3, 0.5), ("1x32K", 3, 2), ("1x100K", 1, 12), ("1x262K", 1, 50))}
 DEFAULT_CASES = ["bf16:1x8K", "bf16:8x2K", "bf16:1x32K", "bf16:1x100K", "nvfp4:1x8K",
                  "nvfp4:1x32K"]
 COMPILE_S = 40        # a first call of a new chunk shape (run 1: 19-35 s), for the budget guard
@@ -318,65 +317,12 @@ def stage_kernels(cfg, small, sweep):
 
 # ---- whole model ----------------------------------------------------------------------------
 
-def flops(cfg, lengths) -> dict:
-  """Matmul and attention FLOPs of prefilling rows of ``lengths`` tokens from position 0."""
-  d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-  per_tok = d * (h * hd * 2 + kv * hd * 2)
-  for i in range(cfg.num_hidden_layers):
-    if cfg.is_moe(i):
-      per_tok += cfg.num_experts * d + 3 * d * (cfg.num_experts_per_tok * cfg.moe_intermediate_size
-                                                + cfg.shared_expert_intermediate_size)
-    else:
-      per_tok += 3 * d * cfg.intermediate_size
-  tokens = sum(lengths)
-  mm = 2 * per_tok * tokens + 2 * d * cfg.vocab_size * len(lengths)
-  w = cfg.sliding_window
-  full = sum(n * (n + 1) // 2 for n in lengths)
-  slide = sum(w * (w + 1) // 2 + max(0, n - w) * w if n > w else n * (n + 1) // 2
-              for n in lengths)
-  attn = 4 * h * hd * (len(cfg.full_layers) * full + len(cfg.sliding_layers) * slide)
-  return {"matmul": mm, "attention": attn, "floor_ms": (mm + attn) / PEAK_FLOPS * 1e3}
-
-
-def build_model(cfg, quant):
-  from flint_jax.bench import build_state
-  from flint_jax.decode import Flint
-  from flint_jax.nvfp4 import prescale_state
-  graphdef, state = build_state(cfg, quant)
-  if quant:
-    state = prescale_state(state)
-  jax.block_until_ready(jax.tree.leaves(state))
-  return Flint(config=cfg, graphdef=graphdef, state=state, dtype=BF, quant=quant,
-               kernels="pallas", max_length=cfg.max_position_embeddings)
-
-
-def run_prefill(fn, model, rows, cache_len, reps):
-  """(logits, first call s, [ms of each timed run])."""
-  t0 = time.perf_counter()
-  logits, cache = fn(model, rows, cache_len)
-  jax.block_until_ready(logits)
-  first = time.perf_counter() - t0
-  del cache
-  per = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    logits, cache = fn(model, rows, cache_len)
-    jax.block_until_ready(logits)
-    per.append((time.perf_counter() - t0) * 1e3)
-    del cache
-  return logits, first, per
-
-
 def case_rows(cfg, name, small):
   lengths = CASES[name][0]
   if small:
     lengths = [max(16, n // 64) for n in lengths]
   gen = np.random.default_rng(len(lengths) * 1000 + lengths[0])
   return [gen.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
-
-
-def cache_length(cfg, rows):
-  return decode.bucket_length(max(len(r) for r in rows) + 256, cfg.max_position_embeddings)
 
 
 def _kind(name: str) -> str:
@@ -523,7 +469,7 @@ def run_case(model, cfg, fmt, name, small, reps, options, budget):
     log(RESULTS["model"][-1])
     return None
   mem1 = memory()
-  fl = flops(cfg, lengths)
+  fl = prefill_flops(cfg, lengths)
   med = statistics.median(per)
   cache_b = kv_cache_bytes(cfg, len(rows), cl)["total"]
   r = {"fmt": fmt, "case": name, "path": "pallas", "chunk": [len(rows), chunk],
@@ -573,8 +519,8 @@ def stage_model(cfg, small, fmt, cases, stages, a):
   if a.xla and "1x8K" in done and fits(f"{fmt} xla 1x8K", 75, a.budget):
     rows, cl, logits_p = done["1x8K"]
     fn = lambda m, r, c: decode.prefill(m, r, c, 256)   # noqa: E731
-    logits_x, first, per = run_prefill(fn, model, rows, cl, 1)
-    fl = flops(cfg, [len(rows[0])])
+    logits_x, first, per = run_prefill(fn, reference_model(model), rows, cl, 1)
+    fl = prefill_flops(cfg, [len(rows[0])])
     r = {"fmt": fmt, "case": "1x8K", "path": "xla (256-token chunks)", "ms": per[0],
          "first_s": first, "tokens_per_s": len(rows[0]) / per[0] * 1e3,
          "floor_ms": fl["floor_ms"], "pct_of_floor": 100 * fl["floor_ms"] / per[0],

@@ -10,8 +10,9 @@ Rows:
 * **argmax agreement**: the share of positions where BF16's (NVFP4's) greedy next token equals
   fp32's, same inputs.
 * **tool calls**: over held-out chat prompts whose answer is a tool call, greedy replies: the share
-  `parse_assistant` accepts against the tools' schemas (at least one call, no error), and the share
-  whose call is the expected one (name and arguments).
+  `parse_assistant` accepts against the tools' schemas (at least one call, no error), the share
+  that calls the expected tool, the share of the expected arguments given with the expected value,
+  and the share whose call is exactly the expected one (name and every argument).
 
 NVFP4 is the project's own pipeline: `quantize` (BF16 checkpoint -> NVFP4 GGUF) -> `convert` ->
 `load`. Everything runs on the XLA path (any machine; `--kernels` to change).
@@ -84,7 +85,8 @@ def tool_call_prompts(n: int):
 
 def tool_call_rates(model, prompts, max_new_tokens: int = 96) -> dict:
     import flint_jax
-    parsed = exact = 0
+    parsed = exact = right_tool = 0
+    args_right = args_total = 0
     examples = []
     for msgs, tools, thinking, expected in prompts:
         reply = flint_jax.chat(model, msgs, tools=tools, enable_thinking=thinking,
@@ -94,11 +96,17 @@ def tool_call_rates(model, prompts, max_new_tokens: int = 96) -> dict:
         hit = ok and reply["tool_calls"][0]["function"] == {"name": expected["name"],
                                                             "arguments": expected["arguments"]}
         exact += hit
+        got = reply["tool_calls"][0]["function"] if ok else {"name": None, "arguments": {}}
+        right_tool += got["name"] == expected["name"]
+        args_total += len(expected["arguments"])
+        if got["name"] == expected["name"]:
+            args_right += sum(got["arguments"].get(k) == v for k, v in expected["arguments"].items())
         if len(examples) < 3:
             examples.append({"user": msgs[-1]["content"], "tool_calls": reply["tool_calls"],
                              "content": reply["content"]})
-    return {"parsed": parsed / len(prompts), "expected": exact / len(prompts), "n": len(prompts),
-            "examples": examples}
+    return {"parsed": parsed / len(prompts), "right_tool": right_tool / len(prompts),
+            "arguments": args_right / max(args_total, 1), "expected": exact / len(prompts),
+            "n": len(prompts), "examples": examples}
 
 
 def nvfp4_model(directory: str, workdir: str, kernels: str = "xla"):
@@ -139,9 +147,12 @@ def quality(directory: str, *, rows: int = 32, seq: int = 512, chats: int = 48,
         for fmt, model in models.items():
             rates = tool_call_rates(model, prompts)
             result[f"tools_parsed_{fmt}"] = rates["parsed"]
+            result[f"tools_right_tool_{fmt}"] = rates["right_tool"]
+            result[f"tools_arguments_{fmt}"] = rates["arguments"]
             result[f"tools_expected_{fmt}"] = rates["expected"]
             result[f"tools_examples_{fmt}"] = rates["examples"]
-            log(f"[quality] {fmt}: tool calls parsed {rates['parsed']:.1%}, expected "
+            log(f"[quality] {fmt}: tool calls parsed {rates['parsed']:.1%}, right tool "
+                f"{rates['right_tool']:.1%}, arguments {rates['arguments']:.1%}, exact "
                 f"{rates['expected']:.1%} of {rates['n']} ({time.time() - t0:.0f} s)")
     result["seconds"] = time.time() - t0
     return result
@@ -157,8 +168,11 @@ def markdown(r: dict) -> str:
                      f"{r[f'argmax_{kind}_bf16']:.2%} | {r[f'argmax_{kind}_nvfp4']:.2%} |")
     lines.append("| tool-call turns `parse_assistant` accepts | " + " | ".join(
         f"{r[f'tools_parsed_{f}']:.0%}" for f in ("fp32", "bf16", "nvfp4")) + " |")
-    lines.append("| ... with the expected call (name and arguments) | " + " | ".join(
-        f"{r[f'tools_expected_{f}']:.0%}" for f in ("fp32", "bf16", "nvfp4")) + " |")
+    for key, what in (("right_tool", "... calling the expected tool"),
+                      ("arguments", "expected arguments given with the expected value"),
+                      ("expected", "... turns with exactly the expected call")):
+        lines.append(f"| {what} | " + " | ".join(
+            f"{r[f'tools_{key}_{f}']:.0%}" for f in ("fp32", "bf16", "nvfp4")) + " |")
     return "\n".join(lines)
 
 

@@ -279,8 +279,9 @@ The embedded default of flint_jax: a {n_params / 1e6:.1f}M-parameter Flint ({cfg
 layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, vocabulary
 {cfg.vocab_size}) trained by `tools/train_demo.py` on the Python standard library's source and on
 generated GLM-4.7 chats (arithmetic, string and list questions, short Python functions, calls to four
-made-up tools). It completes Python plausibly, follows the chat format and calls its tools; it knows
-nothing else. Not a general assistant.
+made-up tools). It completes Python plausibly, follows the chat format and picks the right tool; how
+often its arguments and answers are the right ones is in flint_jax's docs/demo_model.md (Quality).
+It knows nothing else. Not a general assistant.
 
 - Steps: {log.get("step")} x {log.get("tokens_per_step")} tokens ({log.get("device")}, {log.get("train_seconds", 0) / 60:.0f} min).
 - Held-out loss (nats/token): code {last.get("code", float("nan")):.3f}, chat {last.get("chat", float("nan")):.3f}.
@@ -357,8 +358,6 @@ def main(argv=None):
     if loaded is not None:
         params, opt_state, log = loaded
         print(f"[train_demo] resumed at step {log['step']}", flush=True)
-    log.update(params=n_params, tokens_per_step=args.batch * args.seq, device=jax.devices()[0].device_kind,
-               command="python tools/train_demo.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     if args.export_only:
         if loaded is None or not (args.out or args.plot):
             raise SystemExit(f"--export-only needs a saved state in {args.work} and --out or --plot")
@@ -368,6 +367,9 @@ def main(argv=None):
             export(args.out, cfg, params, graphdef, tok, log)
             print(f"[train_demo] wrote {args.out} (step {log['step']})", flush=True)
         return
+    # The run's own settings (an --export-only call leaves the saved ones alone).
+    log.update(params=n_params, tokens_per_step=args.batch * args.seq, device=jax.devices()[0].device_kind,
+               command="python tools/train_demo.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     train_step, eval_step = make_steps(graphdef, cfg, optimizer, args.balance)
     evals = eval_batches(tok, toks["eval"], args.seq)
 

@@ -15,13 +15,23 @@
 #   suites_x2     (nvidia-h200-x2) both suites at once, BF16 on GPU 0 and NVFP4 on GPU 1, with
 #                 the compiled tests of the newest kernels on GPU 1 alongside (one 10-minute call);
 #                 on one GPU the suites run one after the other, then the tests
-#   all           everything above but `sharded`, in order (needs more than one 10-minute call)
+#   demo_parity   the shipped trained demo model: Pallas decode step vs the XLA path, greedy, 8
+#                 prompts x 128 tokens, batch 1 and 8, BF16 and NVFP4, margins at each divergence
+#                 (tools/demo_parity.py; issue #42)
+#   demo_train    tools/train_demo.py on the GPU (its defaults: 64 x 512 tokens/step) for
+#                 TRAIN_MINUTES (default 8), resuming from .train_demo-gpu (git-ignored: it stays on
+#                 a warm machine between calls), then exports to $OUT: the two weight shards, the
+#                 other files in demo_model_files.tar, the loss curve and the log
+#   all           everything above but `sharded` and the demo stages, in order (needs more than
+#                 one 10-minute call)
 #
 # Each stage fits one 10-minute device command; results (logs, JSON) land in $OUT.
 # Wheels the image lacks travel in .whl/ (git-ignored; name it in `carry`). Fetch them with:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #     gguf==0.19.0 flax==0.12.12 orbax-checkpoint==0.12.8
+#   (demo_train also needs optax, and matplotlib for the loss curve, if the image lacks them: add
+#   them, with the versions of .venv here, to that download)
 # The numbers in docs/performance.md came from:
 #   run(command="bash tools/gpu_all.sh suite_bf16", carry=[".whl"], timeout_s=600)   (and so on)
 set -uo pipefail
@@ -103,6 +113,14 @@ for stage in "${stages[@]}"; do
       wait
       [ -f "$OUT/tests_new_kernels.log" ] && tail -n 3 "$OUT/tests_new_kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests_new_kernels.log" | head -20
       for fmt in ${FORMATS:-bf16 nvfp4}; do grep -v "^|" "$OUT/suite_$fmt.log" | cut -c1-600; done ;;
+    demo_parity) python3 tools/demo_parity.py --out "$OUT/demo_parity.json" 2>&1 \
+                   | grep -v "DeprecationWarning\|warnings.warn" | tee "$OUT/demo_parity.log" ;;
+    demo_train)
+      python3 tools/train_demo.py --work .train_demo-gpu --minutes "${TRAIN_MINUTES:-8}" \
+        --out "$OUT/demo_model" --plot "$OUT/demo_model_loss.png" 2>&1 | tee "$OUT/demo_train.log"
+      # $OUT returns at most 8 files: the shards as they are, everything else in one tar.
+      (cd "$OUT/demo_model" && tar cf ../demo_model_files.tar $(ls | grep -v '\.safetensors$') \
+        && mv ./*.safetensors .. && cd .. && rm -r demo_model) ;;
     checkpoints) OUT=$OUT bash tools/gpu_checkpoints.sh nvfp4 ;;
     sharded)     OUT=$OUT bash tools/gpu_checkpoints.sh sharded ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -40,8 +40,9 @@ def default_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "flint_jax", DEMO_VERSION)
 
 
-def build_tokenizer(vocab_size: int = DEMO_VOCAB):
-    """A byte-level BPE tokenizer with the GLM-4.7 special tokens (deterministic)."""
+def train_bpe_tokenizer(texts, vocab_size: int):
+    """A byte-level BPE tokenizer with the GLM-4.7 special tokens, trained on `texts` (an iterable
+    of str; deterministic for the same texts)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from flint_jax.chat_format import SPECIAL_TOKENS
     tok = Tokenizer(models.BPE())
@@ -50,8 +51,13 @@ def build_tokenizer(vocab_size: int = DEMO_VOCAB):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
+
+
+def build_tokenizer(vocab_size: int = DEMO_VOCAB):
+    """The random-weight demo's tokenizer: `train_bpe_tokenizer` on a short built-in text."""
+    return train_bpe_tokenizer([_CORPUS] * 4, vocab_size)
 
 
 def write_tokenizer_files(directory: str, tok, cfg, sampling: dict | None = None) -> None:

@@ -66,14 +66,7 @@ def demo_config(vocab_size: int = 4096, eos: tuple[int, ...] = (), size: str = "
 # ---- tokenizer and tokens --------------------------------------------------------------------
 
 def train_tokenizer(vocab: int, n_chats: int = 20000, max_files: int | None = None):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from flint_jax.chat_format import SPECIAL_TOKENS
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    from flint_jax.demo import train_bpe_tokenizer
 
     def texts():
         for i, (_, text) in enumerate(demo_data.code_texts("train")):
@@ -83,8 +76,7 @@ def train_tokenizer(vocab: int, n_chats: int = 20000, max_files: int | None = No
         for i in range(n_chats):
             yield demo_data.chat_transcript(random.Random(i))
 
-    tok.train_from_iterator(texts(), trainer=trainer)
-    return tok
+    return train_bpe_tokenizer(texts(), vocab)
 
 
 def code_tokens(tok, split: str, max_files: int | None = None) -> np.ndarray:

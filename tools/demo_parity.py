@@ -90,10 +90,8 @@ def greedy_both(xla, pal, rows: list[list[int]], steps: int) -> dict:
 def handles(fmt: str, directory: str, work: str):
     import flint_jax
     if fmt == "nvfp4":
-        from flint_jax import convert, quantize
-        quantize.quantize(directory, os.path.join(work, "q"))
-        directory = os.path.join(work, "c")
-        convert.convert(quantize.output_gguf(os.path.join(work, "q")), directory, progress=False)
+        from demo_quality import nvfp4_checkpoint
+        directory = nvfp4_checkpoint(directory, work)
     return (flint_jax.load(directory, kernels="xla"), flint_jax.load(directory, kernels="pallas"))
 
 

@@ -109,15 +109,20 @@ def tool_call_rates(model, prompts, max_new_tokens: int = 96) -> dict:
             "n": len(prompts), "examples": examples}
 
 
-def nvfp4_model(directory: str, workdir: str, kernels: str = "xla"):
-    """quantize -> GGUF -> convert -> load, as a user would."""
-    import flint_jax
+def nvfp4_checkpoint(directory: str, workdir: str) -> str:
+    """quantize -> GGUF -> convert, as a user would: the converted checkpoint's directory."""
     from flint_jax import convert, quantize
     gguf_dir = os.path.join(workdir, "nvfp4")
     quantize.quantize(directory, gguf_dir)
     converted = os.path.join(workdir, "nvfp4-converted")
     convert.convert(quantize.output_gguf(gguf_dir), converted, progress=False)
-    return flint_jax.load(converted, kernels=kernels)
+    return converted
+
+
+def nvfp4_model(directory: str, workdir: str, kernels: str = "xla"):
+    """`nvfp4_checkpoint`, then `load`."""
+    import flint_jax
+    return flint_jax.load(nvfp4_checkpoint(directory, workdir), kernels=kernels)
 
 
 def quality(directory: str, *, rows: int = 32, seq: int = 512, chats: int = 48,

@@ -13,7 +13,9 @@
 set -u
 OUT=${OUT:-/tmp/flint_kernels_out}
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
+# gpu_env.sh installs the wheels the image lacks (gguf, flax, ...) into /tmp/site on PYTHONPATH.
+source tools/gpu_env.sh
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
 MODE=${1:-all}
 BUDGET=${BENCH_BUDGET:-300}
 {

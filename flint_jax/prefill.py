@@ -39,7 +39,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from flint_jax import layers
+from flint_jax import cudnn_attention, layers
 from flint_jax.cache import KVCache
 from flint_jax.pallas.grouped_matmul import moe_experts
 from flint_jax.pallas.prefill_attention import prefill_attention
@@ -48,6 +48,9 @@ F32 = jnp.float32
 
 #: Tokens per prefill chunk, all rows together (module docstring).
 DEFAULT_MAX_TOKENS = 16384
+
+#: ``PrefillOptions.attention``: the full layers' attention kernel.
+ATTENTION = ("pallas", "cudnn")
 
 #: ``PrefillOptions.router`` -> the router logits dot's precision.
 ROUTER_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST,
@@ -66,7 +69,9 @@ class PrefillOptions:
   XLA dot at ``Precision.HIGHEST`` ("highest") or with the ``BF16_BF16_F32_X6`` algorithm
   ("bf16x6": the f32 router weight split exactly into three bf16 parts, each product with the
   bf16 activations exact, fp32 sums: the same fp32 logits up to summation order, on the tensor
-  cores; not yet measured on the H200); ``attn_full`` / ``attn_ring``: (block_q,
+  cores; not yet measured on the H200); ``attention``: the full layers' attention on the Pallas
+  kernel ("pallas") or on cuDNN's flash attention (``cudnn_attention.full_attention``, two
+  calls merged by log-sum-exp; on the CPU its plain-JAX stand-in); ``attn_full`` / ``attn_ring``: (block_q,
   block_k, num_warps, num_stages) of the full-layer and sliding-layer attention (entries may be
   None); ``interpret``: None = on any backend but the GPU."""
   block_m: int | None = None
@@ -76,6 +81,7 @@ class PrefillOptions:
   moe_stages: int | None = None
   nvfp4_experts: str = "auto"
   router: str = "highest"
+  attention: str = "pallas"
   attn_full: tuple | None = None
   attn_ring: tuple | None = None
   interpret: bool | None = None
@@ -83,6 +89,8 @@ class PrefillOptions:
   def __post_init__(self):
     if self.router not in ROUTER_PRECISIONS:
       raise ValueError(f"router must be one of {tuple(ROUTER_PRECISIONS)}, got {self.router!r}")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
 
   def resolved_interpret(self) -> bool:
     return jax.default_backend() != "gpu" if self.interpret is None else self.interpret
@@ -189,8 +197,13 @@ def chunk_forward(m, tokens: jax.Array, cache: KVCache, n_tokens: jax.Array, *,
       else:
         slots = jnp.where(valid, positions, full_k.shape[3])
         full_k, full_v = _scatter_rows(full_k, j, k, slots), _scatter_rows(full_v, j, v, slots)
-        o = prefill_attention(q, full_k, full_v, lengths, n_tokens, sinks, j, ring=False,
-                              **full_kw)
+        if options.attention == "cudnn":
+          o = cudnn_attention.full_attention(
+              q, full_k, full_v, j, lengths, n_tokens, sinks, k, v,
+              implementation="xla" if interpret else "cudnn")
+        else:
+          o = prefill_attention(q, full_k, full_v, lengths, n_tokens, sinks, j, ring=False,
+                                **full_kw)
       h = h + _linear(attn.o_proj, o.reshape(b, t, -1))
       x = layer.post_attention_layernorm(h)
       if layer.moe:

@@ -133,6 +133,19 @@ def test_prefill_router_bf16x6_equals_xla_path(fp32_models):
     prefill.PrefillOptions(router="tf32")
 
 @pytest.mark.usefixtures("ieee_fp32")
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN attention takes bf16 only")
+def test_prefill_cudnn_split_equals_xla_path(fp32_models):
+  # The full layers' attention split into the chunk's own keys and the cache prefix, merged by
+  # log-sum-exp with the sinks (cudnn_attention, plain-JAX stand-in): fp32, the XLA path's
+  # logits and cache; ragged rows over three chunks.
+  m = fp32_models["tiny_a"]
+  rows = _rows(golden("tiny_a"), m.config.vocab_size, [75, 40, 9])
+  _compare(m, rows, 128, 32, 1e-4, prefill.PrefillOptions(attention="cudnn"))
+  with pytest.raises(ValueError, match="attention must be one of"):
+    prefill.PrefillOptions(attention="flash")
+
+
+@pytest.mark.usefixtures("ieee_fp32")
 def test_prefill_nvfp4_prescaled_scales_equal():
   from flint_jax.nvfp4 import prescale_state
   m = _random_model(True, jnp.float32)
@@ -143,12 +156,16 @@ def test_prefill_nvfp4_prescaled_scales_equal():
   assert rel_max_err(b, a) <= 1e-6
 
 
-def test_prefill_bf16_model_close_to_xla_path():
+@pytest.mark.parametrize("attention", prefill.ATTENTION)
+def test_prefill_bf16_model_close_to_xla_path(attention):
   # bf16: the same roundings up to summation order and one P rounding point in attention.
+  # attention="cudnn" runs cuDNN on a GPU (its plain-JAX stand-in on the CPU); rows of 90 and
+  # 33 tokens in chunks of 64: the second chunk of row 0 reads its prefix from the cache.
   m = _random_model(False, jnp.bfloat16, sliding_window=17)
   rows = _rows({"input_ids": np.zeros((1, 0), np.int64)}, m.config.vocab_size, [90, 33])
   want, wc = decode.prefill(m, rows, 128, 64)
-  got, gc = prefill.prefill(m, rows, 128, 64)
+  got, gc = prefill.prefill(m, rows, 128, 64,
+                            options=prefill.PrefillOptions(attention=attention))
   per_row = (np.linalg.norm(np.asarray(got) - np.asarray(want), axis=-1)
              / np.linalg.norm(np.asarray(want), axis=-1))
   print("bf16 per-row rel err", per_row)

@@ -27,7 +27,7 @@ BUDGET=${BENCH_BUDGET:-300}
 if [[ "$MODE" == all || "$MODE" == tests ]]; then
   echo "=== tests (compiled) ==="
   FLINT_SWEEP=full XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 FLINT_FAILURES_LOG="$OUT/failures.txt" timeout -k 10 "${TEST_TIMEOUT:-540}" \
-    python3 -m pytest tests/test_pallas_*.py tests/test_fast_decode.py tests/test_prefill.py tests/test_shape_sweep.py \
+    python3 -m pytest tests/test_pallas_*.py tests/test_cudnn_attention.py tests/test_fast_decode.py tests/test_prefill.py tests/test_shape_sweep.py \
     -q -n 8 \
     -p no:cacheprovider --durations=10 \
     > "$OUT/tests.log" 2>&1

@@ -39,6 +39,7 @@ three prefill test files compiled (pytest -n 4) before anything else touches the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import glob
 import gzip
@@ -472,7 +473,7 @@ def run_case(model, cfg, fmt, name, small, reps, options, budget):
   fl = prefill_flops(cfg, lengths)
   med = statistics.median(per)
   cache_b = kv_cache_bytes(cfg, len(rows), cl)["total"]
-  r = {"fmt": fmt, "case": name, "path": "pallas", "chunk": [len(rows), chunk],
+  r = {"fmt": fmt, "case": name, "path": "pallas", "attention": options.attention, "chunk": [len(rows), chunk],
        "cache_length": cl, "ms": med, "runs_ms": per, "first_s": first,
        "floor_ms": fl["floor_ms"], "pct_of_floor": 100 * fl["floor_ms"] / med,
        "tokens_per_s": sum(lengths) / med * 1e3,
@@ -513,8 +514,10 @@ def stage_model(cfg, small, fmt, cases, stages, a):
       log(f"profile {fmt} failed:\n{traceback.format_exc()[-3000:]}")
   done = {}
   for name in cases:
-    out = run_case(model, cfg, fmt, name, small, a.reps, options, a.budget)
-    if out:
+    base, _, attention = name.partition("@")
+    opts = dataclasses.replace(options, attention=attention or a.attention)
+    out = run_case(model, cfg, fmt, base, small, a.reps, opts, a.budget)
+    if out and not attention:
       done[name] = out
   if a.xla and "1x8K" in done and fits(f"{fmt} xla 1x8K", 75, a.budget):
     rows, cl, logits_p = done["1x8K"]
@@ -556,7 +559,7 @@ def print_table():
   for r in RESULTS["model"]:
     if "ms" in r:
       peak = (r.get("memory") or {}).get("peak_after")
-      print(f"| {r['fmt']} | {r['case']} | {r['path']} | {r.get('chunk', '')} | {r['ms']:.1f} | "
+      print(f"| {r['fmt']} | {r['case']} | {r['path']}{'+cudnn' if r.get('attention') == 'cudnn' else ''} | {r.get('chunk', '')} | {r['ms']:.1f} | "
             f"{r['first_s']:.1f} | {r['floor_ms']:.1f} | {r['pct_of_floor']:.1f}% | "
             f"{r.get('tokens_per_s', 0):.0f} | {peak / 2**30 if peak else 0:.1f} |")
   gib = lambda v: f"{v / 2**30:.1f} GiB" if v is not None else "?"   # noqa: E731
@@ -601,6 +604,8 @@ def main(argv=None):
                  help="NVFP4 experts in the model cases: decoded in the kernels or dequantized")
   p.add_argument("--router", default="highest", choices=sorted(prefill.ROUTER_PRECISIONS),
                  help="the router logits' dot in the model cases (PrefillOptions.router)")
+  p.add_argument("--attention", default="pallas", choices=prefill.ATTENTION,
+                 help="full layers' attention in the model cases (a case's @attention overrides)")
   p.add_argument("--sweep", action="store_true", help="kernel variants around the defaults")
   p.add_argument("--xla", action="store_true", help="the XLA path at 1x8K and a logits check")
   p.add_argument("--hlo", action="store_true", help="dump the 1x8K chunk step's optimized HLO")
@@ -620,8 +625,11 @@ def main(argv=None):
   cases: dict = {}
   for c in a.cases:
     fmt, _, name = c.partition(":")
-    if fmt not in ("bf16", "nvfp4") or name not in CASES:
-      p.error(f"bad case {c!r}: fmt:case with fmt bf16/nvfp4 and case one of {sorted(CASES)}")
+    base, _, attention = name.partition("@")
+    if (fmt not in ("bf16", "nvfp4") or base not in CASES
+        or attention not in ("",) + prefill.ATTENTION):
+      p.error(f"bad case {c!r}: fmt:case[@attention] with fmt bf16/nvfp4, case one of "
+              f"{sorted(CASES)}, attention one of {prefill.ATTENTION}")
     cases.setdefault(fmt, []).append(name)
   RESULTS["env"] = {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
                     "config": a.config, "interpret": INTERPRET, "argv": sys.argv[1:]}

@@ -122,15 +122,16 @@ def test_prefill_nvfp4_model_equals_xla_path(experts):
 
 
 @pytest.mark.usefixtures("ieee_fp32")
-def test_prefill_router_bf16x6_equals_xla_path(fp32_models):
-  # The router logits with the BF16_BF16_F32_X6 algorithm: for bf16 activations its products
-  # are exact; for this fp32 model it drops only the products of the operands' smallest bf16
-  # parts (~2^-24 relative): the same routing and logits as the XLA path's HIGHEST dot.
+def test_prefill_router_highest_equals_xla_path(fp32_models):
+  # The default router dot is BF16_BF16_F32_X6 (for bf16 activations its products are exact; for
+  # these fp32 models it drops only the products of the operands' smallest bf16 parts, ~2^-24
+  # relative); "highest" is the XLA path's own dot: both give its routing and logits.
   m = fp32_models["tiny_a"]
   rows = _rows(golden("tiny_a"), m.config.vocab_size, [60, 31])
-  _compare(m, rows, 128, 32, 1e-4, prefill.PrefillOptions(router="bf16x6"))
+  _compare(m, rows, 128, 32, 1e-4, prefill.PrefillOptions(router="highest"))
   with pytest.raises(ValueError, match="router must be one of"):
     prefill.PrefillOptions(router="tf32")
+
 
 @pytest.mark.usefixtures("ieee_fp32")
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN attention takes bf16 only")
@@ -197,7 +198,9 @@ def test_chunk_lowers_for_h200_at_flint_sizes(quant):
   if quant:   # the GPU holds the block scales pre-scaled in bf16 (nvfp4.prescale_state)
     state = jax.tree.map(lambda a: S(a.shape, jnp.bfloat16) if a.dtype == jnp.float8_e4m3fn
                          else a, state)
-  opts = prefill.PrefillOptions(interpret=False)
+  # The Pallas full-layer attention: lowering cuDNN's (the GPU default) needs the cuDNN library,
+  # so that path is checked compiled on the GPU only (test_cudnn_attention, the bf16 model test).
+  opts = prefill.PrefillOptions(interpret=False, attention="pallas")
 
   def run(state, tokens, cache, n):
     return prefill.chunk_forward(nnx.merge(graphdef, state), tokens, cache, n, options=opts)

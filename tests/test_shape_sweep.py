@@ -81,6 +81,10 @@ class _Taps:
     """Both paths' router logits per MoE layer, recorded on the host as the steps run."""
 
     def __init__(self, monkeypatch):
+        try:   # jax.debug.callback places its operands on a CPU device
+            jax.devices("cpu")
+        except RuntimeError:
+            pytest.fail("the router taps need a CPU device: run with JAX_PLATFORMS=cuda,cpu")
         self.rec = {"xla": [], "pallas": []}
         rt, arn, rl = layers.router_topk, fast_decode.add_rms_norm_router, fast_decode.router_logits
 

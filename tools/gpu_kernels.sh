@@ -14,8 +14,10 @@ set -u
 OUT=${OUT:-/tmp/flint_kernels_out}
 mkdir -p "$OUT"
 # gpu_env.sh installs the wheels the image lacks (gguf, flax, ...) into /tmp/site on PYTHONPATH.
+# JAX_PLATFORMS lists cpu after cuda (the default backend stays the GPU): the shape sweep's
+# router taps (jax.debug.callback) need a CPU device (run 196: all 17 sweep cases failed without).
 source tools/gpu_env.sh
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda,cpu
 MODE=${1:-all}
 BUDGET=${BENCH_BUDGET:-300}
 {

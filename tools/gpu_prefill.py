@@ -616,9 +616,9 @@ def main(argv=None):
                  help=f"fmt:case, fmt in bf16/nvfp4, case in {sorted(CASES)}")
   p.add_argument("--nvfp4-experts", default="auto", choices=gm.NVFP4_MODES,
                  help="NVFP4 experts in the model cases: decoded in the kernels or dequantized")
-  p.add_argument("--router", default="highest", choices=sorted(prefill.ROUTER_PRECISIONS),
+  p.add_argument("--router", default=prefill.PrefillOptions.router, choices=sorted(prefill.ROUTER_PRECISIONS),
                  help="the router logits' dot in the model cases (PrefillOptions.router)")
-  p.add_argument("--attention", default="pallas", choices=prefill.ATTENTION,
+  p.add_argument("--attention", default=prefill.PrefillOptions.attention, choices=prefill.ATTENTION,
                  help="full layers' attention in the model cases (a case's @attention=... overrides)")
   p.add_argument("--sweep", action="store_true", help="kernel variants around the defaults")
   p.add_argument("--xla", action="store_true", help="the XLA path at 1x8K and a logits check")

@@ -68,3 +68,12 @@ def _release_compiled_code():
     import jax
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_runtest_logreport(report):
+  """With FLINT_FAILURES_LOG set (the GPU scripts), each failure is appended to that file as it
+  happens, so a run cut short by a device call's time limit still names its failures."""
+  path = os.environ.get("FLINT_FAILURES_LOG")
+  if path and report.failed:
+    with open(path, "a") as f:
+      f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")

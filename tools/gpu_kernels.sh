@@ -13,7 +13,9 @@
 set -u
 OUT=${OUT:-/tmp/flint_kernels_out}
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
+# gpu_env.sh installs the wheels the image lacks (gguf, flax, ...) into /tmp/site on PYTHONPATH.
+source tools/gpu_env.sh
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
 MODE=${1:-all}
 BUDGET=${BENCH_BUDGET:-300}
 {
@@ -24,7 +26,7 @@ BUDGET=${BENCH_BUDGET:-300}
 
 if [[ "$MODE" == all || "$MODE" == tests ]]; then
   echo "=== tests (compiled) ==="
-  FLINT_SWEEP=full XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout "${TEST_TIMEOUT:-540}" \
+  FLINT_SWEEP=full XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 FLINT_FAILURES_LOG="$OUT/failures.txt" timeout -k 10 "${TEST_TIMEOUT:-540}" \
     python3 -m pytest tests/test_pallas_*.py tests/test_fast_decode.py tests/test_prefill.py tests/test_shape_sweep.py \
     -q -n 8 \
     -p no:cacheprovider --durations=10 \

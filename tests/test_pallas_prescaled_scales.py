@@ -69,7 +69,9 @@ def test_multi_gemv(m, kw):
   _same(multi_gemv(x, [_pre(w) for w in ws], **args), multi_gemv(x, ws, **args), "multi_gemv")
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
+# M = 1: the blocks plan; M = 3: the prerouted rows-tile plan, which M = 8 runs with other tile
+# sizes (the same scale decode): M = 8 compiled on the GPU only.
+@pytest.mark.parametrize("m", [1, 3] + ([] if INTERPRET else [8]))
 def test_moe_decode_routed(m):
   gen = rng("moe", m)
   e, d, inter, inter_s, top_k = 16, 128, 64, 128, 4

@@ -88,19 +88,21 @@ def test_prefill_equals_xla_path(fp32_models, name):
 @pytest.mark.usefixtures("ieee_fp32")
 @pytest.mark.parametrize("name", CONFIGS)
 def test_prefill_logits_equal_goldens_and_greedy_continues(fp32_models, name):
+  # One prefill of the golden rows and the greedy prompt, in test_prefill_equals_xla_path's
+  # shapes (3 rows, chunks of 32, a 128-slot cache: its compiled chunk step is reused).
   m = fp32_models[name]
   g = golden(name)
   ids = np.asarray(g["input_ids"])
-  logits, _ = prefill.prefill(m, [list(r) for r in ids], 64, 16)
-  assert rel_max_err(logits, g["logits"][:, -1]) <= 1e-4
-  # Greedy continuation: the Pallas prefill's cache, then the XLA decode step.
   prompt = [int(t) for t in g["greedy_prompt"]]
-  logits, cache = prefill.prefill(m, [prompt], 128, 16)
+  logits, cache = prefill.prefill(m, [list(r) for r in ids] + [prompt], 128, 32)
+  assert rel_max_err(logits[:2], g["logits"][:, -1]) <= 1e-4
+  # Greedy continuation of the prompt (row 2): the Pallas prefill's cache, then the XLA decode
+  # step.
   step = m.decode_logits_fn()
   toks = []
   tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   for _ in range(len(g["greedy_tokens"])):
-    toks.append(int(tok[0]))
+    toks.append(int(tok[2]))
     logits, cache = step(m.leaves, cache, tok)
     tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   np.testing.assert_array_equal(np.array(toks), g["greedy_tokens"])
@@ -118,7 +120,15 @@ def test_prefill_nvfp4_model_equals_xla_path(experts):
   # NVFP4 experts decoded in the grouped GEMMs' K loop, or dequantized first (large chunks).
   m = _random_model(True, jnp.float32)
   rows = _rows({"input_ids": np.zeros((1, 0), np.int64)}, m.config.vocab_size, [70, 23])
-  _compare(m, rows, 128, 32, 1e-4, prefill.PrefillOptions(nvfp4_experts=experts))
+  options = prefill.PrefillOptions(nvfp4_experts=experts)
+  a, _ = _compare(m, rows, 128, 32, 1e-4, options)
+  if experts == "fused":
+    # The block scales pre-scaled into bf16 (nvfp4.prescale_state, how a GPU holds them): the
+    # same logits (this run's first prefill is the compiled step above).
+    from flint_jax.nvfp4 import prescale_state
+    m.state = prescale_state(m.state)
+    b, _ = prefill.prefill(m, rows, 128, 32, options=options)
+    assert rel_max_err(b, a) <= 1e-6
 
 
 @pytest.mark.usefixtures("ieee_fp32")
@@ -146,18 +156,7 @@ def test_prefill_cudnn_split_equals_xla_path(fp32_models):
     prefill.PrefillOptions(attention="flash")
 
 
-@pytest.mark.usefixtures("ieee_fp32")
-def test_prefill_nvfp4_prescaled_scales_equal():
-  from flint_jax.nvfp4 import prescale_state
-  m = _random_model(True, jnp.float32)
-  rows = _rows({"input_ids": np.zeros((1, 0), np.int64)}, m.config.vocab_size, [40])
-  a, _ = prefill.prefill(m, rows, 64, 32)
-  m.state = prescale_state(m.state)
-  b, _ = prefill.prefill(m, rows, 64, 32)
-  assert rel_max_err(b, a) <= 1e-6
-
-
-@pytest.mark.parametrize("attention", prefill.ATTENTION)
+@pytest.mark.parametrize("attention", ["pallas", "cudnn"])
 def test_prefill_bf16_model_close_to_xla_path(attention):
   # bf16: the same roundings up to summation order and one P rounding point in attention.
   # attention="cudnn" runs cuDNN on a GPU (its plain-JAX stand-in on the CPU); rows of 90 and

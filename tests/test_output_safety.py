@@ -523,3 +523,18 @@ def test_killed_convert_is_swept_next_time(mid_src, tmp_path, capsys):
     convert.convert(GOLDEN / "tiny_c", dst, progress=False)
     assert f"removed {left[0]}" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
+def test_interrupt_line_after_an_open_bar_gets_its_own_line(capsys):
+    """A KeyboardInterrupt outside the signal handler (a command that writes nothing, stderr not
+    silenced) while a progress bar holds the line: the one line starts on a line of its own."""
+    from tqdm.auto import tqdm
+    bar = tqdm(total=10, desc="loading", file=sys.stderr)
+    bar.update(4)
+    bar.refresh()
+    try:
+        assert output_path.interrupted("flint-jax demo", writes=False) == 130
+    finally:
+        bar.close()
+    err = capsys.readouterr().err
+    assert "\nflint-jax demo: interrupted\n" in err, repr(err[-300:])

@@ -3,9 +3,9 @@
 #   1. the kernel tests in compiled mode (tests/test_pallas_*.py; INTERPRET is False on a GPU,
 #      so the same tests compare compiled kernels with their references, Flint-sized cases on)
 #      and the decode-step tests (tests/test_fast_decode.py: compiled steps against XLA and
-#      against each other); ~400 s on 8 workers (H200 run 166); and the shape sweep
-#      (tests/test_shape_sweep.py with FLINT_SWEEP=full: 20 configurations, compiled; not yet
-#      timed on a GPU),
+#      against each other), the prefill tests (test_prefill.py, test_cudnn_attention.py) and the
+#      shape sweep (tests/test_shape_sweep.py with FLINT_SWEEP=full, compiled): 328 s on 8
+#      workers in H200 run 196 (the sweep's cases failing fast there: give TEST_TIMEOUT >= 400),
 #   2. benchmarks/kernels.py: device time of each kernel and its XLA reference at Flint sizes.
 # Usage: tools/gpu_kernels.sh [all|tests|bench]   (env: BENCH_BUDGET, BENCH_ARGS, TEST_TIMEOUT)
 # "all" does not fit one 10-minute device call: run "tests" and "bench" as two calls.

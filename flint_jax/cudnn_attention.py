@@ -93,19 +93,16 @@ def full_attention(q, k_cache, v_cache, layer, lengths, n_tokens, sinks, chunk_k
   scale = 1.0 / math.sqrt(dh) if scale is None else scale
   n_tokens = n_tokens.astype(jnp.int32)
   lengths = lengths.astype(jnp.int32)
+  # Queries past n_tokens may come back as garbage from either call: only the final select
+  # below reads them, so they are never masked before it.
   o_a, l_a = attend(q, chunk_k, chunk_v, n_tokens, n_tokens, True, scale, "BTNH")
   o_a = o_a.astype(F32).transpose(0, 2, 1, 3)                                  # [B, H, T, Dh]
-  valid = jnp.arange(t)[None, None, :] < n_tokens[:, None, None]              # [B, 1, T]
-  l_a = jnp.where(valid, l_a, 0.0)
-  o_a = jnp.where(valid[..., None], o_a, 0.0)
 
   def with_prefix(_):
-    q_t = q.transpose(0, 2, 1, 3)
-    o_b, l_b = attend(q_t, k_cache[layer], v_cache[layer], n_tokens, lengths, False, scale,
-                      "BNTH")
-    has = valid & (lengths[:, None, None] > 0)
-    return (jnp.where(has[..., None], o_b.astype(F32), 0.0),
-            jnp.where(has, l_b, -jnp.inf))
+    o_b, l_b = attend(q.transpose(0, 2, 1, 3), k_cache[layer], v_cache[layer], n_tokens,
+                      lengths, False, scale, "BNTH")
+    has = (lengths > 0)[:, None, None]         # a row without a prefix: its call saw no keys
+    return jnp.where(has[..., None], o_b.astype(F32), 0.0), jnp.where(has, l_b, -jnp.inf)
 
   def without(_):
     return jnp.zeros_like(o_a), jnp.full_like(l_a, -jnp.inf)
@@ -115,5 +112,6 @@ def full_attention(q, k_cache, v_cache, layer, lengths, n_tokens, sinks, chunk_k
   m = jnp.maximum(jnp.maximum(l_a, l_b), sink)
   w_a, w_b, w_s = jnp.exp(l_a - m), jnp.exp(l_b - m), jnp.exp(sink - m)
   o = (o_a * w_a[..., None] + o_b * w_b[..., None]) / (w_a + w_b + w_s)[..., None]
+  valid = jnp.arange(t)[None, None, :] < n_tokens[:, None, None]              # [B, 1, T]
   o = jnp.where(valid[..., None], o, 0.0)
   return o.transpose(0, 2, 1, 3).astype(q.dtype)

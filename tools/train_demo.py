@@ -406,6 +406,7 @@ def _train_loop(args, log, tok, toks, cfg, graphdef, params, opt_state, train_st
               flush=True)
     t_run = time.time()
     t_last, step0 = time.time(), log["step"]
+    step_last = step0
     while log["step"] < args.steps and not stop["now"]:
         step = log["step"]
         batch = make_batch(tok, toks["train"], step, args.batch, args.seq, args.chat_fraction, args.seed)
@@ -415,8 +416,9 @@ def _train_loop(args, log, tok, toks, cfg, graphdef, params, opt_state, train_st
             m = {k: float(v) for k, v in m.items()}
             now = time.time()
             log["train_seconds"] += now - t_last
-            rate = (step + 1 - step0) * args.batch * args.seq / max(now - t_run, 1e-9)
-            t_last = now
+            # tokens/s over the steps since the last line (the first line's includes the compile)
+            rate = (step + 1 - step_last) * args.batch * args.seq / max(now - t_last, 1e-9)
+            t_last, step_last = now, step + 1
             log["train"].append({"step": step + 1, **m})
             print(f"[train_demo] step {step + 1}/{args.steps}: loss {m['ce']:.3f} balance "
                   f"{m['balance']:.3f} |g| {m['grad_norm']:.2f} ({rate:,.0f} tokens/s)", flush=True)
@@ -432,11 +434,15 @@ def _train_loop(args, log, tok, toks, cfg, graphdef, params, opt_state, train_st
     if not log["eval"] or log["eval"][-1]["step"] != log["step"]:
         evaluate(log["step"], params)
     save_state(state_path, params, opt_state, log)
-    if args.plot:
-        plot_loss(log, args.plot)
     if args.out:
         export(args.out, cfg, params, graphdef, tok, log)
         print(f"[train_demo] wrote {args.out}", flush=True)
+    if args.plot:
+        try:
+            plot_loss(log, args.plot)
+        except ImportError as e:   # a GPU image without matplotlib: the log has the curve
+            print(f"[train_demo] no loss plot ({e}); make it later with --export-only --plot",
+                  flush=True)
 
 
 def plot_loss(log: dict, path: str) -> None:

@@ -292,7 +292,7 @@ def main(argv=None):
                    "optimizer state); a run resumes from it")
     p.add_argument("--out", default=None, help="export the checkpoint here at the end "
                    "(e.g. flint_jax/demo_model)")
-    p.add_argument("--steps", type=int, default=6000, help="total optimizer steps (schedule length)")
+    p.add_argument("--steps", type=int, default=2500, help="total optimizer steps (schedule length)")
     p.add_argument("--minutes", type=float, default=None,
                    help="stop (and save) after this much training time in this run")
     p.add_argument("--batch", type=int, default=64, help="rows per step")
@@ -300,11 +300,11 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--balance", type=float, default=0.01, help="weight of the expert-balance loss")
-    p.add_argument("--chat-fraction", type=float, default=0.5)
+    p.add_argument("--chat-fraction", type=float, default=0.7)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--size", default="demo", choices=["demo", "tiny"],
                    help="model size: the shipped demo's, or toy sizes for tests")
     p.add_argument("--max-files", type=int, default=None,

@@ -15,6 +15,10 @@
 #   suites_x2     (nvidia-h200-x2) both suites at once, BF16 on GPU 0 and NVFP4 on GPU 1, with
 #                 the compiled tests of the newest kernels on GPU 1 alongside (one 10-minute call);
 #                 on one GPU the suites run one after the other, then the tests
+#   prefill       full-size prefill, BF16 and NVFP4 (tools/gpu_prefill.py --stages model): ms,
+#                 tokens/s, % of the compute floor, memory; PREFILL_CASES (default: the script's
+#                 cases), PREFILL_BUDGET (s, default 500), PREFILL_ARGS (e.g. --xla); BF16 needs
+#                 an H200 (run with needs_h200=true)
 #   demo_parity   the shipped trained demo model: Pallas decode step vs the XLA path, greedy, 8
 #                 prompts x 128 tokens, batch 1 and 8, BF16 and NVFP4, margins at each divergence
 #                 (tools/demo_parity.py; issue #42)
@@ -114,6 +118,9 @@ for stage in "${stages[@]}"; do
       wait
       [ -f "$OUT/tests_new_kernels.log" ] && tail -n 3 "$OUT/tests_new_kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests_new_kernels.log" | head -20
       for fmt in ${FORMATS:-bf16 nvfp4}; do grep -v "^|" "$OUT/suite_$fmt.log" | cut -c1-600; done ;;
+    prefill)     JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} timeout $(( ${PREFILL_BUDGET:-500} + 50 )) python3 tools/gpu_prefill.py \
+                   --budget "${PREFILL_BUDGET:-500}" --stages model ${PREFILL_CASES:+--cases $PREFILL_CASES} \
+                   ${PREFILL_ARGS:-} --out "$OUT/prefill.json" 2>&1 | tail -40 ;;
     demo_parity) python3 tools/demo_parity.py --out "$OUT/demo_parity.json" 2>&1 \
                    | grep -v "DeprecationWarning\|warnings.warn" | tee "$OUT/demo_parity.log" ;;
     demo_train)

@@ -26,7 +26,8 @@
 #                 TRAIN_MINUTES (default 8), resuming from .train_demo-gpu (git-ignored: it stays on
 #                 a warm machine between calls), then exports to $OUT: the two weight shards, the
 #                 other files in demo_model_files.tar, the loss curve and the log; TRAIN_ARGS
-#                 adds train_demo.py arguments (e.g. "--steps 5000 --save-every 1000")
+#                 adds train_demo.py arguments (e.g. "--steps 5000 --save-every 1000");
+#                 TRAIN_PARITY=1 runs demo_parity on the new checkpoint before the export
 #   all           everything above but `sharded` and the demo stages, in order (needs more than
 #                 one 10-minute call)
 #
@@ -127,6 +128,12 @@ for stage in "${stages[@]}"; do
       python3 tools/train_demo.py --work .train_demo-gpu --minutes "${TRAIN_MINUTES:-8}" \
         --out "$OUT/demo_model" --plot "$OUT/demo_model_loss.png" ${TRAIN_ARGS:-} 2>&1 \
         | tee "$OUT/demo_train.log"
+      # TRAIN_PARITY=1: the Pallas-vs-XLA greedy parity (demo_parity) on the new checkpoint too
+      # (~170 s; with the defaults' ~4-minute training, one 10-minute call)
+      if [ "${TRAIN_PARITY:-0}" = 1 ]; then
+        python3 tools/demo_parity.py --model "$OUT/demo_model" --out "$OUT/demo_parity.json" 2>&1 \
+          | grep -v "DeprecationWarning\|warnings.warn" | tee "$OUT/demo_parity.log"
+      fi
       # $OUT returns at most 8 files: the shards as they are, everything else in one tar.
       (cd "$OUT/demo_model" && tar cf ../demo_model_files.tar $(ls | grep -v '\.safetensors$') \
         && mv ./*.safetensors .. && cd .. && rm -r demo_model) ;;

@@ -156,6 +156,18 @@ def test_prefill_cudnn_split_equals_xla_path(fp32_models):
     prefill.PrefillOptions(attention="flash")
 
 
+@pytest.mark.usefixtures("ieee_fp32")
+@pytest.mark.parametrize("attention", ["pallas", "cudnn"])
+def test_prompt_filling_the_whole_cache(fp32_models, attention):
+  # A 262,144-token prompt in a 262,144-slot cache, in miniature: row 0 fills every slot (the last
+  # chunk ends at the cache's end; the ring wrapped many times), row 1 stops mid-chunk.
+  if attention == "cudnn" and jax.default_backend() == "gpu":
+    pytest.skip("cuDNN attention takes bf16 only")
+  m = fp32_models["tiny_b"]
+  rows = _rows(golden("tiny_b"), m.config.vocab_size, [128, 77])
+  _compare(m, rows, 128, 32, 1e-4, prefill.PrefillOptions(attention=attention))
+
+
 @pytest.mark.parametrize("attention", ["pallas", "cudnn"])
 def test_prefill_bf16_model_close_to_xla_path(attention):
   # bf16: the same roundings up to summation order and one P rounding point in attention.

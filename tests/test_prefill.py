@@ -196,7 +196,8 @@ def test_chunk_length_policy():
 @pytest.mark.parametrize("quant", [False, True])
 def test_chunk_lowers_for_h200_at_flint_sizes(quant):
   # Flint's sizes with 4 layers (full 0, 1, 3; sliding 2; dense 0, 1; MoE 2, 3): an 8K chunk of
-  # one row into a 16K cache and 2K chunks of 8 rows lower for an H200 (every kernel and shape).
+  # one row into a 16K cache, 2K chunks of 8 rows, and the 262K prompt's 16K chunks into the
+  # 262,144-slot cache lower for an H200 (every kernel and shape).
   import functools
   import warnings
   from flint_jax.cache import cache_shapes
@@ -216,7 +217,7 @@ def test_chunk_lowers_for_h200_at_flint_sizes(quant):
   def run(state, tokens, cache, n):
     return prefill.chunk_forward(nnx.merge(graphdef, state), tokens, cache, n, options=opts)
 
-  for b, t, s_len in ((1, 8192, 16384), (8, 2048, 4096)):
+  for b, t, s_len in ((1, 8192, 16384), (8, 2048, 4096), (1, 16384, 262144)):
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", DeprecationWarning)
       text = lower_for_h200(run, state, S((b, t), jnp.int32), cache_shapes(cfg, b, s_len),

@@ -423,7 +423,9 @@ def _train_loop(args, log, tok, toks, cfg, graphdef, params, opt_state, train_st
             print(f"[train_demo] step {step + 1}/{args.steps}: loss {m['ce']:.3f} balance "
                   f"{m['balance']:.3f} |g| {m['grad_norm']:.2f} ({rate:,.0f} tokens/s)", flush=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            t_eval = time.time()
             evaluate(step + 1, params)
+            t_last += time.time() - t_eval   # the next tokens/s is training's alone
         if (step + 1) % args.save_every == 0:
             save_state(state_path, params, opt_state, log)
         if args.stop_after is not None and log["step"] - step0 >= args.stop_after:

@@ -422,12 +422,12 @@ def _train_loop(args, log, tok, toks, cfg, graphdef, params, opt_state, train_st
             log["train"].append({"step": step + 1, **m})
             print(f"[train_demo] step {step + 1}/{args.steps}: loss {m['ce']:.3f} balance "
                   f"{m['balance']:.3f} |g| {m['grad_norm']:.2f} ({rate:,.0f} tokens/s)", flush=True)
+        t_pause = time.time()   # evaluations and saves: left out of the next tokens/s
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            t_eval = time.time()
             evaluate(step + 1, params)
-            t_last += time.time() - t_eval   # the next tokens/s is training's alone
         if (step + 1) % args.save_every == 0:
             save_state(state_path, params, opt_state, log)
+        t_last += time.time() - t_pause
         if args.stop_after is not None and log["step"] - step0 >= args.stop_after:
             break
         if args.minutes is not None and time.time() - t_run > 60 * args.minutes:

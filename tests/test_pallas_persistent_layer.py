@@ -44,6 +44,8 @@ CASES = [
     (64, 12, 16, 32, 96, 3, 3, {}),
     (128, 16, 32, 64, 160, 6, 5, dict(block_gu=2, block_down=8, block_qkv=8, block_router=4)),
     (64, 8, 16, 16, 48, 2, 4, dict(block_gu=2, block_down=32, block_router=1)),
+    # more programs than shared-expert groups (late first loads), than q|k|v and down groups
+    (64, 8, 16, 16, 32, 2, 6, dict(block_gu=4, block_qkv=8, block_down=16)),
 ]
 
 
@@ -70,7 +72,7 @@ def test_rejects_bad_configs():
   args = _inputs(gen, 64, 8, 16, 16, 48)
   cnt = jnp.zeros((PL.N_COUNTERS,), jnp.int32)
   with pytest.raises(ValueError, match="programs must be"):
-    PL.persistent_moe_layer(*args, cnt, top_k=2, programs=5, interpret=True)   # > I_s / 4
+    PL.persistent_moe_layer(*args, cnt, top_k=2, programs=0, interpret=True)
   with pytest.raises(ValueError, match="power of two"):
     PL.persistent_moe_layer(*args, cnt, top_k=2, programs=2, block_gu=3, interpret=True)
   with pytest.raises(ValueError, match="counters"):

@@ -12,8 +12,10 @@ random weights (std 0.02, router fp32, norm weights 1 + 0.02 N(0, 1)), batch 1, 
   (``decode_plan(False, 1)``: ``add_rms_norm_router`` -> ``moe_decode_routed`` (gate_up with
   2 K slices on the counters, down) -> ``norm_qkv`` of the next layer, every kernel with the
   early PDL trigger), called as ``fast_decode`` calls them;
-- ``persistent`` / ``persistent_nohold``: ``pallas.persistent_layer.persistent_moe_layer`` (one
-  kernel, G = the SM count), with / without ``hold_prefetch``.
+- ``persistent``, ``persistent_b8``, ``persistent_nohold``:
+  ``pallas.persistent_layer.persistent_moe_layer`` (one kernel, G = the SM count): the default
+  tiles; 8-row gate_up and q|k|v groups; without ``hold_prefetch`` (``PERSISTENT``; a variant
+  not compiled by ``--budget`` seconds is skipped).
 
 Correctness first (one layer, against ``persistent_moe_layer_reference``: rel-L2 of s and q|k|v,
 finiteness, routing equal), then timing: each variant is one jitted function of ``--layers`` (49)
@@ -51,9 +53,9 @@ CONFIGS = {
 
 # the persistent kernel's variants: persistent_moe_layer tuning arguments
 PERSISTENT = {
-    "persistent": {},                                         # hold_prefetch, 4-row groups
-    "persistent_nohold": dict(hold_prefetch=False),
-    "persistent_b8": dict(block_gu=8, block_qkv=8),           # 2x the bytes per load
+    "persistent": {},                                   # 8 warps, 4-row groups: 171 registers
+    "persistent_b8": dict(block_gu=8, block_qkv=8),     # 2x the bytes per load: 242 registers
+    "persistent_nohold": dict(hold_prefetch=False),     # same SASS order (ptxas drops the movs)
 }
 
 

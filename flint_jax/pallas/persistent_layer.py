@@ -28,6 +28,8 @@ Every program runs the stages in order; dependencies are arrival counters in glo
      (weights are immutable: they stream while the activation is produced); the combine is a
      local fp32 sum (no atomics on the output); s = bf16(s1 + moe) -> ``s``; arrive S.
   E  issue the loads of the first q|k|v rows, wait S == G, RMSNorm of s, q|k|v row groups.
+     (The q|k|v rows are not prefetched as early as B, although their address is known there:
+     held in registers through C and D they would cost the stream its double buffer.)
   end  arrive DONE; the last arriver zeroes every counter (all programs are past their last
      wait when they arrive), so ``counters`` is zero between calls, like ``KVCache.counters``.
 
@@ -41,7 +43,12 @@ load into or across a loop. With ``hold_prefetch`` (default) the stage-boundary 
 also passed through a non-pure inline-asm ``mov`` with a memory clobber (``_hold``) before the
 spin loop, which pins them there (the thread then waits for those bytes before spinning: the
 producer's stage is longer than one load's latency, so nothing is lost). The CPU lowering test
-checks the order in the Triton IR; ptxas is not checked here.
+checks the order in the Triton IR. Checked once by hand further down (the TTIR compiled on a
+CPU with pip's triton 3.6.0 for sm_90a, its ptxas and cuobjdump; XLA's bundled Triton may
+differ): with and without the hold, every stage-boundary prefetch's LDG.E.128s precede their
+spin loop in the SASS, and each down-stage wait is preceded by the next slot's tile loads;
+171 registers at 8 warps (242 with block_gu = block_qkv = 8), no spills, so one 256-thread
+program fits an SM (4 warps spill).
 
 CO-RESIDENCY: every program spins on counters that other programs advance, so ALL G programs
 must be resident at once (G <= SMs, one program per SM, nothing else filling the GPU) or the
@@ -175,7 +182,7 @@ def _kernel(a_ref, h_ref, wp_ref, rw_ref, gu_ref, dn_ref, sg_ref, su_ref, sd_ref
   n_r = C.cdiv(n_exp, br)                        # router groups
 
   def norm_x():
-    """(s1 f32 [D], x f32 [D]): add_rms_norm's formula, op for op (x rounded to bf16)."""
+    """x f32 [D] (its bf16 values): add_rms_norm's formula op for op on s1 = bf16(h + a)."""
     hh = h_ref[0, cols]
     s1 = (hh.astype(jnp.float32) + a_ref[0, cols].astype(jnp.float32)).astype(hh.dtype)
     x = ARN._normalize(s1.astype(jnp.float32), wp_ref[cols].astype(jnp.float32), d, eps)  # pylint: disable=protected-access

@@ -38,17 +38,18 @@ loaded before the current group is reduced: ``_stream``), and the first tiles of
 come from the prefetch issued before the stage's wait.
 
 Load ordering: a prefetch is written before its spin loop, and the acquire that ends the wait
-is an acq_rel atomic, whose release half keeps earlier loads before it; LLVM does not sink a
-load into or across a loop. With ``hold_prefetch`` (default) the stage-boundary prefetches are
-also passed through a non-pure inline-asm ``mov`` with a memory clobber (``_hold``) before the
-spin loop, which pins them there (the thread then waits for those bytes before spinning: the
-producer's stage is longer than one load's latency, so nothing is lost). The CPU lowering test
-checks the order in the Triton IR. Checked once by hand further down (the TTIR compiled on a
-CPU with pip's triton 3.6.0 for sm_90a, its ptxas and cuobjdump; XLA's bundled Triton may
-differ): with and without the hold, every stage-boundary prefetch's LDG.E.128s precede their
-spin loop in the SASS, and each down-stage wait is preceded by the next slot's tile loads;
-171 registers at 8 warps (242 with block_gu = block_qkv = 8), no spills, so one 256-thread
-program fits an SM (4 warps spill).
+is an acq_rel atomic, whose release half keeps earlier loads before it -- but a load may still
+legally move from before the spin loop to between the loop and that atomic. With
+``hold_prefetch`` (default) the stage-boundary prefetches (B, E) pass through a non-pure
+inline-asm ``mov`` with a memory clobber (``_hold``) before the spin loop: that pins them for
+LLVM, not for ptxas (which sees a plain mov). The CPU lowering test checks the order in the
+Triton IR. Checked once by hand (this TTIR compiled on a CPU with pip's triton 3.6.0 for
+sm_90a, its ptxas and cuobjdump; XLA's bundled Triton may differ): in the SASS, with and
+without the hold, the B and E prefetches' LDG.E.128s precede their spin loops, and each
+down-stage wait on slot j is preceded by slot j + 1's tile loads -- except slot 0's tile,
+which ptxas sank past the shared expert's wait (issued right after it instead: 16 KB per
+program lose their overlap). 172 registers at 8 warps (242 with block_gu = block_qkv = 8), no
+spills, so one 256-thread program fits an SM (4 warps spill).
 
 CO-RESIDENCY: every program spins on counters that other programs advance, so ALL G programs
 must be resident at once (G <= SMs, one program per SM, nothing else filling the GPU) or the
@@ -58,8 +59,8 @@ Counter values are int32 and reset every call; an aborted call leaves them non-z
 Interpret mode (CPU) runs programs one after another, so the spin-waits cannot be concurrent:
 there the grid is (4 phases, G) -- every program runs phase A, then every program phase B+C, ...
 -- with the same code per phase (x and the routing are recomputed per phase), and a wait only
-records in ``counters[CHECK]`` whether its counter had already reached the target (it must: a
-wrong target or stage order shows there instead of hanging). The GPU run checks concurrency.
+records in ``counters[CHECK * STRIDE]`` whether its counter had already reached the target
+(it must: a wrong target or stage order shows there instead of hanging). The GPU run checks concurrency.
 
 Shapes / dtypes (batch 1): a, h [1, D] bf16; w_post, w_in [D] (any float); router_w [E, D] f32;
 experts ``gate_up_proj`` [E, 2I, D] (gate rows first), ``down_proj`` [E, D, I] bf16; shared
@@ -95,8 +96,10 @@ __all__ = ["persistent_moe_layer", "persistent_moe_layer_reference", "N_COUNTERS
 
 # counters: ROUTER, SLOT + j (j < K routed, K = shared), then S, DONE; CHECK (interpret only)
 ROUTER, SLOT = 0, 1
-N_COUNTERS = 16
-CHECK = N_COUNTERS - 1
+N_SLOTS = 16                       # logical counters; CHECK the last
+CHECK = N_SLOTS - 1
+STRIDE = 32                        # one 128-byte line per counter: polls of one counter do not
+N_COUNTERS = N_SLOTS * STRIDE      # contend with the atomics on another
 
 
 # ------------------------------------------------------------------------------------------
@@ -124,20 +127,20 @@ def _arrive(cnt, idx, interpret, n=1):
   """Counts this program's stores done on counters[idx] (CTA barrier, then one acq_rel atomic)."""
   if not interpret:    # every thread's stores precede the arrival (no CPU lowering)
     plgpu.debug_barrier()
-  return plgpu.atomic_add(cnt, (jnp.asarray(idx, jnp.int32),), jnp.int32(n))
+  return plgpu.atomic_add(cnt, (jnp.asarray(idx, jnp.int32) * STRIDE,), jnp.int32(n))
 
 
 def _wait(cnt, idx, target, interpret):
   """Spins until counters[idx] >= target; -> int32 0, data-dependent on the acquiring atomic
   (add it to the dependent loads' addresses so they cannot move above it). Interpret mode: the
-  phases are ordered, so the counter must already be there; if not, counters[CHECK] = 1."""
-  idx = jnp.asarray(idx, jnp.int32)
+  phases are ordered, so the counter must already be there; if not, the CHECK counter = 1."""
+  idx = jnp.asarray(idx, jnp.int32) * STRIDE
   if interpret:
     seen = cnt[idx]
 
     @pl.when(seen < target)
     def _():
-      cnt[CHECK] = jnp.int32(1)
+      cnt[CHECK * STRIDE] = jnp.int32(1)
     return jnp.int32(0)
   poll = lambda _: plgpu.load(cnt.at[(idx,)], volatile=True)  # noqa: E731
   seen = lax.while_loop(lambda v: v < target, poll, poll(0))
@@ -320,7 +323,7 @@ def _kernel(a_ref, h_ref, wp_ref, rw_ref, gu_ref, dn_ref, sg_ref, su_ref, sd_ref
     @pl.when(old == g - 1)                       # the last arriver: everyone is past every wait
     def _():
       for c in range(DONE + 1):
-        plgpu.store(cnt.at[jnp.int32(c)], jnp.int32(0))
+        plgpu.store(cnt.at[jnp.int32(c * STRIDE)], jnp.int32(0))
 
   def stage_bc():
     # the first gate_up group is the shared expert's (p < n_sh; G <= 256 at Flint size with
@@ -390,7 +393,7 @@ def _check(a, h, w_post, router_w, experts, shared, w_in, wqkv, counters, top_k,
   C.check(wqkv.ndim == 2 and wqkv.shape[1] == d, f"wqkv must be [N, D], got {wqkv.shape}")
   C.check(counters.shape == (N_COUNTERS,) and counters.dtype == jnp.int32,
           f"counters must be int32 [{N_COUNTERS}] zeros")
-  C.check(1 <= top_k <= min(n_exp, N_COUNTERS - 4), f"bad {top_k=}")
+  C.check(1 <= top_k <= min(n_exp, N_SLOTS - 4), f"bad {top_k=}")
   for name, v in (("block_gu", bgu), ("block_down", bdn), ("block_qkv", bq),
                   ("block_router", br)):
     C.check(C.is_pow2(v), f"{name} must be a power of two, got {v}")

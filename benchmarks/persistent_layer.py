@@ -71,7 +71,8 @@ def make_weights(cfg, key, std=0.02):
   n = sum(cfg["n"])
   ks = iter(jax.random.split(key, 10))
   bf = jnp.bfloat16
-  rn = lambda shape, dt=bf: (std * jax.random.normal(next(ks), shape, jnp.float32)).astype(dt)  # noqa: E731
+  def rn(shape, dt=bf):
+    return (std * jax.random.normal(next(ks), shape, jnp.float32)).astype(dt)
   wqkv = rn((n, d))
   nq, nk, _ = cfg["n"]
   return dict(
@@ -99,7 +100,8 @@ def build_variants(cfg, weights, layers, programs, interpret):
   from flint_jax.pallas.persistent_layer import persistent_moe_layer
   plan = fast_decode.decode_plan(False, 1)
   moe_plan = plan.moe
-  gsk = fast_decode._fit_split(moe_plan.gate_up_split_k, cfg["d"], False)  # pylint: disable=protected-access
+  fit = fast_decode._fit_split   # pylint: disable=protected-access  (as the step does)
+  gsk = fit(moe_plan.gate_up_split_k, cfg["d"], False)
   if gsk != moe_plan.gate_up_split_k:
     import dataclasses
     moe_plan = dataclasses.replace(moe_plan, gate_up_split_k=gsk)
@@ -168,8 +170,9 @@ def child(args):
   w = weights[0]
   wargs = (w["w_post"], w["router"], w["experts"], w["shared"], w["w_in"], w["wqkv"])
   ref = jax.jit(lambda a, h: PL.persistent_moe_layer_reference(a, h, *wargs, top_k=cfg["k"]))(a, h)
-  rel = lambda o, r: float(jnp.linalg.norm((o.astype(jnp.float32) - r.astype(jnp.float32)).ravel())  # noqa: E731
-                           / jnp.linalg.norm(r.astype(jnp.float32).ravel()))
+  def rel(o, r):
+    o, r = o.astype(jnp.float32).ravel(), r.astype(jnp.float32).ravel()
+    return float(jnp.linalg.norm(o - r) / jnp.linalg.norm(r))
   zero16 = jnp.zeros((PL.N_COUNTERS,), jnp.int32)
   checks = {}
   for name, tuning in PERSISTENT.items():

@@ -60,7 +60,8 @@ Interpret mode (CPU) runs programs one after another, so the spin-waits cannot b
 there the grid is (4 phases, G) -- every program runs phase A, then every program phase B+C, ...
 -- with the same code per phase (x and the routing are recomputed per phase), and a wait only
 records in ``counters[CHECK * STRIDE]`` whether its counter had already reached the target
-(it must: a wrong target or stage order shows there instead of hanging). The GPU run checks concurrency.
+(it must: a wrong target or stage order shows there instead of hanging). The GPU run checks
+concurrency.
 
 Shapes / dtypes (batch 1): a, h [1, D] bf16; w_post, w_in [D] (any float); router_w [E, D] f32;
 experts ``gate_up_proj`` [E, 2I, D] (gate rows first), ``down_proj`` [E, D, I] bf16; shared
@@ -95,6 +96,8 @@ from flint_jax.pallas.norm_qkv import norm_qkv_reference
 __all__ = ["persistent_moe_layer", "persistent_moe_layer_reference", "N_COUNTERS"]
 
 # counters: ROUTER, SLOT + j (j < K routed, K = shared), then S, DONE; CHECK (interpret only)
+_normalize = ARN._normalize   # pylint: disable=protected-access  (add_rms_norm's formula)
+
 ROUTER, SLOT = 0, 1
 N_SLOTS = 16                       # logical counters; CHECK the last
 CHECK = N_SLOTS - 1
@@ -115,8 +118,9 @@ mlir.register_lowering(_hold_p, lambda ctx, x: [x])      # interpret / CPU: iden
 def _hold_lowering(ctx, x):  # noqa: ARG001
   # non-pure asm with a memory clobber: its operand's load must have completed, and LLVM moves
   # no memory access across it (pdl.py's idiom); bf16 pairs travel as one 32-bit register
-  return tt_dialect.elementwise_inline_asm([x.type], "mov.b32 $0, $1;", constraints="=r,r,~{memory}",
-                                           pure=False, packed_element=2, args=[x])
+  return tt_dialect.elementwise_inline_asm([x.type], "mov.b32 $0, $1;",
+                                           constraints="=r,r,~{memory}", pure=False,
+                                           packed_element=2, args=[x])
 
 
 def _hold(tile, enabled):
@@ -188,7 +192,7 @@ def _kernel(a_ref, h_ref, wp_ref, rw_ref, gu_ref, dn_ref, sg_ref, su_ref, sd_ref
     """x f32 [D] (its bf16 values): add_rms_norm's formula op for op on s1 = bf16(h + a)."""
     hh = h_ref[0, cols]
     s1 = (hh.astype(jnp.float32) + a_ref[0, cols].astype(jnp.float32)).astype(hh.dtype)
-    x = ARN._normalize(s1.astype(jnp.float32), wp_ref[cols].astype(jnp.float32), d, eps)  # pylint: disable=protected-access
+    x = _normalize(s1.astype(jnp.float32), wp_ref[cols].astype(jnp.float32), d, eps)
     return x.astype(hh.dtype).astype(jnp.float32)
 
   # ---- stage A: router logits of this program's expert rows
@@ -311,7 +315,7 @@ def _kernel(a_ref, h_ref, wp_ref, rw_ref, gu_ref, dn_ref, sg_ref, su_ref, sd_ref
   def stage_e(first):
     z = _wait(cnt, S_, g, interpret)
     s = plgpu.load(s_ref.at[0, z + cols], volatile=True)
-    x2 = ARN._normalize(s.astype(jnp.float32), wi_ref[cols].astype(jnp.float32), d, eps)  # pylint: disable=protected-access
+    x2 = _normalize(s.astype(jnp.float32), wi_ref[cols].astype(jnp.float32), d, eps)
     x2 = x2.astype(s.dtype).astype(jnp.float32)
 
     def body(i, w):

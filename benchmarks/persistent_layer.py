@@ -134,6 +134,32 @@ def build_variants(cfg, weights, layers, programs, interpret):
   return {"chain": jax.jit(chain), **{n: jax.jit(persistent(t)) for n, t in PERSISTENT.items()}}
 
 
+STAGES = ("A: norm + router", "B: wait for the routing", "C: gate_up", "D: down + combine",
+          "E0: wait for s", "E: norm + q|k|v")
+
+
+def stage_breakdown(PL, a, h, wargs, cfg, programs, interpret):  # noqa: N803
+  """One call of the default persistent kernel with ``timestamps``: per stage, the median and
+  max over programs of its duration, and the kernel's span (first start to last end), in us."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  runs = []
+  for _ in range(3):                      # the last of 3 (warm caches, as in the timed loop)
+    *_, st = PL.persistent_moe_layer(a, h, *wargs, jnp.zeros((PL.N_COUNTERS,), jnp.int32),
+                                     top_k=cfg["k"], programs=programs, timestamps=True,
+                                     interpret=interpret)
+    runs.append(np.asarray(jax.device_get(st)).astype(np.uint32))
+  st = runs[-1]
+  rel = (st - st[:, :1].min()).astype(np.int64)   # mod 2^32 ns, from the earliest start
+  d = np.diff(rel[:, :7], axis=1) / 1e3
+  out = {name: [round(float(np.median(d[:, i])), 3), round(float(d[:, i].max()), 3)]
+         for i, name in enumerate(STAGES)}
+  out["span"] = round(float((rel[:, 6].max() - rel[:, 0].min()) / 1e3), 3)
+  out["start_skew"] = round(float((rel[:, 0].max() - rel[:, 0].min()) / 1e3), 3)
+  return out
+
+
 def child(args):
   import jax
   import jax.numpy as jnp
@@ -246,6 +272,13 @@ def child(args):
       jax.block_until_ready((hh, cnt))
       per_layer[name].append((time.perf_counter() - ws) / (args.calls * args.layers))
       state[name] = (compiled, cnt)
+  # ---- where the time goes: one call with per-program %globaltimer stamps (ns)
+  if "persistent" in state and not interpret:     # (interpret mode has no clock)
+    try:
+      res["stages_us"] = stage_breakdown(PL, a, h, wargs, cfg, programs, interpret)
+      _log(f"    stages (us; median / max over programs): {res['stages_us']}")
+    except Exception as e:  # pylint: disable=broad-except
+      res.setdefault("errors", {})["timestamps"] = f"{type(e).__name__}: {str(e)[:2000]}"
   nbytes = bytes_touched(cfg)
   rows = {}
   for name, ts in per_layer.items():

@@ -130,6 +130,16 @@ def test_lowers_for_h200_with_prefetch_before_waits(hold):
   assert "load" in pre and (("asm" in pre) == hold)
 
 
+def test_timestamps_output():
+  (mod,) = triton_modules(lambda *a: PL.persistent_moe_layer(*a, timestamps=True),
+                          *_flint_shapes())
+  assert mod["asm"].count("globaltimer_lo") == 7
+  args = _inputs(rng("persistent-ts"), 64, 8, 16, 16, 48)
+  out = PL.persistent_moe_layer(*args, jnp.zeros((PL.N_COUNTERS,), jnp.int32), top_k=2,
+                                programs=2, timestamps=True, interpret=not ON_GPU)
+  assert len(out) == 6 and out[5].shape == (2, PL.N_STAMPS) and out[5].dtype == jnp.int32
+
+
 @pytest.mark.skipif(not ON_GPU, reason="all programs resident at once: needs the GPU")
 def test_flint_size_on_gpu():
   gen = rng("persistent-gpu")

@@ -123,6 +123,12 @@ def _hold_lowering(ctx, x):  # noqa: ARG001
                                            packed_element=2, args=[x])
 
 
+# %globaltimer_lo (ns, wraps every 4.3 s) for ``timestamps``: effectful, memory clobber
+_clock_p = pdl._asm_primitive(   # pylint: disable=protected-access
+    "flint_persistent_globaltimer_lo", "mov.u32 $0, %globaltimer_lo;", "=r,~{memory}")
+N_STAMPS = 8   # start, A done, routing known, C done, D done, s known, end (+1 spare)
+
+
 def _hold(tile, enabled):
   return _hold_p.bind(tile) if enabled else tile
 
@@ -178,11 +184,16 @@ def _gemv(w, x32):
 
 
 def _kernel(a_ref, h_ref, wp_ref, rw_ref, gu_ref, dn_ref, sg_ref, su_ref, sd_ref, wi_ref, wq_ref,
-            cnt_in, s_ref, qkv_ref, ids_ref, top_ref, cnt, lg_scr, act_scr, *, g, d, n_exp, ep,
-            k, inter, inter_s, n_qkv, bgu, bdn, bq, br, eps, hold, interpret):
+            cnt_in, s_ref, qkv_ref, ids_ref, top_ref, cnt, lg_scr, act_scr, *st_ref, g, d,
+            n_exp, ep, k, inter, inter_s, n_qkv, bgu, bdn, bq, br, eps, hold, interpret):
   del cnt_in                                      # aliased to cnt
   S_, DONE = SLOT + k + 1, SLOT + k + 2
   p = pl.program_id(1 if interpret else 0)
+
+  def stamp(i):
+    """timestamps: this program's %globaltimer_lo at point i (``N_STAMPS``)."""
+    if st_ref:
+      plgpu.store(st_ref[0].at[p, jnp.int32(i)], _clock_p.bind())
   cols = jnp.arange(d, dtype=jnp.int32)
   n_sh, n_rt = inter_s // bgu, inter // bgu      # gate_up groups: shared expert / per slot
   n_gu = n_sh + k * n_rt
@@ -314,6 +325,7 @@ def _kernel(a_ref, h_ref, wp_ref, rw_ref, gu_ref, dn_ref, sg_ref, su_ref, sd_ref
 
   def stage_e(first):
     z = _wait(cnt, S_, g, interpret)
+    stamp(5)
     s = plgpu.load(s_ref.at[0, z + cols], volatile=True)
     x2 = _normalize(s.astype(jnp.float32), wi_ref[cols].astype(jnp.float32), d, eps)
     x2 = x2.astype(s.dtype).astype(jnp.float32)
@@ -323,6 +335,7 @@ def _kernel(a_ref, h_ref, wp_ref, rw_ref, gu_ref, dn_ref, sg_ref, su_ref, sd_ref
       plgpu.store(qkv_ref.at[jnp.int32(0), rows], _gemv(w, x2).astype(qkv_ref.dtype))
     _stream(_n_mine(n_qkv // bq, p, g), C.cdiv(n_qkv // bq, g), load_qkv, body, first)
     old = _arrive(cnt, DONE, interpret)
+    stamp(6)
 
     @pl.when(old == g - 1)                       # the last arriver: everyone is past every wait
     def _():
@@ -334,6 +347,7 @@ def _kernel(a_ref, h_ref, wp_ref, rw_ref, gu_ref, dn_ref, sg_ref, su_ref, sd_ref
     # block_gu 4): loaded before the routing wait; a routed first group only after it
     pre = tuple(_hold(t, hold) for t in load_gu(None)(0, p < n_sh))
     z = _wait(cnt, ROUTER, g, interpret)
+    stamp(2)
     ids, top, coefs = routing(z)
     if g > n_sh:
       late = load_gu(ids)(0, p >= n_sh)
@@ -371,10 +385,14 @@ def _kernel(a_ref, h_ref, wp_ref, rw_ref, gu_ref, dn_ref, sg_ref, su_ref, sd_ref
       stage_e(prefetch_e())
     return
 
+  stamp(0)
   x32 = stage_a()                                # x stays in registers through stage C
+  stamp(1)
   ids, coefs, pre = stage_bc()
   stage_c(x32, ids, pre)
+  stamp(3)
   stage_d(ids, coefs)
+  stamp(4)
   stage_e(prefetch_e())
 
 
@@ -409,18 +427,22 @@ def _check(a, h, w_post, router_w, experts, shared, w_in, wqkv, counters, top_k,
 
 @functools.partial(jax.jit, static_argnames=(
     "top_k", "programs", "eps", "block_gu", "block_down", "block_qkv", "block_router",
-    "num_warps", "hold_prefetch", "interpret"))
+    "num_warps", "hold_prefetch", "timestamps", "interpret"))
 def persistent_moe_layer(a, h, w_post, router_w, experts, shared, w_in, wqkv, counters, *,
                          top_k: int = 6, programs: int = 132, eps: float = 1e-6,
                          block_gu: int = 4, block_down: int = 16, block_qkv: int = 4,
                          block_router: int = 2, num_warps: int = 8,
-                         hold_prefetch: bool = True, interpret: bool = False):
+                         hold_prefetch: bool = True, timestamps: bool = False,
+                         interpret: bool = False):
   """(s, qkv, ids, top_logits, counters): the module docstring's layer in one kernel.
 
   ``programs`` G: the grid; MUST be <= the number of SMs (all programs resident, or the
   spin-waits deadlock): 132 on an H200. ``block_*``: rows per group of gate_up (each of gate
   and up), of the output slice a program owns in the down stage, of q|k|v, of the router.
   ``counters`` int32 [N_COUNTERS] zeros, returned zeroed (aliased; thread it through calls).
+  ``timestamps``: also returns int32 [G, N_STAMPS], each program's %globaltimer_lo (ns, mod
+  2^32) at its start, stage A's end, the routing known, C's end, D's end, s known, its end
+  (zeros in interpret mode): where the time goes.
   """
   d, n_exp, inter, inter_s = _check(a, h, w_post, router_w, experts, shared, w_in, wqkv,
                                     counters, top_k, programs, block_gu, block_down, block_qkv,
@@ -437,14 +459,16 @@ def persistent_moe_layer(a, h, w_post, router_w, experts, shared, w_in, wqkv, co
                jax.ShapeDtypeStruct((N_COUNTERS,), jnp.int32),
                jax.ShapeDtypeStruct((n_exp,), jnp.float32),                   # logits scratch
                jax.ShapeDtypeStruct((top_k * inter + inter_s,), dt))          # act scratch
+  if timestamps:
+    out_shape += (jax.ShapeDtypeStruct((programs, N_STAMPS), jnp.int32),)
   grid = (4, programs) if interpret else (programs,)
-  s, qkv, ids, top, cnt, _, _ = pl.pallas_call(
+  s, qkv, ids, top, cnt, _, _, *st = pl.pallas_call(
       kernel, out_shape=out_shape, grid=grid, input_output_aliases={11: 4},
       compiler_params=C.compiler_params(num_warps, 1), interpret=interpret,
       name=f"flint_persistent_moe_layer_g{programs}_d{d}_e{n_exp}_k{top_k}",
   )(a, h, w_post, router_w, experts["gate_up_proj"], experts["down_proj"], shared["gate_proj"],
     shared["up_proj"], shared["down_proj"], w_in, wqkv, counters)
-  return s, qkv, ids, top, cnt
+  return (s, qkv, ids, top, cnt, *st)
 
 
 def persistent_moe_layer_reference(a, h, w_post, router_w, experts, shared, w_in, wqkv, *,

@@ -201,6 +201,11 @@ def child(args):
     return float(jnp.linalg.norm(o - r) / jnp.linalg.norm(r))
   zero16 = jnp.zeros((PL.N_COUNTERS,), jnp.int32)
   checks = {}
+  if "chain" in args.variants:   # the chain on the same layer: the same contract
+    one = build_variants(cfg, [w], 1, programs, interpret)["chain"]
+    cs, cq, _ = jax.block_until_ready(one(a, h, jnp.zeros((COUNTER_ENTRIES,), jnp.int32)))
+    checks["chain"] = dict(rel_l2_s=rel(cs, ref[0]), rel_l2_qkv=rel(cq, ref[1]))
+    _log(f"[{time.perf_counter() - t0:.0f}s] chain: {checks['chain']}")
   for name, tuning in PERSISTENT.items():
     if name not in args.variants:
       continue
@@ -296,7 +301,8 @@ def child(args):
     if best:
       sp = rows[best]["speedup_vs_chain"]
       res["decision"] = dict(best=best, speedup=sp, bar=1.25,
-                             verdict="meets the >= 25% bar" if sp >= 1.25 else
+                             verdict="n/a: interpret mode" if interpret else
+                             "meets the >= 25% bar" if sp >= 1.25 else
                              "below the 25% bar: blocked, with these measurements")
   save("done")
   _log(f"\n{'variant':<20} {'us/layer med':>12} {'min':>8} {'TB/s':>6} {'x chain':>8}")

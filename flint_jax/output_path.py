@@ -343,8 +343,7 @@ def _silence() -> None:
     if _STATE["stderr"] is not None:
         return
     try:
-        tqdm = sys.modules.get("tqdm.std")
-        _STATE["bar"] = bool(tqdm and len(getattr(tqdm.tqdm, "_instances", ())))
+        _STATE["bar"] = _bar_active()
         with contextlib.suppress(Exception):
             sys.stderr.flush()
         _STATE["stderr"] = os.dup(2)
@@ -364,14 +363,23 @@ def _message(cmd: str, writes: bool = True) -> str:
     return f"{cmd}: interrupted ({what}){left}"
 
 
+def _bar_active() -> bool:
+    """Whether a tqdm progress bar is open (its line has no newline yet)."""
+    tqdm = sys.modules.get("tqdm.std")
+    return bool(tqdm and len(getattr(tqdm.tqdm, "_instances", ())))
+
+
 def _write_line(text: str) -> None:
-    fd = _STATE["stderr"]
-    if fd is None:
-        print(text, file=sys.stderr, flush=True)
-        return
     # A progress bar (and the terminal's "^C") may hold the current line: clear it on a
-    # terminal, end it elsewhere.
-    lead = "\r\033[K" if os.isatty(fd) else "\n" if _STATE["bar"] else ""
+    # terminal, end it elsewhere. Without a caught signal (a KeyboardInterrupt outside
+    # `interrupt_handler`, e.g. while a non-writing command loads) stderr was never silenced.
+    fd = _STATE["stderr"]
+    bar = _STATE["bar"] if fd is not None else _bar_active()
+    if fd is None:
+        tty = getattr(sys.stderr, "isatty", lambda: False)()
+        print(("\r\033[K" if tty else "\n" if bar else "") + text, file=sys.stderr, flush=True)
+        return
+    lead = "\r\033[K" if os.isatty(fd) else "\n" if bar else ""
     with contextlib.suppress(OSError):
         os.write(fd, (lead + text + "\n").encode())
 

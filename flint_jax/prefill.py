@@ -13,8 +13,9 @@ Per layer:
   chunk, `_linear`); full layers write the chunk's K/V into the stacked cache (an in-place
   scatter) and attend by reading it; sliding layers attend over [the ring before the chunk, the chunk's own
   K/V] and then write the ring (`pallas.prefill_attention`, bottom-right causal, window blocks
-  skipped, sinks in the denominator); the o_proj in XLA.
-- MoE: the fp32 router and top-k in XLA, the routed experts as two grouped GEMMs over rows
+  skipped, sinks in the denominator); on a GPU the full layers attend on cuDNN's flash attention
+  instead (`cudnn_attention`, `PrefillOptions.attention`); the o_proj in XLA.
+- MoE: the fp32 router (bf16x6 dot on the tensor cores) and top-k in XLA, the routed experts as two grouped GEMMs over rows
   sorted by expert (`pallas.grouped_matmul.moe_experts`: SiLU(gate)*up fused; NVFP4 decoded in
   the K loop, or dequantized to bf16 first for large chunks; padding tokens are not routed), the
   weighted combine and the shared expert in XLA.
@@ -39,7 +40,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from flint_jax import layers
+from flint_jax import cudnn_attention, layers
 from flint_jax.cache import KVCache
 from flint_jax.pallas.grouped_matmul import moe_experts
 from flint_jax.pallas.prefill_attention import prefill_attention
@@ -48,6 +49,10 @@ F32 = jnp.float32
 
 #: Tokens per prefill chunk, all rows together (module docstring).
 DEFAULT_MAX_TOKENS = 16384
+
+#: ``PrefillOptions.attention``: the full layers' attention kernel ("auto": cuDNN on a GPU for
+#: bf16 / fp16 models, else the Pallas kernel).
+ATTENTION = ("auto", "pallas", "cudnn")
 
 #: ``PrefillOptions.router`` -> the router logits dot's precision.
 ROUTER_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST,
@@ -66,16 +71,21 @@ class PrefillOptions:
   XLA dot at ``Precision.HIGHEST`` ("highest") or with the ``BF16_BF16_F32_X6`` algorithm
   ("bf16x6": the f32 router weight split exactly into three bf16 parts, each product with the
   bf16 activations exact, fp32 sums: the same fp32 logits up to summation order, on the tensor
-  cores; not yet measured on the H200); ``attn_full`` / ``attn_ring``: (block_q,
-  block_k, num_warps, num_stages) of the full-layer and sliding-layer attention (entries may be
-  None); ``interpret``: None = on any backend but the GPU."""
+  cores; the default: 134.4 against 138.1 ms at 1 x 8K BF16, H200 run 196); ``attention``: the
+  full layers' attention on the Pallas kernel ("pallas") or on cuDNN's flash attention
+  (``cudnn_attention.full_attention``, two calls merged by log-sum-exp; on the CPU its
+  plain-JAX stand-in); "auto" (default) = cuDNN on a GPU for bf16 / fp16 models (1 x 32K BF16:
+  715 against 745 ms, H200 run prefill-2), else Pallas; ``attn_full`` / ``attn_ring``:
+  (block_q, block_k, num_warps, num_stages) of the Pallas full-layer and sliding-layer
+  attention (entries may be None); ``interpret``: None = on any backend but the GPU."""
   block_m: int | None = None
   gate_up_blocks: tuple | None = None
   down_blocks: tuple | None = None
   moe_warps: int | None = None
   moe_stages: int | None = None
   nvfp4_experts: str = "auto"
-  router: str = "highest"
+  router: str = "bf16x6"
+  attention: str = "auto"
   attn_full: tuple | None = None
   attn_ring: tuple | None = None
   interpret: bool | None = None
@@ -83,9 +93,18 @@ class PrefillOptions:
   def __post_init__(self):
     if self.router not in ROUTER_PRECISIONS:
       raise ValueError(f"router must be one of {tuple(ROUTER_PRECISIONS)}, got {self.router!r}")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
 
   def resolved_interpret(self) -> bool:
     return jax.default_backend() != "gpu" if self.interpret is None else self.interpret
+
+  def resolved_attention(self, dtype) -> str:
+    """"pallas" or "cudnn" for a model of this dtype ("auto": cuDNN where it runs)."""
+    if self.attention != "auto":
+      return self.attention
+    ok = not self.resolved_interpret() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    return "cudnn" if ok else "pallas"
 
   def attention_kwargs(self, ring: bool) -> dict:
     bq, bk, nw, ns = (self.attn_ring if ring else self.attn_full) or (None,) * 4
@@ -189,8 +208,13 @@ def chunk_forward(m, tokens: jax.Array, cache: KVCache, n_tokens: jax.Array, *,
       else:
         slots = jnp.where(valid, positions, full_k.shape[3])
         full_k, full_v = _scatter_rows(full_k, j, k, slots), _scatter_rows(full_v, j, v, slots)
-        o = prefill_attention(q, full_k, full_v, lengths, n_tokens, sinks, j, ring=False,
-                              **full_kw)
+        if options.resolved_attention(q.dtype) == "cudnn":
+          o = cudnn_attention.full_attention(
+              q, full_k, full_v, j, lengths, n_tokens, sinks, k, v,
+              implementation="xla" if interpret else "cudnn")
+        else:
+          o = prefill_attention(q, full_k, full_v, lengths, n_tokens, sinks, j, ring=False,
+                                **full_kw)
       h = h + _linear(attn.o_proj, o.reshape(b, t, -1))
       x = layer.post_attention_layernorm(h)
       if layer.moe:

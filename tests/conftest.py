@@ -68,3 +68,14 @@ def _release_compiled_code():
     import jax
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_runtest_logreport(report):
+  """With FLINT_FAILURES_LOG set (the GPU scripts), each failure is appended to that file as it
+  happens, so a run cut short by a device call's time limit still names its failures. Under
+  pytest-xdist the controller writes them (it gets each worker's reports, and reports a crashed
+  worker's test): in the workers too, each failure was written twice."""
+  path = os.environ.get("FLINT_FAILURES_LOG")
+  if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+    with open(path, "a") as f:
+      f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")

@@ -58,10 +58,6 @@ def test_generate_json():
     assert st["generated_tokens"] == len(out["token_ids"])
     assert st["generation_tokens_per_s"] is None or st["generation_tokens_per_s"] > 0
     assert res.stderr.count("[flint-jax] compiling the") == 1
-    # Greedy is deterministic: the same call gives the same ids.
-    again = json.loads(run_cli("generate", "demo", "Hello", "--max-new-tokens", "6",
-                               "--temperature", "0", "--json").stdout.strip().splitlines()[-1])
-    assert again["token_ids"] == out["token_ids"]
 
 
 def test_chat_with_piped_input(tmp_path):

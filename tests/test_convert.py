@@ -6,16 +6,13 @@
   convert: decoded weights equal `gguf.quants.dequantize(...) * scale` bit for bit; the NVFP4
   model's logits match an fp32 HF checkpoint of the dequantized weights within 1e-4 relative.
 - quantize -> convert -> repack (kernel_to_gguf) gives the quantized file's blocks byte for byte.
-- Restore onto 8 fake CPU devices (subprocess): equal values, equal greedy generation.
+- Restore onto 8 fake CPU devices: tests/test_sharding.py.
 """
 
 import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
-import textwrap
 
 import gguf
 import ml_dtypes
@@ -399,54 +396,6 @@ def test_mixed_gguf(work):
     ref = nvfp4.dequantize_gguf_np(np.asarray(src.tensors["blk.0.attn_q.weight"].data), "q",
                                    src.tensor_scale("blk.0.attn_q.weight"))
     np.testing.assert_array_equal(by["model.layers.0.self_attn.q_proj.weight"].produce(), ref)
-
-
-# ---- sharded restore ----------------------------------------------------------------------------
-
-SHARDED = textwrap.dedent("""
-    import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax, numpy as np
-    from jax.sharding import Mesh
-    import flint_jax
-    from flint_jax.sharding import ShardingRules, param_sharding
-    from flax import nnx
-    assert len(jax.devices()) == 8
-    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-    rules = ShardingRules.for_mesh(mesh)
-    for path in sys.argv[1:]:
-        one = flint_jax.load(path, kernels="xla")
-        sh = flint_jax.load(path, mesh=mesh, kernels="xla")
-        a = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(one.state)}
-        b = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(sh.state)}
-        n_split = 0
-        for k in a:
-            want = param_sharding(k, b[k].shape, mesh, rules)
-            assert b[k].sharding.is_equivalent_to(want, b[k].ndim), (k, b[k].sharding, want)
-            n_split += any(s is not None for s in want.spec)
-            np.testing.assert_array_equal(np.atleast_1d(np.asarray(a[k])).view(np.uint8),
-                                          np.atleast_1d(np.asarray(b[k])).view(np.uint8))
-        assert n_split > 10, n_split
-        if not one.quant:  # (generation compiles: once is enough for the test budget)
-            g1 = flint_jax.generate(one, [[5, 6, 7, 8], [9, 10, 11, 12]], max_new_tokens=4,
-                                    temperature=0.0)
-            g2 = flint_jax.generate(sh, [[5, 6, 7, 8], [9, 10, 11, 12]], max_new_tokens=4,
-                                    temperature=0.0)
-            assert [list(x) for x in g1] == [list(x) for x in g2], (g1, g2)
-        print("OK", path, n_split)
-""")
-
-
-def test_sharded_restore_8_devices(quantized, work):
-    _, conv_nvfp4, _ = quantized
-    conv_bf16 = work / "tiny_a-sharded-src"
-    convert.convert(GOLDEN / "tiny_a", conv_bf16, progress=False)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", SHARDED, str(conv_bf16), str(conv_nvfp4)],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("OK") == 2
 
 
 # ---- synth, inspect, CLI -------------------------------------------------------------------------

@@ -48,9 +48,10 @@ def _rows(n):
 
 
 # (format, batch): batch 1 and 8 for both formats (the issue's bar), and the plans in between:
-# BF16 per-token MoE slots (2-4), NVFP4 rows tiles with a 2-way split q|k|v (2-3)
+# NVFP4 rows tiles with a 2-way split q|k|v (2-3); BF16's per-token MoE slots (2-4) are
+# tests/test_shape_sweep.py's bf16_b3_std08 (the same step, teacher-forced against XLA's)
 @pytest.mark.parametrize("fmt,batch", [("bf16", 1), ("nvfp4", 1), ("bf16", 8), ("nvfp4", 8),
-                                       ("bf16", 3), ("nvfp4", 2)])
+                                       ("nvfp4", 2)])
 def test_default_step_equals_xla(fmt, batch):
     assert_generate_equal(fmt, 3, _rows(batch), 5)
 

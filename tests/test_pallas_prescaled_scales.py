@@ -69,7 +69,9 @@ def test_multi_gemv(m, kw):
   _same(multi_gemv(x, [_pre(w) for w in ws], **args), multi_gemv(x, ws, **args), "multi_gemv")
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
+# M = 1: the blocks plan; M = 3: the prerouted rows-tile plan, which M = 8 runs with other tile
+# sizes (the same scale decode): M = 8 compiled on the GPU only.
+@pytest.mark.parametrize("m", [1, 3] + ([] if INTERPRET else [8]))
 def test_moe_decode_routed(m):
   gen = rng("moe", m)
   e, d, inter, inter_s, top_k = 16, 128, 64, 128, 4
@@ -127,10 +129,11 @@ def test_prescaled_state_decodes_the_same(kernels):
 
 def test_load_holds_prescaled_scales_for_the_gpu_pallas_path(monkeypatch):
   """`flint_jax.load` (its `make_handle`) converts an NVFP4 model's block scales for the Pallas
-  path on a GPU only; greedy tokens stay those of the e4m3 state."""
+  path on a GPU only, into exactly `nvfp4.prescale_state`'s state (which decodes the same logits:
+  test_prescaled_state_decodes_the_same)."""
   from flax import nnx   # pylint: disable=g-import-not-at-top
   import flint_jax   # pylint: disable=g-import-not-at-top
-  from flint_jax import loading   # pylint: disable=g-import-not-at-top
+  from flint_jax import loading, nvfp4   # pylint: disable=g-import-not-at-top
   from flint_jax.model import FlintForCausalLM   # pylint: disable=g-import-not-at-top
   cfg = flint_jax.preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,))
   graphdef, state = nnx.split(FlintForCausalLM(cfg, quant=True, rngs=nnx.Rngs(5)))
@@ -148,10 +151,13 @@ def test_load_holds_prescaled_scales_for_the_gpu_pallas_path(monkeypatch):
   assert has_e4m3(handle("pallas", "cpu")) and has_e4m3(handle("xla", "gpu"))
   pre, ref = handle("pallas", "gpu"), handle("pallas", "cpu")
   assert not has_e4m3(pre)
-  prompt = [[3, 14, 15, 92, 65]]
-  out_pre = flint_jax.generate(pre, prompt, max_new_tokens=4, temperature=0.0)
-  out_ref = flint_jax.generate(ref, prompt, max_new_tokens=4, temperature=0.0)
-  np.testing.assert_array_equal(np.asarray(out_pre), np.asarray(out_ref))
+  # Bit for bit (a generate() on both handles would compile two Pallas steps to show the same).
+  want = nvfp4.prescale_state(ref.state)
+  assert jax.tree.structure(pre.state) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(pre.state), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8),
+                                  np.atleast_1d(np.asarray(b)).view(np.uint8))
 
 
 def test_f16_block_step_with_large_prescaled_scales_under_jit():

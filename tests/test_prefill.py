@@ -88,19 +88,21 @@ def test_prefill_equals_xla_path(fp32_models, name):
 @pytest.mark.usefixtures("ieee_fp32")
 @pytest.mark.parametrize("name", CONFIGS)
 def test_prefill_logits_equal_goldens_and_greedy_continues(fp32_models, name):
+  # One prefill of the golden rows and the greedy prompt, in test_prefill_equals_xla_path's
+  # shapes (3 rows, chunks of 32, a 128-slot cache: its compiled chunk step is reused).
   m = fp32_models[name]
   g = golden(name)
   ids = np.asarray(g["input_ids"])
-  logits, _ = prefill.prefill(m, [list(r) for r in ids], 64, 16)
-  assert rel_max_err(logits, g["logits"][:, -1]) <= 1e-4
-  # Greedy continuation: the Pallas prefill's cache, then the XLA decode step.
   prompt = [int(t) for t in g["greedy_prompt"]]
-  logits, cache = prefill.prefill(m, [prompt], 128, 16)
+  logits, cache = prefill.prefill(m, [list(r) for r in ids] + [prompt], 128, 32)
+  assert rel_max_err(logits[:2], g["logits"][:, -1]) <= 1e-4
+  # Greedy continuation of the prompt (row 2): the Pallas prefill's cache, then the XLA decode
+  # step.
   step = m.decode_logits_fn()
   toks = []
   tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   for _ in range(len(g["greedy_tokens"])):
-    toks.append(int(tok[0]))
+    toks.append(int(tok[2]))
     logits, cache = step(m.leaves, cache, tok)
     tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   np.testing.assert_array_equal(np.array(toks), g["greedy_tokens"])
@@ -118,37 +120,52 @@ def test_prefill_nvfp4_model_equals_xla_path(experts):
   # NVFP4 experts decoded in the grouped GEMMs' K loop, or dequantized first (large chunks).
   m = _random_model(True, jnp.float32)
   rows = _rows({"input_ids": np.zeros((1, 0), np.int64)}, m.config.vocab_size, [70, 23])
-  _compare(m, rows, 128, 32, 1e-4, prefill.PrefillOptions(nvfp4_experts=experts))
+  options = prefill.PrefillOptions(nvfp4_experts=experts)
+  a, _ = _compare(m, rows, 128, 32, 1e-4, options)
+  if experts == "fused":
+    # The block scales pre-scaled into bf16 (nvfp4.prescale_state, how a GPU holds them): the
+    # same logits (this run's first prefill is the compiled step above).
+    from flint_jax.nvfp4 import prescale_state
+    m.state = prescale_state(m.state)
+    b, _ = prefill.prefill(m, rows, 128, 32, options=options)
+    assert rel_max_err(b, a) <= 1e-6
 
 
 @pytest.mark.usefixtures("ieee_fp32")
-def test_prefill_router_bf16x6_equals_xla_path(fp32_models):
-  # The router logits with the BF16_BF16_F32_X6 algorithm: for bf16 activations its products
-  # are exact; for this fp32 model it drops only the products of the operands' smallest bf16
-  # parts (~2^-24 relative): the same routing and logits as the XLA path's HIGHEST dot.
+def test_prefill_router_highest_equals_xla_path(fp32_models):
+  # The default router dot is BF16_BF16_F32_X6 (for bf16 activations its products are exact; for
+  # these fp32 models it drops only the products of the operands' smallest bf16 parts, ~2^-24
+  # relative); "highest" is the XLA path's own dot: both give its routing and logits.
   m = fp32_models["tiny_a"]
   rows = _rows(golden("tiny_a"), m.config.vocab_size, [60, 31])
-  _compare(m, rows, 128, 32, 1e-4, prefill.PrefillOptions(router="bf16x6"))
+  _compare(m, rows, 128, 32, 1e-4, prefill.PrefillOptions(router="highest"))
   with pytest.raises(ValueError, match="router must be one of"):
     prefill.PrefillOptions(router="tf32")
 
+
 @pytest.mark.usefixtures("ieee_fp32")
-def test_prefill_nvfp4_prescaled_scales_equal():
-  from flint_jax.nvfp4 import prescale_state
-  m = _random_model(True, jnp.float32)
-  rows = _rows({"input_ids": np.zeros((1, 0), np.int64)}, m.config.vocab_size, [40])
-  a, _ = prefill.prefill(m, rows, 64, 32)
-  m.state = prescale_state(m.state)
-  b, _ = prefill.prefill(m, rows, 64, 32)
-  assert rel_max_err(b, a) <= 1e-6
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN attention takes bf16 only")
+def test_prefill_cudnn_split_equals_xla_path(fp32_models):
+  # The full layers' attention split into the chunk's own keys and the cache prefix, merged by
+  # log-sum-exp with the sinks (cudnn_attention, plain-JAX stand-in): fp32, the XLA path's
+  # logits and cache; ragged rows over three chunks.
+  m = fp32_models["tiny_a"]
+  rows = _rows(golden("tiny_a"), m.config.vocab_size, [75, 40, 9])
+  _compare(m, rows, 128, 32, 1e-4, prefill.PrefillOptions(attention="cudnn"))
+  with pytest.raises(ValueError, match="attention must be one of"):
+    prefill.PrefillOptions(attention="flash")
 
 
-def test_prefill_bf16_model_close_to_xla_path():
+@pytest.mark.parametrize("attention", ["pallas", "cudnn"])
+def test_prefill_bf16_model_close_to_xla_path(attention):
   # bf16: the same roundings up to summation order and one P rounding point in attention.
+  # attention="cudnn" runs cuDNN on a GPU (its plain-JAX stand-in on the CPU); rows of 90 and
+  # 33 tokens in chunks of 64: the second chunk of row 0 reads its prefix from the cache.
   m = _random_model(False, jnp.bfloat16, sliding_window=17)
   rows = _rows({"input_ids": np.zeros((1, 0), np.int64)}, m.config.vocab_size, [90, 33])
   want, wc = decode.prefill(m, rows, 128, 64)
-  got, gc = prefill.prefill(m, rows, 128, 64)
+  got, gc = prefill.prefill(m, rows, 128, 64,
+                            options=prefill.PrefillOptions(attention=attention))
   per_row = (np.linalg.norm(np.asarray(got) - np.asarray(want), axis=-1)
              / np.linalg.norm(np.asarray(want), axis=-1))
   print("bf16 per-row rel err", per_row)
@@ -180,7 +197,9 @@ def test_chunk_lowers_for_h200_at_flint_sizes(quant):
   if quant:   # the GPU holds the block scales pre-scaled in bf16 (nvfp4.prescale_state)
     state = jax.tree.map(lambda a: S(a.shape, jnp.bfloat16) if a.dtype == jnp.float8_e4m3fn
                          else a, state)
-  opts = prefill.PrefillOptions(interpret=False)
+  # The Pallas full-layer attention: lowering cuDNN's (the GPU default) needs the cuDNN library,
+  # so that path is checked compiled on the GPU only (test_cudnn_attention, the bf16 model test).
+  opts = prefill.PrefillOptions(interpret=False, attention="pallas")
 
   def run(state, tokens, cache, n):
     return prefill.chunk_forward(nnx.merge(graphdef, state), tokens, cache, n, options=opts)

@@ -21,7 +21,8 @@
 #   demo_train    tools/train_demo.py on the GPU (its defaults: 64 x 512 tokens/step) for
 #                 TRAIN_MINUTES (default 8), resuming from .train_demo-gpu (git-ignored: it stays on
 #                 a warm machine between calls), then exports to $OUT: the two weight shards, the
-#                 other files in demo_model_files.tar, the loss curve and the log
+#                 other files in demo_model_files.tar, the loss curve and the log; TRAIN_ARGS
+#                 adds train_demo.py arguments (e.g. "--steps 5000 --save-every 1000")
 #   all           everything above but `sharded` and the demo stages, in order (needs more than
 #                 one 10-minute call)
 #
@@ -117,7 +118,8 @@ for stage in "${stages[@]}"; do
                    | grep -v "DeprecationWarning\|warnings.warn" | tee "$OUT/demo_parity.log" ;;
     demo_train)
       python3 tools/train_demo.py --work .train_demo-gpu --minutes "${TRAIN_MINUTES:-8}" \
-        --out "$OUT/demo_model" --plot "$OUT/demo_model_loss.png" 2>&1 | tee "$OUT/demo_train.log"
+        --out "$OUT/demo_model" --plot "$OUT/demo_model_loss.png" ${TRAIN_ARGS:-} 2>&1 \
+        | tee "$OUT/demo_train.log"
       # $OUT returns at most 8 files: the shards as they are, everything else in one tar.
       (cd "$OUT/demo_model" && tar cf ../demo_model_files.tar $(ls | grep -v '\.safetensors$') \
         && mv ./*.safetensors .. && cd .. && rm -r demo_model) ;;

@@ -24,7 +24,8 @@ case whose estimated time would end past ``--budget`` seconds is skipped and lis
    file is copied next to ``--out``; ``--hlo`` also writes the chunk step's optimized HLO (one
    more compile) and its memory analysis.
 4. ``model``: ``--cases`` (default ``bf16:1x8K bf16:8x2K bf16:1x32K bf16:1x100K nvfp4:1x8K
-   nvfp4:1x32K``; ``bf16:1x262K`` on request) through ``flint_jax.prefill.prefill`` with its
+   nvfp4:1x32K``; ``bf16:1x262K`` on request; ``fmt:case@key=value,...`` sets string-valued
+   ``PrefillOptions`` fields for one case, e.g. ``bf16:1x32K@attention=cudnn,router=bf16x6``) through ``flint_jax.prefill.prefill`` with its
    chunk policy (16K tokens per chunk) on full-size random weights built on the device
    (``flint_jax.bench.build_state``; NVFP4 block scales pre-scaled as ``flint_jax.load``
    does on a GPU): the first call (compile + run) and the median of ``--reps`` runs (1 for the
@@ -39,6 +40,7 @@ three prefill test files compiled (pytest -n 4) before anything else touches the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import glob
 import gzip
@@ -452,6 +454,18 @@ def print_profile(r):
       print(f"| {n[:90]} | {c} | {ms:.2f} | {sh:.1f}% |")
 
 
+def case_options(extra: str) -> dict:
+  """"attention=cudnn,router=bf16x6" (a case's text after @) -> PrefillOptions fields."""
+  return dict(kv.split("=", 1) for kv in extra.split(",") if kv)
+
+
+def changed_options(options) -> str:
+  """The PrefillOptions fields that differ from the defaults, as "key=value,..." ("" if none)."""
+  default = prefill.PrefillOptions()
+  return ",".join(f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options)
+                  if getattr(options, f.name) != getattr(default, f.name))
+
+
 def run_case(model, cfg, fmt, name, small, reps, options, budget):
   rows = case_rows(cfg, name, small)
   lengths = [len(r) for r in rows]
@@ -472,7 +486,7 @@ def run_case(model, cfg, fmt, name, small, reps, options, budget):
   fl = prefill_flops(cfg, lengths)
   med = statistics.median(per)
   cache_b = kv_cache_bytes(cfg, len(rows), cl)["total"]
-  r = {"fmt": fmt, "case": name, "path": "pallas", "chunk": [len(rows), chunk],
+  r = {"fmt": fmt, "case": name, "path": "pallas", "options": changed_options(options), "chunk": [len(rows), chunk],
        "cache_length": cl, "ms": med, "runs_ms": per, "first_s": first,
        "floor_ms": fl["floor_ms"], "pct_of_floor": 100 * fl["floor_ms"] / med,
        "tokens_per_s": sum(lengths) / med * 1e3,
@@ -503,7 +517,8 @@ def stage_model(cfg, small, fmt, cases, stages, a):
   t0 = time.perf_counter()
   model = build_model(cfg, quant)
   log(f"{fmt} model built in {time.perf_counter() - t0:.1f}s; memory {memory()}")
-  options = prefill.PrefillOptions(nvfp4_experts=a.nvfp4_experts, router=a.router)
+  options = prefill.PrefillOptions(nvfp4_experts=a.nvfp4_experts, router=a.router,
+                                   attention=a.attention)
   if want_profile:
     try:
       stage_profile(model, cfg, fmt, small, options, a.hlo)
@@ -513,8 +528,10 @@ def stage_model(cfg, small, fmt, cases, stages, a):
       log(f"profile {fmt} failed:\n{traceback.format_exc()[-3000:]}")
   done = {}
   for name in cases:
-    out = run_case(model, cfg, fmt, name, small, a.reps, options, a.budget)
-    if out:
+    base, _, extra = name.partition("@")
+    opts = dataclasses.replace(options, **case_options(extra))
+    out = run_case(model, cfg, fmt, base, small, a.reps, opts, a.budget)
+    if out and not extra:
       done[name] = out
   if a.xla and "1x8K" in done and fits(f"{fmt} xla 1x8K", 75, a.budget):
     rows, cl, logits_p = done["1x8K"]
@@ -556,7 +573,7 @@ def print_table():
   for r in RESULTS["model"]:
     if "ms" in r:
       peak = (r.get("memory") or {}).get("peak_after")
-      print(f"| {r['fmt']} | {r['case']} | {r['path']} | {r.get('chunk', '')} | {r['ms']:.1f} | "
+      print(f"| {r['fmt']} | {r['case']} | {r['path']}{' ' + r['options'] if r.get('options') else ''} | {r.get('chunk', '')} | {r['ms']:.1f} | "
             f"{r['first_s']:.1f} | {r['floor_ms']:.1f} | {r['pct_of_floor']:.1f}% | "
             f"{r.get('tokens_per_s', 0):.0f} | {peak / 2**30 if peak else 0:.1f} |")
   gib = lambda v: f"{v / 2**30:.1f} GiB" if v is not None else "?"   # noqa: E731
@@ -599,8 +616,10 @@ def main(argv=None):
                  help=f"fmt:case, fmt in bf16/nvfp4, case in {sorted(CASES)}")
   p.add_argument("--nvfp4-experts", default="auto", choices=gm.NVFP4_MODES,
                  help="NVFP4 experts in the model cases: decoded in the kernels or dequantized")
-  p.add_argument("--router", default="highest", choices=sorted(prefill.ROUTER_PRECISIONS),
+  p.add_argument("--router", default=prefill.PrefillOptions.router, choices=sorted(prefill.ROUTER_PRECISIONS),
                  help="the router logits' dot in the model cases (PrefillOptions.router)")
+  p.add_argument("--attention", default=prefill.PrefillOptions.attention, choices=prefill.ATTENTION,
+                 help="full layers' attention in the model cases (a case's @attention=... overrides)")
   p.add_argument("--sweep", action="store_true", help="kernel variants around the defaults")
   p.add_argument("--xla", action="store_true", help="the XLA path at 1x8K and a logits check")
   p.add_argument("--hlo", action="store_true", help="dump the 1x8K chunk step's optimized HLO")
@@ -620,8 +639,14 @@ def main(argv=None):
   cases: dict = {}
   for c in a.cases:
     fmt, _, name = c.partition(":")
-    if fmt not in ("bf16", "nvfp4") or name not in CASES:
-      p.error(f"bad case {c!r}: fmt:case with fmt bf16/nvfp4 and case one of {sorted(CASES)}")
+    base, _, extra = name.partition("@")
+    if fmt not in ("bf16", "nvfp4") or base not in CASES:
+      p.error(f"bad case {c!r}: fmt:case[@key=value,...] with fmt bf16/nvfp4, case one of "
+              f"{sorted(CASES)}")
+    try:
+      dataclasses.replace(prefill.PrefillOptions(), **case_options(extra))
+    except (TypeError, ValueError) as e:
+      p.error(f"bad case {c!r}: the options after @ must be PrefillOptions fields ({e})")
     cases.setdefault(fmt, []).append(name)
   RESULTS["env"] = {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
                     "config": a.config, "interpret": INTERPRET, "argv": sys.argv[1:]}

@@ -91,7 +91,7 @@ class GroupedRows(NamedTuple):
     return self.row_token.shape[0] // self.tile_expert.shape[0]
 
 
-#: Tuning defaults, measured on the H200 (run "prefill-1", docs/prefill.md): the routed experts of
+#: Tuning defaults, measured on the H200 (run "prefill-1", docs/gpu_runs/prefill1): the routed experts of
 #: one Flint layer at an 8K-token chunk ran 1.27 ms with (block_m 64, blocks (128, 64), 8 warps,
 #: 3 stages), 1.13 ms with block_m 128 and 1.12 ms with block_m 128 and 4 stages (BF16); NVFP4
 #: 3.91 ms with block_k 128 / block_m 64 against 2.38 ms with block_k 64, block_m 128, 4 stages.

@@ -62,7 +62,7 @@ F32 = jnp.float32
 
 
 #: Tuning defaults (block_q, block_k, num_warps, num_stages), measured on the H200 at an 8K-token
-#: chunk of Flint (run "prefill-1", docs/prefill.md): full layers 2.33 ms with 32 queries (x 8
+#: chunk of Flint (run "prefill-1", docs/gpu_runs/prefill1): full layers 2.33 ms with 32 queries (x 8
 #: heads = 256 rows), 64 keys, 8 warps, 3 stages against 2.46-2.66 ms for (16, 128), (8, 64) and
 #: (16, 64, 2 stages); sliding layers 0.47 ms with (16, 64, 8 warps, 2 stages), the others
 #: 0.47-0.50 ms. block_q is given here as tile rows (block_q x the padded group size).

@@ -34,6 +34,7 @@ phase, and a timeout is recorded there (``error``) instead of hanging the device
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -161,6 +162,8 @@ def stage_breakdown(PL, a, h, wargs, cfg, programs, interpret):  # noqa: N803
 
 
 def child(args):
+  # a hang prints every thread's Python stack (compile or kernel?) before the parent's timeout
+  faulthandler.dump_traceback_later(max(args.timeout - 10, 5), exit=False)
   import jax
   import jax.numpy as jnp
   from flint_jax.cache import COUNTER_ENTRIES
@@ -203,7 +206,11 @@ def child(args):
   checks = {}
   if "chain" in args.variants:   # the chain on the same layer: the same contract
     one = build_variants(cfg, [w], 1, programs, interpret)["chain"]
-    cs, cq, _ = jax.block_until_ready(one(a, h, jnp.zeros((COUNTER_ENTRIES,), jnp.int32)))
+    c0 = jnp.zeros((COUNTER_ENTRIES,), jnp.int32)
+    _log(f"[{time.perf_counter() - t0:.0f}s] chain: compiling one layer")
+    one = one.lower(a, h, c0).compile()
+    _log(f"[{time.perf_counter() - t0:.0f}s] chain: compiled; one call")
+    cs, cq, _ = jax.block_until_ready(one(a, h, c0))
     checks["chain"] = dict(rel_l2_s=rel(cs, ref[0]), rel_l2_qkv=rel(cq, ref[1]))
     _log(f"[{time.perf_counter() - t0:.0f}s] chain: {checks['chain']}")
   for name, tuning in PERSISTENT.items():

@@ -90,8 +90,12 @@ def bytes_touched(cfg):
   return 4 * e * d + 2 * (k * 3 * i * d + 3 * i_s * d + sum(cfg["n"]) * d)
 
 
-def build_variants(cfg, weights, layers, programs, interpret):
-  """{name: jitted f(a, h, counters) -> (h, qkv, counters)} over ``layers`` layers."""
+def build_variants(cfg, layers, programs, interpret):
+  """{name: jitted f(ws, a, h, counters) -> (h, qkv, counters)} over ``layers`` layers.
+
+  The weights ``ws`` (a list of copies, layer l uses copy l % len(ws)) are arguments, never
+  closed over: as constants, 4 copies (6.6 GB) keep XLA hashing and compiling for minutes.
+  """
   import jax
   import jax.numpy as jnp
   from flint_jax import fast_decode
@@ -109,10 +113,10 @@ def build_variants(cfg, weights, layers, programs, interpret):
   kw = dict(interpret=interpret, early_trigger=plan.early_trigger)
   k = cfg["k"]
 
-  def chain(a, h, cnt):
+  def chain(ws, a, h, cnt):
     qkv = None
     for l in range(layers):
-      w = weights[l % len(weights)]
+      w = ws[l % len(ws)]
       s1, x, logits = add_rms_norm_router(h, a, w["w_post"], w["router"], **kw)
       extra = dict(gate_up_counter=cnt) if moe_plan.gate_up_split_k > 1 else {}
       y, route, *c = moe_decode_routed(x, logits, w["experts"], w["shared"], top_k=k,
@@ -122,10 +126,10 @@ def build_variants(cfg, weights, layers, programs, interpret):
     return h, jnp.concatenate(qkv, axis=-1), cnt
 
   def persistent(tuning):
-    def f(a, h, cnt):
+    def f(ws, a, h, cnt):
       qkv = None
       for l in range(layers):
-        w = weights[l % len(weights)]
+        w = ws[l % len(ws)]
         h, qkv, _, _, cnt = persistent_moe_layer(
             a, h, w["w_post"], w["router"], w["experts"], w["shared"], w["w_in"], w["wqkv"],
             cnt, top_k=k, programs=programs, interpret=interpret, **tuning)
@@ -198,19 +202,20 @@ def child(args):
   # ---- correctness: one layer, copy 0
   w = weights[0]
   wargs = (w["w_post"], w["router"], w["experts"], w["shared"], w["w_in"], w["wqkv"])
-  ref = jax.jit(lambda a, h: PL.persistent_moe_layer_reference(a, h, *wargs, top_k=cfg["k"]))(a, h)
+  ref = jax.jit(lambda a, h, wargs: PL.persistent_moe_layer_reference(
+      a, h, *wargs, top_k=cfg["k"]))(a, h, wargs)
   def rel(o, r):
     o, r = o.astype(jnp.float32).ravel(), r.astype(jnp.float32).ravel()
     return float(jnp.linalg.norm(o - r) / jnp.linalg.norm(r))
   zero16 = jnp.zeros((PL.N_COUNTERS,), jnp.int32)
   checks = {}
   if "chain" in args.variants:   # the chain on the same layer: the same contract
-    one = build_variants(cfg, [w], 1, programs, interpret)["chain"]
+    one = build_variants(cfg, 1, programs, interpret)["chain"]
     c0 = jnp.zeros((COUNTER_ENTRIES,), jnp.int32)
     _log(f"[{time.perf_counter() - t0:.0f}s] chain: compiling one layer")
-    one = one.lower(a, h, c0).compile()
+    one = one.lower([w], a, h, c0).compile()
     _log(f"[{time.perf_counter() - t0:.0f}s] chain: compiled; one call")
-    cs, cq, _ = jax.block_until_ready(one(a, h, c0))
+    cs, cq, _ = jax.block_until_ready(one([w], a, h, c0))
     checks["chain"] = dict(rel_l2_s=rel(cs, ref[0]), rel_l2_qkv=rel(cq, ref[1]))
     _log(f"[{time.perf_counter() - t0:.0f}s] chain: {checks['chain']}")
   for name, tuning in PERSISTENT.items():
@@ -249,7 +254,7 @@ def child(args):
 
   # ---- timing
   cnt_len = {"chain": COUNTER_ENTRIES}
-  fns = build_variants(cfg, weights, args.layers, programs, interpret)
+  fns = build_variants(cfg, args.layers, programs, interpret)
   fns = {n: f for n, f in fns.items() if n in args.variants}
   state = {}
   final_h = {}
@@ -260,8 +265,8 @@ def child(args):
     t = time.perf_counter()
     c = jnp.zeros((cnt_len.get(name, PL.N_COUNTERS),), jnp.int32)
     try:
-      compiled = f.lower(a, h, c).compile()
-      out = jax.block_until_ready(compiled(a, h, c))      # warm-up
+      compiled = f.lower(weights, a, h, c).compile()
+      out = jax.block_until_ready(compiled(weights, a, h, c))      # warm-up
     except Exception as e:  # pylint: disable=broad-except
       res.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:2000]}"
       _log(f"    {name} FAILED: {res['errors'][name][:500]}")
@@ -280,7 +285,7 @@ def child(args):
       hh = h
       ws = time.perf_counter()
       for _ in range(args.calls):
-        hh, _, cnt = compiled(a, hh, cnt)
+        hh, _, cnt = compiled(weights, a, hh, cnt)
       jax.block_until_ready((hh, cnt))
       per_layer[name].append((time.perf_counter() - ws) / (args.calls * args.layers))
       state[name] = (compiled, cnt)

@@ -251,7 +251,14 @@ def cmd_chat(a) -> int:
     return 0
 
 
-DEMO_CODE_PROMPT = "import os\n\n\ndef list_python_files(root):\n"
+# The prompt ends after the docstring's closing quotes, not after a newline: the tokenizer merges
+# a newline with the next line's indentation, so a prompt ending in "\n" starts the body at a
+# boundary the model never saw (it then writes unindented code).
+DEMO_CODE_PROMPT = ('import os\n\n\ndef list_python_files(root):\n'
+                    '    """Return the paths of the .py files under root."""')
+# A 12M-parameter model loops under greedy decoding (`name, name, name, ...`); a mild repetition
+# penalty on the completion (not on the chat turns, whose tool calls copy values) keeps it code.
+DEMO_CODE_REPETITION_PENALTY = 1.1
 DEMO_CHAT = "What is 17 + 25?"
 DEMO_TOOL_REQUEST = "What's the weather in Oslo?"
 
@@ -270,12 +277,14 @@ def cmd_demo(a) -> int:
     greedy = dict(temperature=a.temperature, seed=a.seed)
     print(f"\n[complete] {DEMO_CODE_PROMPT!r} ->")
     events = flint_jax.generate(model, DEMO_CODE_PROMPT, max_new_tokens=a.max_new_tokens,
-                                stream=True, **greedy)
-    sys.stdout.write(DEMO_CODE_PROMPT)
+                                stream=True, repetition_penalty=DEMO_CODE_REPETITION_PENALTY,
+                                **greedy)
+    prompt = DEMO_CODE_PROMPT   # written with the first token: below the compile notice
     for ev in events:
-        sys.stdout.write(ev.text)
+        sys.stdout.write(prompt + ev.text)
         sys.stdout.flush()
-    sys.stdout.write("\n")
+        prompt = ""
+    sys.stdout.write(prompt + "\n")
     _print_stats(a, events.stats)
     show = ("reasoning_content", "content", "tool_calls", "finish_reason")
     print(f"\n[chat] user: {DEMO_CHAT}")

@@ -240,8 +240,8 @@ def test_cli_bench_prefill_smoke(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, "-m", "flint_jax.cli", "bench", "--prefill", "--config",
-                          "smoke", "--cases", "2x40", "--out", str(out)], cwd=repo, env=env, capture_output=True,
-                         text=True, timeout=600)
+                          "smoke", "--cases", "2x40", "--out", str(out)], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "| format | case | path |" in res.stdout
     rows = {(r["format"], r["case"], r["path"]): r for r in json.loads(out.read_text())["cases"]}

@@ -84,6 +84,6 @@ def test_tool_calls_parse_and_match(bf16):
     rates = demo_quality.tool_call_rates(bf16, demo_quality.tool_call_prompts(4), max_new_tokens=64)
     assert rates["parsed"] >= 0.75, rates
     assert rates["right_tool"] >= 0.75, rates
-    # It copies values from the question into the call (94% of the arguments on the table's 48
+    # It copies values from the question into the call (96% of the arguments on the table's 48
     # prompts; a checkpoint that cannot copy gets ~23%, docs/demo_model.md).
     assert rates["arguments"] >= 0.5, rates

@@ -14,8 +14,14 @@ same run, and the rel-L2 error of the Pallas path's last-token logits against it
 reported. Prompts are random token ids from a fixed seed. NVFP4 block scales are pre-scaled to
 bf16 (``nvfp4.prescale_state``), as ``flint_jax.load`` holds them on a GPU.
 
+Where the reference runs, it also runs once with 512-token chunks: the rel-L2 between its own two
+chunkings is the spread of the reference's bf16 arithmetic, the yardstick for the Pallas path's
+error. And ``flint_jax.generate(..., max_new_tokens=1, return_details=True)`` runs the case
+twice through the public API: the second call's time to first token (``ttft_s``) is the
+prefill as a user meets it (tokenizer-free: the prompts are token ids).
+
 Run: `flint-jax bench --prefill [--cases 1x8K 8x2K ...] [--dtype bf16 nvfp4] [--reps 3]
-[--reference-max-tokens 8192] [--out F]` (GPU), or `flint-jax bench --prefill --config smoke` on
+[--reference-max-tokens 8192] [--option KEY=VALUE ...] [--out F]` (GPU), or `flint-jax bench --prefill --config smoke` on
 a CPU (the Pallas kernels in interpret mode: a 2-layer tiny model, cases 1x64 and 2x40, both
 formats and both paths). Results: a markdown table on stdout and JSON with --out.
 benchmarks/gpu_suite.py (``--prefill-cases``) and tools/gpu_prefill.py build on the same
@@ -49,6 +55,7 @@ SMOKE_CASES = ["1x64", "2x40"]
 #: full attention, so every prefill kernel (ring and full attention, grouped-GEMM experts) runs.
 SMOKE_CONFIG = dict(num_hidden_layers=2, layer_types=(SLIDING, FULL), mlp_only_layers=(0,))
 REFERENCE_CHUNK = 256   # tokens per row per chunk of the reference XLA path
+SPREAD_CHUNK = 512      # the reference's second chunking (its own arithmetic spread)
 #: The XLA path takes ~8 s per 8K tokens on the H200 (~34 s at 32K): timed up to this many.
 DEFAULT_REFERENCE_MAX_TOKENS = 8192
 
@@ -90,6 +97,32 @@ def prefill_flops(cfg: FlintConfig, lengths) -> dict:
     slide = sum(w * (w + 1) // 2 + (n - w) * w if n > w else n * (n + 1) // 2 for n in lengths)
     attn = 4 * h * hd * (len(cfg.full_layers) * full + len(cfg.sliding_layers) * slide)
     return {"matmul": mm, "attention": attn, "floor_ms": (mm + attn) / PEAK_FLOPS * 1e3}
+
+
+def parse_options(items) -> prefill.PrefillOptions:
+    """``--option KEY=VALUE`` strings -> ``prefill.PrefillOptions`` (its fields; a tuple field
+    as numbers joined by "x", e.g. ``gate_up_blocks=128x64``; ``none`` for None). Unknown keys
+    and items without "=" are refused."""
+    fields = {f.name for f in dataclasses.fields(prefill.PrefillOptions)}
+    kw = {}
+    for item in items or ():
+        key, sep, v = item.partition("=")
+        if not sep:
+            raise ValueError(f"bad --option {item!r}: want KEY=VALUE")
+        if key not in fields:
+            raise ValueError(f"--option {key}: PrefillOptions has no field {key!r} "
+                             f"(fields: {', '.join(sorted(fields))})")
+        if v.lower() == "none":
+            kw[key] = None
+        elif re.fullmatch(r"\d+(x\d+)+", v):
+            kw[key] = tuple(int(x) for x in v.split("x"))
+        elif v.isdigit():
+            kw[key] = int(v)
+        elif v.lower() in ("true", "false"):
+            kw[key] = v.lower() == "true"
+        else:
+            kw[key] = v
+    return prefill.PrefillOptions(**kw)
 
 
 def bench_config(name: str, layers: int | None = None) -> FlintConfig:
@@ -159,12 +192,26 @@ def peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def _pallas(model, rows, cache_len):
-    return prefill.prefill(model, rows, cache_len)
+def _pallas(options: prefill.PrefillOptions):
+    return lambda model, rows, cache_len: prefill.prefill(model, rows, cache_len, options=options)
 
 
 def _reference(model, rows, cache_len):
     return decode.prefill(model, rows, cache_len, REFERENCE_CHUNK)
+
+
+def time_to_first_token(model, rows) -> dict:
+    """``flint_jax.generate(rows, max_new_tokens=1, return_details=True)`` twice (the first
+    compiles): the second call's stats, {"ttft_s", "prompt_tokens_per_s"}."""
+    from flint_jax import generate   # pylint: disable=g-import-not-at-top
+    try:
+        for _ in range(2):
+            out = generate(model, rows, max_new_tokens=1, temperature=0, return_details=True)
+    except Exception as e:  # noqa: BLE001 (a benchmark reports, then goes on)
+        print(f"FAILED (generate): {type(e).__name__}: {str(e)[:500]}", flush=True)
+        return {"ttft_error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    stats = (out[0] if isinstance(out, list) else out).stats
+    return {"ttft_s": stats.ttft_s, "ttft_prompt_tokens_per_s": stats.prompt_tokens_per_s}
 
 
 def time_path(fn, model, rows, cache_len: int, reps: int, floor_ms: float) -> tuple[dict, object]:
@@ -181,9 +228,13 @@ def time_path(fn, model, rows, cache_len: int, reps: int, floor_ms: float) -> tu
             "finite": bool(np.isfinite(np.asarray(logits)).all())}, logits
 
 
-def run_case(model, name: str, reps: int, reference_max_tokens: int) -> list[dict]:
-    """One case on the Pallas path and, when it has at most ``reference_max_tokens`` tokens, on
-    the reference XLA path (``reference_model``). Returns one row per path run."""
+def run_case(model, name: str, reps: int, reference_max_tokens: int,
+             options: prefill.PrefillOptions = prefill.PrefillOptions(),
+             ttft: bool = True) -> list[dict]:
+    """One case on the Pallas path (with ``options``) and, when it has at most
+    ``reference_max_tokens`` tokens, on the reference XLA path (``reference_model``) and its
+    second chunking (``SPREAD_CHUNK``); ``ttft``: the time to first token through ``generate``
+    (default options only: ``generate`` takes the defaults). Returns one row per path run."""
     cfg = model.config
     lengths = parse_case(name)
     rows = random_rows(cfg, lengths)
@@ -193,8 +244,13 @@ def run_case(model, name: str, reps: int, reference_max_tokens: int) -> list[dic
             "tokens": sum(lengths), "cache_length": cl, "floor_ms": fl["floor_ms"],
             "tflop": (fl["matmul"] + fl["attention"]) / 1e12}
     chunk = prefill.chunk_length(len(rows), max(lengths))
-    r, logits = time_path(_pallas, model, rows, cl, reps, fl["floor_ms"])
+    r, logits = time_path(_pallas(options), model, rows, cl, reps, fl["floor_ms"])
     out = [{**base, "path": "pallas", "chunk": chunk, **r}]
+    if options != prefill.PrefillOptions():
+        out[0]["options"] = {k: v for k, v in dataclasses.asdict(options).items()
+                             if v != getattr(prefill.PrefillOptions(), k)}
+    elif ttft and logits is not None:
+        out[0].update(time_to_first_token(model, rows))
     if sum(lengths) > reference_max_tokens:
         out[0]["reference"] = f"skipped: {sum(lengths)} tokens > --reference-max-tokens"
         return out
@@ -205,35 +261,41 @@ def run_case(model, name: str, reps: int, reference_max_tokens: int) -> list[dic
         a, b = np.asarray(ref_logits, np.float32), np.asarray(logits, np.float32)
         out[0]["rel_l2_vs_xla"] = rel_l2(a, b)
         out[0]["argmax_equal"] = float(np.mean(a.argmax(-1) == b.argmax(-1)))
+        spread, _ = decode.prefill(reference_model(model), rows, cl, SPREAD_CHUNK)
+        out[1]["rel_l2_vs_chunk512"] = rel_l2(a, np.asarray(spread, np.float32))
     return out
 
 
 def table(rows) -> str:
     """The results as a markdown table (one line per format x case x path)."""
     lines = ["| format | case | path | chunk | first call s | median ms | tokens/s | floor ms | "
-             "% of floor | rel-L2 vs xla | peak GiB |", "|" + "---|" * 11]
+             "% of floor | rel-L2 vs xla (xla: vs its 512-token chunks) | TTFT s | peak GiB |",
+             "|" + "---|" * 12]
     for r in rows:
         if "ms" not in r:
             lines.append(f"| {r['format']} | {r['case']} | {r['path']} | FAILED: "
                          f"{r['error'][:80]} |")
             continue
-        err = f"{r['rel_l2_vs_xla']:.2e}" if "rel_l2_vs_xla" in r else "-"
+        err = r.get("rel_l2_vs_xla", r.get("rel_l2_vs_chunk512"))
+        err = f"{err:.2e}" if err is not None else "-"
+        ttft = f"{r['ttft_s']:.3f}" if r.get("ttft_s") is not None else "-"
         peak = f"{r['peak_bytes'] / 2**30:.1f}" if r.get("peak_bytes") else "-"
         lines.append(f"| {r['format']} | {r['case']} | {r['path']} | {r['rows']}x{r['chunk']} | "
                      f"{r['first_s']:.1f} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['floor_ms']:.3g} | {r['pct_of_floor']:.3g}% | {err} | {peak} |")
+                     f"{r['floor_ms']:.3g} | {r['pct_of_floor']:.3g}% | {err} | {ttft} | {peak} |")
     return "\n".join(lines)
 
 
 def main(args) -> int:
     """`flint-jax bench --prefill`: ``args`` has config, layers, dtype, cases, reps,
-    reference_max_tokens and out (``cli.prefill_options`` fills the defaults)."""
+    reference_max_tokens, option and out (``cli.prefill_options`` fills the defaults)."""
     for name in args.cases:
-        parse_case(name)   # a bad case fails before any weights are built
+        parse_case(name)   # a bad case or option fails before any weights are built
+    options = parse_options(getattr(args, "option", None))
     cfg = bench_config(args.config, args.layers)
     results = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
                "config": args.config, "layers": cfg.num_hidden_layers, "reps": args.reps,
-               "peak_flops": PEAK_FLOPS, "cases": []}
+               "peak_flops": PEAK_FLOPS, "options": dataclasses.asdict(options), "cases": []}
     print(f"device {results['device']}; {cfg.num_hidden_layers} layers; {args.reps} timed runs "
           f"per case; reference XLA path up to {args.reference_max_tokens} tokens", flush=True)
     for fmt in args.dtype:
@@ -242,7 +304,7 @@ def main(args) -> int:
         print(f"[{fmt}] random weights built on device in {time.perf_counter() - t0:.1f} s",
               flush=True)
         for name in args.cases:
-            rows = run_case(model, name, args.reps, args.reference_max_tokens)
+            rows = run_case(model, name, args.reps, args.reference_max_tokens, options)
             results["cases"] += rows
             print("\n".join(table(rows).splitlines()[2:]), flush=True)
             if args.out:   # rewritten after every case: a run cut short keeps what it measured

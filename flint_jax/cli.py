@@ -324,7 +324,7 @@ def bench_options(a):
 
 
 # `bench --prefill`: the options only one of the two benchmarks takes (unset = None or empty).
-DECODE_ONLY = ("batch", "context", "steps", "option")
+DECODE_ONLY = ("batch", "context", "steps")
 PREFILL_ONLY = ("cases", "reps")
 
 
@@ -432,7 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(early_trigger=false, layer_end=norm, qkv_split_k=2, ...), "
                         "moe.<MoEPlan field> (moe.slot_rows=all), scales=e4m3 (NVFP4 block "
                         "scales not pre-scaled) or routing=fixed (router weights zeroed, both "
-                        "paths); see flint_jax/bench.py parse_options")
+                        "paths); see flint_jax/bench.py parse_options. With --prefill: a "
+                        "PrefillOptions field (nvfp4_experts=fused, attention=pallas, "
+                        "gate_up_blocks=128x64, ...; flint_jax/bench_prefill.py parse_options)")
     p.add_argument("--config", default="flint",
                    help="flint (full size, the default; a GPU), a smaller preset (tiny, "
                         "tiny-gqa8, small: every case of the grid, minutes on a CPU), or smoke: "

@@ -228,6 +228,27 @@ def test_cli_bench_prefill_options():
         cli.cmd_bench(parser.parse_args(["bench", "--cases", "1x8K"]))
 
 
+def test_prefill_bench_options():
+    """--option KEY=VALUE -> PrefillOptions (numbers, "x"-joined tuples, none, booleans); unknown
+    fields and items without "=" are refused in one line naming them; --option reaches the
+    prefill benchmark through the CLI."""
+    from flint_jax import cli, prefill
+    from flint_jax.bench_prefill import parse_options
+    assert parse_options([]) == prefill.PrefillOptions()
+    got = parse_options(["nvfp4_experts=fused", "gate_up_blocks=128x64", "block_m=64",
+                         "attn_full=none", "interpret=true"])
+    assert got == prefill.PrefillOptions(nvfp4_experts="fused", gate_up_blocks=(128, 64),
+                                         block_m=64, attn_full=None, interpret=True)
+    with pytest.raises(ValueError, match="PrefillOptions has no field 'warps'"):
+        parse_options(["warps=4"])
+    with pytest.raises(ValueError, match="want KEY=VALUE"):
+        parse_options(["fused"])
+    with pytest.raises(ValueError, match="router must be one of"):
+        parse_options(["router=fast"])
+    a = cli.build_parser().parse_args(["bench", "--prefill", "--option", "attention=pallas"])
+    assert a.option == ["attention=pallas"]
+
+
 def test_cli_bench_prefill_smoke(tmp_path):
     """`flint-jax bench --prefill --config smoke --cases 2x40` on the CPU: both formats x both
     paths on a batch of 2 x 40 tokens (one case: half the compiles of the smoke defaults; the
@@ -253,3 +274,6 @@ def test_cli_bench_prefill_smoke(tmp_path):
         assert r["tokens"] == 80, key
         if r["path"] == "pallas":
             assert r["rel_l2_vs_xla"] < 1e-2, key
+            assert r["ttft_s"] > 0, key   # generate(..., return_details=True) on the same rows
+        else:   # the reference against its own 512-token chunking (one chunk here: equal)
+            assert 0 <= r["rel_l2_vs_chunk512"] < 1e-2, key

@@ -16,7 +16,7 @@ bf16 (``nvfp4.prescale_state``), as ``flint_jax.load`` holds them on a GPU.
 
 Where the reference runs, it also runs once with 512-token chunks: the rel-L2 between its own two
 chunkings is the spread of the reference's bf16 arithmetic, the yardstick for the Pallas path's
-error. And ``flint_jax.generate(..., max_new_tokens=1, return_details=True)`` runs the case
+error. On the same cases ``flint_jax.generate(..., max_new_tokens=1, return_details=True)`` runs
 twice through the public API: the second call's time to first token (``ttft_s``) is the
 prefill as a user meets it (tokenizer-free: the prompts are token ids).
 
@@ -233,8 +233,8 @@ def run_case(model, name: str, reps: int, reference_max_tokens: int,
              ttft: bool = True) -> list[dict]:
     """One case on the Pallas path (with ``options``) and, when it has at most
     ``reference_max_tokens`` tokens, on the reference XLA path (``reference_model``) and its
-    second chunking (``SPREAD_CHUNK``); ``ttft``: the time to first token through ``generate``
-    (default options only: ``generate`` takes the defaults). Returns one row per path run."""
+    second chunking (``SPREAD_CHUNK``); ``ttft``: on those cases too, the time to first token
+    through ``generate`` (default options only: ``generate`` takes the defaults). Returns one row per path run."""
     cfg = model.config
     lengths = parse_case(name)
     rows = random_rows(cfg, lengths)
@@ -249,7 +249,7 @@ def run_case(model, name: str, reps: int, reference_max_tokens: int,
     if options != prefill.PrefillOptions():
         out[0]["options"] = {k: v for k, v in dataclasses.asdict(options).items()
                              if v != getattr(prefill.PrefillOptions(), k)}
-    elif ttft and logits is not None:
+    elif ttft and logits is not None and sum(lengths) <= reference_max_tokens:
         out[0].update(time_to_first_token(model, rows))
     if sum(lengths) > reference_max_tokens:
         out[0]["reference"] = f"skipped: {sum(lengths)} tokens > --reference-max-tokens"

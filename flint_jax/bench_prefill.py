@@ -21,9 +21,9 @@ twice through the public API: the second call's time to first token (``ttft_s``)
 prefill as a user meets it (tokenizer-free: the prompts are token ids).
 
 Run: `flint-jax bench --prefill [--cases 1x8K 8x2K ...] [--dtype bf16 nvfp4] [--reps 3]
-[--reference-max-tokens 8192] [--option KEY=VALUE ...] [--out F]` (GPU), or `flint-jax bench --prefill --config smoke` on
-a CPU (the Pallas kernels in interpret mode: a 2-layer tiny model, cases 1x64 and 2x40, both
-formats and both paths). Results: a markdown table on stdout and JSON with --out.
+[--reference-max-tokens 8192] [--option KEY=VALUE ...] [--out F]` (GPU), or
+`flint-jax bench --prefill --config smoke` on a CPU (the Pallas kernels in interpret mode: a
+2-layer tiny model, cases 1x64 and 2x40, both formats and both paths). Results: a markdown table on stdout and JSON with --out.
 benchmarks/gpu_suite.py (``--prefill-cases``) and tools/gpu_prefill.py build on the same
 functions.
 """
@@ -234,7 +234,8 @@ def run_case(model, name: str, reps: int, reference_max_tokens: int,
     """One case on the Pallas path (with ``options``) and, when it has at most
     ``reference_max_tokens`` tokens, on the reference XLA path (``reference_model``) and its
     second chunking (``SPREAD_CHUNK``); ``ttft``: on those cases too, the time to first token
-    through ``generate`` (default options only: ``generate`` takes the defaults). Returns one row per path run."""
+    through ``generate`` (default options only: ``generate`` takes the defaults). Returns one row
+    per path run."""
     cfg = model.config
     lengths = parse_case(name)
     rows = random_rows(cfg, lengths)

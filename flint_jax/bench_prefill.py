@@ -23,9 +23,9 @@ prefill as a user meets it (tokenizer-free: the prompts are token ids).
 Run: `flint-jax bench --prefill [--cases 1x8K 8x2K ...] [--dtype bf16 nvfp4] [--reps 3]
 [--reference-max-tokens 8192] [--option KEY=VALUE ...] [--out F]` (GPU), or
 `flint-jax bench --prefill --config smoke` on a CPU (the Pallas kernels in interpret mode: a
-2-layer tiny model, cases 1x64 and 2x40, both formats and both paths). Results: a markdown table on stdout and JSON with --out.
-benchmarks/gpu_suite.py (``--prefill-cases``) and tools/gpu_prefill.py build on the same
-functions.
+2-layer tiny model, cases 1x64 and 2x40, both formats and both paths). Results: a markdown table
+on stdout and JSON with --out. benchmarks/gpu_suite.py (``--prefill-cases``) and
+tools/gpu_prefill.py build on the same functions.
 """
 
 from __future__ import annotations

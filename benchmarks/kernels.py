@@ -232,10 +232,8 @@ def _weights(fmt, n, k, scale=None):
   return randn((n, k), scale=scale or k ** -0.5) if fmt == "bf16" else rand_nvfp4((n, k))
 
 
-def gemv_cases(variants):
+def gemv_cases():
   """The BF16 dense gate|up + SiLU (the batch-1 step's ``gemv_silu_mul``)."""
-  if variants:
-    return
   wb = 2 * DENSE * D * 2
   sets = [(randn((1, D)), randn((DENSE, D), scale=D ** -0.5), randn((DENSE, D), scale=D ** -0.5))
           for _ in range(n_sets(wb))]
@@ -245,11 +243,9 @@ def gemv_cases(variants):
   yield ("gemv_silu/M1/pallas", "gemv", lbl, "pallas", GEMV.gemv_silu_mul, sets, wb + 2 * D * 2)
 
 
-def nvfp4_cases(variants):
+def nvfp4_cases():
   """The NVFP4 GEMVs: o_proj, dense down, LM head (the batch-1 one on the f16 operand), the
   dense gate|up pair, at M = 1, 2, 8."""
-  if variants:
-    return
   shapes = [("o_proj", D, H * DH), ("dense_down", D, DENSE), ("lm_head", V, D)]
   for m in (1, 2, 8):
     for name, n, k in shapes:
@@ -277,11 +273,9 @@ def nvfp4_cases(variants):
            wb)
 
 
-def qkv_cases(variants):
+def qkv_cases():
   """The fused q|k|v as the step runs it (``multi_gemv``; NVFP4 at batch 1 post-scaled; the
   plan's K slices summed by XLA here), and the BF16 batch-1 ``norm_qkv`` (MoE layer end)."""
-  if variants:
-    return
   for fmt in ("bf16", "nvfp4"):
     for m in (1, 2, 8):
       plan = fast_decode.decode_plan(fmt == "nvfp4", m)
@@ -325,12 +319,10 @@ def moe_weights(fmt):
   return experts, shared
 
 
-def moe_cases(variants):
+def moe_cases():
   """The routed MoE on the step's plan (``decode_plan(...).moe``) at M = 1, 2, 8, fresh routing
   per call, against the reference (gathered experts, einsums); the bytes a call must read: the
   distinct experts of a route on average, the shared expert, x and y."""
-  if variants:
-    return
   router = randn((E, D), jnp.float32, D ** -0.5)
   for fmt in ("bf16", "nvfp4"):
     experts, shared = moe_weights(fmt)
@@ -357,10 +349,8 @@ def moe_cases(variants):
              bytes_)
 
 
-def attention_cases(variants):
+def attention_cases():
   """The fused Q/K norm + RoPE + cache write + split-KV attention (and its merge)."""
-  if variants:
-    return
   # (label, B, S, positions, ring)
   specs = [("full 100K", 1, 131072, [100_000], False),
            ("full 1K in 128K cache", 1, 131072, [1000], False),
@@ -386,11 +376,9 @@ def attention_cases(variants):
            jax.jit(functools.partial(ATT.qk_norm_rope_attention, **kw)), sets, bytes_)
 
 
-def norm_cases(variants):
+def norm_cases():
   """The residual add + RMSNorm kernels: add_rms_norm, add_rms_norm_router (batch 1), the MoE
   combine (batch > 1)."""
-  if variants:
-    return
   router = randn((E, D), jnp.float32, D ** -0.5)
   for m in (1, 8):
     sets = [(randn((m, D)), randn((m, D)), randn((D,)) + 1) for _ in range(8)]
@@ -414,10 +402,8 @@ def norm_cases(variants):
            csets, (7 * m + 3) * m * D * 2)
 
 
-def router_cases(variants):
+def router_cases():
   """The fp32 router GEMV at M = 2, 4, 8 (the step's at batch > 1) against XLA's dot."""
-  if variants:
-    return
   routers = [randn((E, D), jnp.float32, D ** -0.5) for _ in range(8)]
   for m in (2, 4, 8):
     sets = [(randn((m, D)), r) for r in routers]
@@ -445,21 +431,16 @@ def main():
   ap.add_argument("--calls", type=int, default=20)
   ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole run")
   ap.add_argument("--compile-threads", type=int, default=12)
-  ap.add_argument("--variants", type=int, default=0, help="(no variant sweeps are left)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   t_start = time.perf_counter()
   print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
 
-  # 1. Build every case (inputs on the device) in priority order: base cases of all groups,
-  #    then the variant sweeps.
+  # 1. Build every case (inputs on the device) in priority order: the groups as given.
   cases = []
-  passes = [(g, False) for g in args.groups.split(",")]
-  if args.variants:
-    passes += [(g, True) for g in args.groups.split(",")]
-  for group, variants in passes:
+  for group in args.groups.split(","):
     try:
-      cases.extend(GROUPS[group](variants))
+      cases.extend(GROUPS[group]())
     except Exception as e:  # noqa: BLE001
       print(f"  FAILED building {group}: {e!r}"[:400], flush=True)
   print(f"{len(cases)} cases built in {time.perf_counter() - t_start:.0f}s", flush=True)

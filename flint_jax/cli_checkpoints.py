@@ -185,8 +185,8 @@ def _gguf_config_beside(fn):
         src = str(args.src)
         if args.hf_config is None and os.path.isfile(src):
             from flint_jax.gguf_io import find_gguf_config
-            from flint_jax.loading import _is_gguf
-            if src.endswith(".gguf") or _is_gguf(src):
+            from flint_jax.gguf_io import is_gguf
+            if src.endswith(".gguf") or is_gguf(src):
                 args.hf_config = find_gguf_config(src)
         return fn(args)
 

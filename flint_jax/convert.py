@@ -45,9 +45,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from flint_jax import checkpoint, hf_io
+from flint_jax import checkpoint, gguf_io, hf_io, nvfp4
 from flint_jax.checkpoint import LazyTensor, TensorGroup
-from flint_jax.config import FlintConfig
+from flint_jax.config import ConfigError, FlintConfig
+from flint_jax.gguf_io import GGUFError, gguf_expected, is_gguf, read_gguf_tensor
+
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -68,8 +70,6 @@ class ConvertError(ValueError):
 
 
 def _known_errors():
-    from flint_jax.config import ConfigError
-    from flint_jax.gguf_io import GGUFError
     return (ConvertError, hf_io.CheckpointError, GGUFError, ConfigError,
             checkpoint.CheckpointFormatError)
 
@@ -154,99 +154,11 @@ def plan_hf(src: str, *, dtype: str = "auto") -> Plan:
     return Plan(cfg, False, tensors, {"kind": "hf", "path": os.path.abspath(src)}, src)
 
 
-# ---- GGUF ---------------------------------------------------------------------------------------
-
-def _param_of(hf_name: str) -> str:
-    """HF name (gguf_io's canonical one) -> flint_jax parameter name."""
-    return re.sub(r"self_attn\.softmax_offset$", "self_attn.sinks", hf_name)
-
-
-def gguf_expected(cfg: FlintConfig) -> dict[str, tuple[int, ...]]:
-    """GGUF weight names of `cfg` (file order, scale companions excluded) -> numpy element
-    shapes (`[E, out, in]` for the `*_exps` stacks)."""
-    from flint_jax import gguf_io
-    params = hf_io.expected_params(cfg)
-    out = {}
-    for g in gguf_io.flint_gguf_names(cfg.num_hidden_layers, cfg.dense_layers):
-        hf = gguf_io.gguf_to_hf_name(g)
-        m = re.fullmatch(r"(.*\.mlp\.experts)\.(gate|up|down)_proj\.weight", hf)
-        if m:
-            e, two_i, d = params[m.group(1) + ".gate_up_proj"]
-            out[g] = (e, d, two_i // 2) if m.group(2) == "down" else (e, two_i // 2, d)
-        else:
-            out[g] = params[_param_of(hf)]
-    return out
-
-
-def _gguf_elem_shape(t) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-
-
-def read_gguf_tensor(ck, name: str) -> np.ndarray:
-    """One GGUF tensor read into fresh memory (not through the file-wide memmap, whose touched
-    pages would stay resident and count as this process's memory for the whole conversion).
-    NVFP4: uint8 `[..., N, K/64*36]`; BF16: bfloat16 `[..., K]`; F32: float32."""
-    from flint_jax import gguf_io
-    t = ck.tensors[name]
-    raw = np.fromfile(ck.path, dtype=np.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
-    if raw.size != int(t.n_bytes):
-        raise gguf_io.GGUFError(f"{ck.path}: file is truncated: tensor {name!r} needs {t.n_bytes} "
-                                f"bytes from offset {t.data_offset}")
-    arr = raw.view(t.data.dtype).reshape(t.data.shape)
-    if t.tensor_type == gguf_io.BF16:
-        arr = arr.view(ml_dtypes.bfloat16)
-    return arr
-
-
-def _tensor_scale(ck, name: str, n_exp: int | None) -> np.ndarray:
-    """fp32 tensor scale: `[]` for one matrix, `[E]` for an expert stack (missing = 1.0)."""
-    s = ck.tensor_scale(name)
-    if n_exp is None:
-        return s.reshape(())
-    return np.broadcast_to(s, (n_exp,)).astype(np.float32) if s.size == 1 else s.astype(np.float32)
-
-
-def _validate_gguf(ck, cfg: FlintConfig, path: str) -> dict[str, Any]:
-    """Names, shapes and types of a Flint GGUF file against `cfg`. Returns {name: tensor}."""
-    from flint_jax import gguf_io
-    expected = gguf_expected(cfg)
-    weights = ck.weights
-    for name in weights:
-        if name not in expected:
-            hint = ""
-            m = re.match(r"blk\.(\d+)\.(.+)", name)
-            if m and int(m.group(1)) >= cfg.num_hidden_layers:
-                hint = f" (the config has {cfg.num_hidden_layers} layers)"
-            elif m and int(m.group(1)) in cfg.moe_layers and not re.search("exps|shexp|inp", name):
-                hint = f" (layer {m.group(1)} is a MoE layer in the config)"
-            elif m and int(m.group(1)) in cfg.dense_layers:
-                hint = f" (layer {m.group(1)} is a dense layer in the config)"
-            raise ConvertError(f"{path}: unexpected tensor {name!r}{hint}")
-    for name, shape in expected.items():
-        if name not in weights:
-            raise ConvertError(f"{path}: missing tensor {name!r}")
-        t = weights[name]
-        got = _gguf_elem_shape(t)
-        if got != tuple(shape):
-            hint = ""
-            if name.endswith("_exps.weight") and got[0] != shape[0]:
-                hint = f" (the config has {cfg.num_experts} experts)"
-            elif name in ("token_embd.weight", "output.weight") and got[0] != shape[0]:
-                hint = f" (the config has vocab_size {cfg.vocab_size})"
-            elif name.endswith("ffn_gate_inp.weight") and got[0] != shape[0]:
-                hint = f" (the config has {cfg.num_experts} experts)"
-            raise ConvertError(f"{path}: tensor {name!r} has shape {list(got)}, expected "
-                               f"{list(shape)} for this config{hint}")
-        if t.tensor_type == gguf_io.NVFP4 and not gguf_io.may_be_nvfp4(name):
-            raise ConvertError(f"{path}: tensor {name!r} is NVFP4; flint_jax keeps embeddings, the "
-                               "router, norms and sinks in BF16/F32")
-    return weights
-
+# ---- GGUF (names, shapes and reads: `gguf_io`) ------------------------------------------------
 
 def plan_gguf(path: str, hf_config: str | None, *, dtype: str = "auto",
               mixed: str = "refuse") -> Plan:
     """Validates a Flint GGUF file against the config in `hf_config` and plans its parameters."""
-    from flint_jax import gguf_io, nvfp4
     _check_dtype_option(dtype)
     if mixed not in MIXED:
         raise ConvertError(f"mixed must be one of {MIXED}, got {mixed!r}")
@@ -260,7 +172,7 @@ def plan_gguf(path: str, hf_config: str | None, *, dtype: str = "auto",
         raise ConvertError(f"{hf_config}: hf_config must be a directory holding config.json")
     cfg = FlintConfig.from_json(hf_config)
     ck = gguf_io.open_gguf(path)
-    weights = _validate_gguf(ck, cfg, path)
+    weights = gguf_io.check_config(ck, cfg, path)
     linear = [n for n in weights if gguf_io.may_be_nvfp4(n)]
     nv = [n for n in linear if weights[n].tensor_type == gguf_io.NVFP4]
     other = [n for n in linear if weights[n].tensor_type != gguf_io.NVFP4]
@@ -286,10 +198,10 @@ def plan_gguf(path: str, hf_config: str | None, *, dtype: str = "auto",
         try:
             if t.tensor_type == gguf_io.NVFP4:
                 q, s = nvfp4.gguf_to_kernel(read(name), name)
-                return q, s, _tensor_scale(ck, name, n_exp)
+                return q, s, gguf_io.stacked_tensor_scale(ck, name, n_exp)
             w = read(name).astype(np.float32)
             return nvfp4.quantize_nvfp4(w)
-        except gguf_io.GGUFError:
+        except GGUFError:
             raise
         except ValueError as e:
             raise ConvertError(f"{path}: {e}") from None
@@ -302,7 +214,7 @@ def plan_gguf(path: str, hf_config: str | None, *, dtype: str = "auto",
                 w = nvfp4.dequantize_gguf_np(read(name), name, ck.tensor_scale(name))
             else:
                 w = read(name)
-        except gguf_io.GGUFError:
+        except GGUFError:
             raise
         except ValueError as e:
             raise ConvertError(f"{path}: {e}") from None
@@ -359,7 +271,7 @@ def plan_gguf(path: str, hf_config: str | None, *, dtype: str = "auto",
                     dt = dense_dtype(g)
                     add(stem + ".down_proj", shape, dt, lambda g=g, e=e, dt=dt: dense(g, e, dt))
             continue
-        param = _param_of(hf)
+        param = gguf_io.param_name(hf)
         if gguf_io.may_be_nvfp4(g):
             base = param[: -len(".weight")]
             if quant:
@@ -384,20 +296,10 @@ def plan_gguf(path: str, hf_config: str | None, *, dtype: str = "auto",
 
 # ---- writing --------------------------------------------------------------------------------------
 
-def _is_gguf(path: str) -> bool:
-    if path.endswith(".gguf"):
-        return True
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
 def make_plan(src: str, *, hf_config: str | None = None, dtype: str = "auto",
               mixed: str = "refuse") -> Plan:
     src = os.fspath(src)
-    if os.path.isfile(src) and _is_gguf(src):
+    if os.path.isfile(src) and is_gguf(src):
         return plan_gguf(src, hf_config, dtype=dtype, mixed=mixed)
     if src.endswith(".gguf") and not os.path.exists(src):
         raise FileNotFoundError(f"{src}: no such GGUF file")
@@ -504,5 +406,4 @@ def describe(path: str) -> dict[str, Any]:
     return checkpoint.read_manifest(path)
 
 
-__all__ = ["ConvertError", "Plan", "convert", "gguf_expected", "make_plan", "plan_gguf", "plan_hf",
-           "read_gguf_tensor"]
+__all__ = ["ConvertError", "Plan", "convert", "make_plan", "plan_gguf", "plan_hf"]

@@ -36,8 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flint_jax import prefill as pallas_prefill
 from flint_jax import sampling
-from flint_jax.cache import check_cache_fits, init_cache
+from flint_jax.cache import check_cache_fits
 from flint_jax.config import FlintConfig
 from flint_jax.tokenizer import Tokenizer
 
@@ -429,7 +430,6 @@ def prefill_chunk(t_max: int, cache_length: int, chunk_size: int | None = None,
     16K tokens per chunk over the batch: each expert's weights read once per thousands of
     tokens), on the XLA path `XLA_CHUNK`; never longer than the cache's bucket needs."""
     if chunk_size is None and model is not None and model.pallas_prefill:
-        from flint_jax import prefill as pallas_prefill
         return pallas_prefill.chunk_length(batch, t_max)
     return min(chunk_size or XLA_CHUNK, bucket_length(t_max, cache_length, minimum=16))
 
@@ -437,7 +437,6 @@ def prefill_chunk(t_max: int, cache_length: int, chunk_size: int | None = None,
 def _prefill_step(model: Flint, logits: str):
     """The jitted chunk step of the prefill path `model` uses (`Flint.pallas_prefill`)."""
     if model.pallas_prefill:
-        from flint_jax import prefill as pallas_prefill
         return pallas_prefill.chunk_fn(model, logits)
     return model.chunk_fn(logits)
 
@@ -452,36 +451,8 @@ def prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk_size: 
     compiles).
     """
     chunk = prefill_chunk(max(len(r) for r in rows), cache_length, chunk_size, model, len(rows))
-    return run_prefill(model, rows, cache_length, chunk, _prefill_step(model, "last"), stats)
-
-
-def run_prefill(model: Flint, rows: list[list[int]], cache_length: int, chunk: int, fn,
-                stats: GenerationStats | None = None):
-    """`prefill` with the chunk length and the jitted chunk step `fn` (`Flint.chunk_fn`'s
-    signature) given: allocates the cache, runs the right-padded rows through it chunk by chunk
-    and keeps each row's logits at its last token."""
-    cfg = model.config
-    b = len(rows)
-    lengths = np.array([len(r) for r in rows], np.int32)
-    check_cache_fits(cfg, b, cache_length, model.dtype,
-                     num_devices=model.mesh.size if model.mesh is not None else 1)
-    shardings = model.cache_sharding(b, cache_length) if model.cache_sharding else None
-    cache = init_cache(cfg, b, cache_length, model.dtype, shardings)
-    t_max = int(lengths.max())
-    n_chunks = -(-t_max // chunk)
-    tokens = np.zeros((b, n_chunks * chunk), np.int32)
-    for i, r in enumerate(rows):
-        tokens[i, :len(r)] = r
-    last = None
-    for c in range(n_chunks):
-        n = np.clip(lengths - c * chunk, 0, chunk).astype(np.int32)
-        t0 = time.perf_counter()
-        logits, cache, _ = fn(model.leaves, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]), cache,
-                              jnp.asarray(n))
-        if c == 0 and stats is not None:
-            stats.compile_s += time.perf_counter() - t0
-        last = logits if last is None else jnp.where(jnp.asarray(n > 0)[:, None], logits, last)
-    return last, cache
+    return pallas_prefill.run_prefill(model, rows, cache_length, chunk,
+                                      _prefill_step(model, "last"), stats)
 
 
 def _key_of(seed, key):
@@ -752,7 +723,6 @@ def forward(model: Flint, input_ids, *, lengths=None, capture: Sequence[str] = (
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
     pallas = model.pallas_prefill and not capture and params is None
     if pallas and chunk_size is None:
-        from flint_jax import prefill as pallas_prefill
         chunk = pallas_prefill.chunk_length(b, t)
     else:
         chunk = min(chunk_size or 512, bucket_length(t, 1 << 30, minimum=16))
@@ -773,7 +743,6 @@ def forward(model: Flint, input_ids, *, lengths=None, capture: Sequence[str] = (
 
 def _forward_fn(model: Flint, chunk: int, n_chunks: int, cache_len: int, capture, pallas: bool):
     def build():
-        from flint_jax import prefill as pallas_prefill
         from flint_jax.cache import cache_shapes
         graphdef, cfg, dtype = model.graphdef, model.config, model.dtype
 

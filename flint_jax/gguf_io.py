@@ -1,4 +1,5 @@
-"""Flint GGUF files: tensor names (GGUF <-> HF), validated lazy reading, writing.
+"""Flint GGUF files: tensor names (GGUF <-> HF), validated lazy reading, checks against a config,
+writing.
 
 Names (``FLINT_SPEC.md`` section 5). Per layer ``N`` (HF prefix ``model.layers.N.``):
 
@@ -58,7 +59,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.gguf_reader import ReaderTensor
 
-from flint_jax import nvfp4
+from flint_jax import hf_io, nvfp4
+from flint_jax.config import FlintConfig
 
 F32 = GGMLQuantizationType.F32
 BF16 = GGMLQuantizationType.BF16
@@ -419,6 +421,108 @@ def open_gguf(path: str | Path) -> FlintGGUF:
     return ck
 
 
+def is_gguf(path: str | os.PathLike) -> bool:
+    """A `.gguf` name, or a file that starts with the GGUF magic (False when unreadable)."""
+    path = os.fspath(path)
+    if path.endswith(".gguf"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+# --- a Flint file against its config ----------------------------------------------------------
+
+
+def param_name(hf_name: str) -> str:
+    """HF name (``gguf_to_hf_name``'s canonical one) -> flint_jax parameter name."""
+    return re.sub(r"self_attn\.softmax_offset$", "self_attn.sinks", hf_name)
+
+
+def gguf_expected(cfg: FlintConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF weight names of `cfg` (file order, scale companions excluded) -> numpy element
+    shapes (`[E, out, in]` for the `*_exps` stacks)."""
+    params = hf_io.expected_params(cfg)
+    out = {}
+    for g in flint_gguf_names(cfg.num_hidden_layers, cfg.dense_layers):
+        hf = gguf_to_hf_name(g)
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(gate|up|down)_proj\.weight", hf)
+        if m:
+            e, two_i, d = params[m.group(1) + ".gate_up_proj"]
+            out[g] = (e, d, two_i // 2) if m.group(2) == "down" else (e, two_i // 2, d)
+        else:
+            out[g] = params[param_name(hf)]
+    return out
+
+
+def elem_shape(t: ReaderTensor) -> tuple[int, ...]:
+    """A tensor's element shape in numpy order (ggml's ``t.shape`` reversed)."""
+    return tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+
+
+def check_config(ck: FlintGGUF, cfg: FlintConfig, path: str) -> dict[str, ReaderTensor]:
+    """Names, shapes and types of a Flint GGUF file against `cfg`; raises ``GGUFError`` naming
+    `path` and the first wrong tensor. Returns ``ck.weights`` ({name: tensor})."""
+    expected = gguf_expected(cfg)
+    weights = ck.weights
+    for name in weights:
+        if name not in expected:
+            hint = ""
+            m = re.match(r"blk\.(\d+)\.(.+)", name)
+            if m and int(m.group(1)) >= cfg.num_hidden_layers:
+                hint = f" (the config has {cfg.num_hidden_layers} layers)"
+            elif m and int(m.group(1)) in cfg.moe_layers and not re.search("exps|shexp|inp", name):
+                hint = f" (layer {m.group(1)} is a MoE layer in the config)"
+            elif m and int(m.group(1)) in cfg.dense_layers:
+                hint = f" (layer {m.group(1)} is a dense layer in the config)"
+            raise GGUFError(f"{path}: unexpected tensor {name!r}{hint}")
+    for name, shape in expected.items():
+        if name not in weights:
+            raise GGUFError(f"{path}: missing tensor {name!r}")
+        t = weights[name]
+        got = elem_shape(t)
+        if got != tuple(shape):
+            hint = ""
+            if name.endswith("_exps.weight") and got[0] != shape[0]:
+                hint = f" (the config has {cfg.num_experts} experts)"
+            elif name in ("token_embd.weight", "output.weight") and got[0] != shape[0]:
+                hint = f" (the config has vocab_size {cfg.vocab_size})"
+            elif name.endswith("ffn_gate_inp.weight") and got[0] != shape[0]:
+                hint = f" (the config has {cfg.num_experts} experts)"
+            raise GGUFError(f"{path}: tensor {name!r} has shape {list(got)}, expected "
+                            f"{list(shape)} for this config{hint}")
+        if t.tensor_type == NVFP4 and not may_be_nvfp4(name):
+            raise GGUFError(f"{path}: tensor {name!r} is NVFP4; flint_jax keeps embeddings, the "
+                            "router, norms and sinks in BF16/F32")
+    return weights
+
+
+def read_gguf_tensor(ck: FlintGGUF, name: str) -> np.ndarray:
+    """One GGUF tensor read into fresh memory (not through the file-wide memmap, whose touched
+    pages would stay resident and count as this process's memory for the whole conversion).
+    NVFP4: uint8 `[..., N, K/64*36]`; BF16: bfloat16 `[..., K]`; F32: float32."""
+    t = ck.tensors[name]
+    raw = np.fromfile(ck.path, dtype=np.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
+    if raw.size != int(t.n_bytes):
+        raise GGUFError(f"{ck.path}: file is truncated: tensor {name!r} needs {t.n_bytes} "
+                        f"bytes from offset {t.data_offset}")
+    arr = raw.view(t.data.dtype).reshape(t.data.shape)
+    if t.tensor_type == BF16:
+        arr = arr.view(ml_dtypes.bfloat16)
+    return arr
+
+
+def stacked_tensor_scale(ck: FlintGGUF, name: str, n_exp: int | None) -> np.ndarray:
+    """fp32 tensor scale: `[]` for one matrix, `[E]` for an expert stack (missing = 1.0)."""
+    s = ck.tensor_scale(name)
+    if n_exp is None:
+        return s.reshape(())
+    return np.broadcast_to(s, (n_exp,)).astype(np.float32) if s.size == 1 else s.astype(np.float32)
+
+
+
 # --- writing --------------------------------------------------------------------------------
 
 
@@ -529,7 +633,8 @@ def nvfp4_tensors(
 __all__ = [
     "GGUFError", "FlintGGUF", "open_gguf", "write_gguf", "nvfp4_tensors",
     "gguf_to_hf_name", "hf_to_gguf_name", "flint_gguf_names", "may_be_nvfp4",
-    "find_gguf_config", "scale_name", "input_scale_name", "legacy_scale_name", "companion_of",
+    "find_gguf_config", "is_gguf", "gguf_expected", "check_config", "read_gguf_tensor",
+    "scale_name", "input_scale_name", "legacy_scale_name", "companion_of",
     "is_companion",
     "LegacyScaleNameWarning",
     "F32", "BF16", "NVFP4", "PREC_A4_KEY",

@@ -188,7 +188,7 @@ def _group(rows: list[TensorRow]) -> list[TensorRow]:
 # ---- GGUF --------------------------------------------------------------------------------------------
 
 def _inspect_gguf(path: str, config: str | None, check_blocks: bool) -> Report:
-    from flint_jax import convert, gguf_io, nvfp4
+    from flint_jax import gguf_io, nvfp4
     ck = gguf_io.open_gguf(path)
     rows = [TensorRow(n, t.tensor_type.name, tuple(int(d) for d in reversed(list(t.shape))),
                       int(t.n_bytes)) for n, t in ck.tensors.items()]
@@ -227,7 +227,7 @@ def _inspect_gguf(path: str, config: str | None, check_blocks: bool) -> Report:
                 return "is NVFP4; embeddings, router, norms and sinks must be BF16/F32"
             return None
 
-        problems += _diff(present, convert.gguf_expected(cfg), path, cfg, dtype_ok)
+        problems += _diff(present, gguf_io.gguf_expected(cfg), path, cfg, dtype_ok)
         lin = [n for n in weights if gguf_io.may_be_nvfp4(n)]
         nv = [n for n in lin if weights[n].tensor_type == gguf_io.NVFP4]
         if nv and len(nv) != len(lin):
@@ -237,7 +237,7 @@ def _inspect_gguf(path: str, config: str | None, check_blocks: bool) -> Report:
         for n, t in ck.tensors.items():
             if t.tensor_type == gguf_io.NVFP4:
                 try:
-                    nvfp4.validate_gguf_blocks(convert.read_gguf_tensor(ck, n), n)
+                    nvfp4.validate_gguf_blocks(gguf_io.read_gguf_tensor(ck, n), n)
                 except ValueError as e:
                     problems.append(str(e))
         notes.append("NVFP4 block scales checked (no 0xFF)" if not problems else
@@ -278,10 +278,10 @@ def _natural(name: str):
 def inspect(path: str | os.PathLike, config: str | None = None, *,
             check_blocks: bool = False) -> Report:
     """Inspects a HF directory, a GGUF file or a converted flint_jax checkpoint."""
-    from flint_jax import checkpoint, convert
+    from flint_jax import checkpoint, gguf_io
     path = os.fspath(path)
     if os.path.isfile(path):
-        if convert._is_gguf(path):
+        if gguf_io.is_gguf(path):
             return _inspect_gguf(path, config, check_blocks)
         if path.endswith(".safetensors"):
             raise ValueError(f"{path}: give the checkpoint directory, not one safetensors file")

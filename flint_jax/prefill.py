@@ -30,18 +30,22 @@ down projection's padded rows, [131072, 2048] bf16; NVFP4 experts dequantized fo
 builds no `[T, S]` buffer.
 
 `prefill(model, rows, cache_length)` takes what `decode.prefill` takes and returns what it
-returns; `chunk_fn(model)` is the jitted step with `decode.Flint.chunk_fn`'s signature.
+returns; `chunk_fn(model)` is the jitted step with `decode.Flint.chunk_fn`'s signature;
+`run_prefill` is the chunk loop of both (`decode` imports this module; it imports nothing of
+`decode`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flint_jax import cudnn_attention, layers
-from flint_jax.cache import KVCache
+from flint_jax.cache import KVCache, check_cache_fits, init_cache
 from flint_jax.pallas.grouped_matmul import moe_experts
 from flint_jax.pallas.prefill_attention import prefill_attention
 
@@ -265,12 +269,41 @@ def chunk_fn(model, logits: str = "last", options: PrefillOptions = PrefillOptio
   return model.jitted(("prefill_chunk", logits, options), build)
 
 
+def run_prefill(model, rows: list[list[int]], cache_length: int, chunk: int, fn, stats=None):
+  """The chunk loop of ``decode.prefill`` and ``prefill``, with the chunk length and the jitted
+  chunk step ``fn`` (``decode.Flint.chunk_fn``'s signature) given: allocates the cache, runs the
+  right-padded rows through it chunk by chunk and keeps each row's logits at its last token.
+  With ``stats`` (a ``decode.GenerationStats``), the first chunk call's time is added to
+  ``stats.compile_s``."""
+  cfg = model.config
+  b = len(rows)
+  lengths = np.array([len(r) for r in rows], np.int32)
+  check_cache_fits(cfg, b, cache_length, model.dtype,
+                   num_devices=model.mesh.size if model.mesh is not None else 1)
+  shardings = model.cache_sharding(b, cache_length) if model.cache_sharding else None
+  cache = init_cache(cfg, b, cache_length, model.dtype, shardings)
+  t_max = int(lengths.max())
+  n_chunks = -(-t_max // chunk)
+  tokens = np.zeros((b, n_chunks * chunk), np.int32)
+  for i, r in enumerate(rows):
+    tokens[i, :len(r)] = r
+  last = None
+  for c in range(n_chunks):
+    n = np.clip(lengths - c * chunk, 0, chunk).astype(np.int32)
+    t0 = time.perf_counter()
+    logits, cache, _ = fn(model.leaves, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]), cache,
+                          jnp.asarray(n))
+    if c == 0 and stats is not None:
+      stats.compile_s += time.perf_counter() - t0
+    last = logits if last is None else jnp.where(jnp.asarray(n > 0)[:, None], logits, last)
+  return last, cache
+
+
 def prefill(model, rows: list[list[int]], cache_length: int, chunk_size: int | None = None, *,
             max_tokens: int = DEFAULT_MAX_TOKENS, options: PrefillOptions = PrefillOptions()):
   """``decode.prefill`` on the prefill kernels: allocates a cache and runs the prompts through it
   in chunks of ``chunk_size`` tokens per row (None: ``chunk_length(B, longest, max_tokens)``).
 
   Returns (last-token logits f32 [B, V], cache). Rows may have different lengths."""
-  from flint_jax import decode   # pylint: disable=g-import-not-at-top
   chunk = chunk_size or chunk_length(len(rows), max(len(r) for r in rows), max_tokens)
-  return decode.run_prefill(model, rows, cache_length, chunk, chunk_fn(model, "last", options))
+  return run_prefill(model, rows, cache_length, chunk, chunk_fn(model, "last", options))

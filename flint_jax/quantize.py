@@ -226,7 +226,7 @@ def plan_specs(cfg: FlintConfig, src_dtype: Callable[[str], np.dtype]) -> list[G
     """The NVFP4 file's tensor list: linear layers NVFP4 + their `X.scale`, router F32, others keep a
     BF16 / F32 type from `src_dtype(gguf_name)`."""
     from flint_jax import gguf_io
-    from flint_jax.convert import gguf_expected
+    from flint_jax.gguf_io import gguf_expected
     specs = []
     for g, shape in gguf_expected(cfg).items():
         if gguf_io.may_be_nvfp4(g):

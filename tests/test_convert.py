@@ -281,7 +281,7 @@ def hand_packed_gguf(path, cfg: FlintConfig, seed=0, scale_names="standard"):
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch="flint")
     scale_choices = np.array([0x00, 0x7F, 0xB0] + list(range(0x30, 0x48)), np.uint8)
-    for i, (name, shape) in enumerate(convert.gguf_expected(cfg).items()):
+    for i, (name, shape) in enumerate(gguf_io.gguf_expected(cfg).items()):
         if gguf_io.may_be_nvfp4(name):
             *lead, k = shape
             blocks = rng.integers(0, 256, size=(*lead, k // 64, 36), dtype=np.uint8)

@@ -1,7 +1,7 @@
 """`flint-jax`: run, chat with, convert and benchmark Flint.
 
 Examples:
-  flint-jax demo                                   # random tiny Flint, built on the fly
+  flint-jax demo                                   # the shipped small trained Flint (no download)
   flint-jax generate demo "Once upon a time" --max-new-tokens 32 --seed 1
   flint-jax generate /ckpt/flint "2 + 2 =" --temperature 0 --json
   flint-jax chat /ckpt/flint --tools tools.json
@@ -259,7 +259,10 @@ DEMO_CODE_PROMPT = ('import os\n\n\ndef list_python_files(root):\n'
 # A 12M-parameter model loops under greedy decoding (`name, name, name, ...`); a mild repetition
 # penalty on the completion (not on the chat turns, whose tool calls copy values) keeps it code.
 DEMO_CODE_REPETITION_PENALTY = 1.1
-DEMO_CHAT = "What is 17 + 25?"
+# The model computes nothing (it answers "What is 17 + 25?" with 46; docs/demo_model.md): the chat
+# turn asks a task of its training chats that it answers right under greedy decoding (every
+# word of demo_data.WORDS reversed right; the smallest top-2 margin on the answer is 6.6).
+DEMO_CHAT = "Reverse the word 'flint'."
 DEMO_TOOL_REQUEST = "What's the weather in Oslo?"
 
 

@@ -30,6 +30,9 @@ def test_demo_runs():
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert "[complete]" in out and "[chat]" in out and "[tool call]" in out
+    # The chat turn asks a task the model answers right under greedy decoding (cli.DEMO_CHAT).
+    chat_part = out.split("[chat]", 1)[1].split("[tool call]", 1)[0]
+    assert "Reverse the word 'flint'." in chat_part and "'tnilf'" in chat_part, chat_part
     tool_part = out.split("[tool call]", 1)[1]
     reply = json.loads(tool_part[tool_part.index("\n{"):tool_part.index("\n}") + 2])
     call = reply["tool_calls"][0]["function"]

@@ -1,6 +1,6 @@
 """Quality of the shipped demo model in fp32, BF16 and NVFP4: the table in docs/demo_model.md.
 
-    python tools/demo_quality.py                        # the whole table (~10 min on 2 CPU cores)
+    python tools/demo_quality.py                        # the whole table (under 3 min, 2 CPU cores)
     python tools/demo_quality.py --rows 8 --chats 16    # quicker, noisier
 
 Rows:

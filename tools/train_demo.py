@@ -1,6 +1,8 @@
 """Train the small Flint that ships as flint_jax's embedded default (`flint_jax/demo_model/`).
 
     python tools/train_demo.py --work .train_demo --out flint_jax/demo_model            # H200
+    python tools/train_demo.py --work .train_demo --stop-after 1851 --out flint_jax/demo_model \
+        --plot docs/demo_model_loss.png       # the shipped checkpoint (run 200), any host
     python tools/train_demo.py --work .train_demo --minutes 90 --batch 8 --seq 512 ...  # CPU
 
 Stages, each cached in `--work` so a run resumes where it stopped (Ctrl-C saves first):
@@ -13,9 +15,10 @@ Stages, each cached in `--work` so a run resumes where it stopped (Ctrl-C saves 
    batch row is, with probability `--chat-fraction`, generated chat transcripts packed end to end,
    else a window of the code stream; batches are a function of the step (resuming replays none).
    **Expert balance**: the routers have no selection bias (Flint's checkpoint has none), so the
-   load is kept even by a Switch-style auxiliary loss per MoE layer,
-   `E/k * sum_e f_e P_e` (`f_e`: share of the k slots sent to expert e; `P_e`: mean normalised
-   sigmoid score), weighted `--balance` (default 0.01); the held-out expert load is logged.
+   load is kept even by a Switch-style auxiliary loss, `E * sum_e f_e P_e` averaged over the MoE
+   layers (`f_e`: share of the k slots sent to expert e, so the f_e sum to 1; `P_e`: mean
+   normalised sigmoid score, also summing to 1; 1 when the load is even), weighted `--balance`
+   (default 0.01); the held-out expert load is logged.
 4. **Export** (`--out`): a transformers-format checkpoint (config, safetensors shards of at most
    16 MiB with `model.safetensors.index.json`, tokenizer, chat template, generation config,
    README), BF16 weights with the routers and sinks in fp32, plus `train_log.json` (the loss curve

@@ -26,6 +26,7 @@ from flint_jax import checkpoint, gguf_io
 from flint_jax.config import FlintConfig
 from flint_jax.convert import BF16, F16, F32, ConvertError, plan_gguf
 from flint_jax.decode import Flint
+from flint_jax.gguf_io import is_gguf
 from flint_jax.model import FlintForCausalLM
 from flint_jax.sharding import ShardingRules, cache_shardings, param_sharding
 from flint_jax.tokenizer import Tokenizer
@@ -162,9 +163,9 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
     """
     path = os.fspath(path)
     dtype = parse_dtype(dtype)
-    kernels = resolve_kernels(kernels)   # the choice; make_handle checks the model
+    kernels = resolve_kernels(kernels)   # the choice; each path checks the model (its config)
     mesh = auto_mesh(mesh)
-    if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
+    if path.endswith(".gguf") or (os.path.isfile(path) and is_gguf(path)):
         if hf_config is None:
             hf_config = gguf_io.find_gguf_config(path)
         return load_gguf(path, hf_config=hf_config, dtype=dtype, mesh=mesh, kernels=kernels,
@@ -181,12 +182,14 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
                               max_length=max_length, rules=rules)
     from flint_jax import hf_io
     cfg = FlintConfig.from_json(path)
+    kernels = resolve_kernels(kernels, cfg, quant=False, dtype=dtype)   # before any weight is read
     ckpt = hf_io.HFCheckpoint(path)
     sources = hf_io.plan(ckpt, cfg)
     graphdef, state = build_state(cfg, dtype, False, hf_io.iter_params(ckpt, cfg, sources),
                                   mesh=mesh, rules=rules, source=path, progress=progress)
     return make_handle(cfg, graphdef, state, dtype=dtype, quant=False, kernels=kernels, mesh=mesh,
-                       rules=rules, max_length=max_length, meta_dir=path, source=path)
+                       rules=rules, max_length=max_length, meta_dir=path, source=path,
+                       checked=True)
 
 
 def auto_mesh(mesh):
@@ -202,7 +205,10 @@ def auto_mesh(mesh):
 
 
 def make_handle(cfg, graphdef, state, *, dtype, quant, kernels, mesh, rules, max_length,
-                meta_dir, source) -> Flint:
+                meta_dir, source, checked: bool = False) -> Flint:
+    """A `Flint` handle around a placed state. ``checked``: ``kernels`` was already resolved
+    against this model (``resolve_kernels`` with its config, as `load`'s paths do before reading
+    a weight), so it is not checked again and its notice not repeated."""
     cache_sh = None
     if mesh is not None:
         rules = rules or ShardingRules.for_mesh(mesh)
@@ -211,7 +217,8 @@ def make_handle(cfg, graphdef, state, *, dtype, quant, kernels, mesh, rules, max
         cache_sh = _CacheShardingFactory(cfg, mesh, rules, dtype)
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}")
-    kernels = resolve_kernels(kernels, cfg, quant=quant, dtype=dtype)
+    if not checked:
+        kernels = resolve_kernels(kernels, cfg, quant=quant, dtype=dtype)
     if quant and kernels == "pallas" and jax.default_backend() == "gpu":
         # The Pallas kernels' NVFP4 decode multiplies by bf16 scale * 2^119: holding the block
         # scales that way (exact, +11% of the NVFP4 bytes) spares every kernel their conversion;
@@ -238,11 +245,6 @@ class _CacheShardingFactory:
         from flint_jax.cache import cache_shapes
         return cache_shardings(cache_shapes(self.cfg, batch, length, self.dtype), self.mesh,
                                self.rules)
-
-
-def _is_gguf(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 def from_module(module: FlintForCausalLM, *, tokenizer: Tokenizer | None = None,
@@ -304,6 +306,7 @@ def load_converted(path: str, *, dtype, mesh=None, kernels: str = "xla",
     manifest = checkpoint.read_manifest(path)
     cfg = FlintConfig.from_json(path)
     quant = bool(manifest.get("quant"))
+    kernels = resolve_kernels(kernels, cfg, quant=quant, dtype=dtype)   # before any weight is read
     params_dir = os.path.join(path, checkpoint.PARAMS_DIR)
     stored = checkpoint.params_metadata(params_dir)
     check_leaves(path, cfg, quant, stored)
@@ -326,7 +329,8 @@ def load_converted(path: str, *, dtype, mesh=None, kernels: str = "xla",
                            f"{e}") from e
     state = nnx.from_flat_state([(p, var.replace(value=arrays[n])) for n, (p, var) in names.items()])
     return make_handle(cfg, graphdef, state, dtype=dtype, quant=quant, kernels=kernels, mesh=mesh,
-                       rules=rules, max_length=max_length, meta_dir=path, source=path)
+                       rules=rules, max_length=max_length, meta_dir=path, source=path,
+                       checked=True)
 
 
 def load_gguf(path: str, *, hf_config: str | None, dtype, mesh=None, kernels: str = "xla",
@@ -335,10 +339,11 @@ def load_gguf(path: str, *, hf_config: str | None, dtype, mesh=None, kernels: st
     """Loads an NVFP4 (or BF16) GGUF file directly: tensors are read and repacked one at a time
     and placed on their devices (`build_state`; the GGUF reading and repacking is
     `convert.plan_gguf`'s)."""
-    plan = plan_gguf(path, hf_config, mixed=mixed)
+    plan = plan_gguf(path, hf_config, mixed=mixed)   # the header and config.json: no tensor read
+    kernels = resolve_kernels(kernels, plan.cfg, quant=plan.quant, dtype=dtype)
     graphdef, state = build_state(plan.cfg, dtype, plan.quant,
                                   ((t.name, t.produce()) for t in plan.tensors),
                                   mesh=mesh, rules=rules, source=path, progress=progress)
     return make_handle(plan.cfg, graphdef, state, dtype=dtype, quant=plan.quant, kernels=kernels,
                        mesh=mesh, rules=rules, max_length=max_length, meta_dir=hf_config,
-                       source=path)
+                       source=path, checked=True)

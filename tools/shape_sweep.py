@@ -22,12 +22,15 @@ from flint_jax.model import FlintForCausalLM
 
 
 def sample_cfg(rng, quant):
+    """A random Flint configuration (3-4 layers, the first dense). 8 query heads per KV head
+    is Flint's ratio; expert counts need not be powers of two (no kernel blocks E); about half
+    the NVFP4 vocabularies are multiples of 16, so the NVFP4 LM head kernel runs."""
     pick = lambda xs: int(rng.choice(xs))  # noqa: E731
     q64 = [64, 128, 192] if quant else None
     hd = pick([16, 32, 64, 128])
     kvh = pick([1, 2, 4])
-    grp = pick([1, 2, 4])
-    e = pick([4, 8, 16, 32])
+    grp = pick([1, 2, 4, 8])
+    e = pick([4, 6, 8, 12, 16, 24, 32])
     k = int(rng.integers(1, min(8, e) + 1))
     kw = dict(hidden_size=pick(q64 or [32, 48, 64, 96, 128, 160]), head_dim=hd,
               num_key_value_heads=kvh, num_attention_heads=kvh * grp, num_experts=e,
@@ -36,6 +39,8 @@ def sample_cfg(rng, quant):
               intermediate_size=pick(q64 or [32, 64, 96, 192]),
               vocab_size=int(rng.integers(100, 400)), sliding_window=int(rng.integers(3, 40)),
               num_hidden_layers=pick([3, 4]), mlp_only_layers=(0,), layer_types=())
+    if quant and rng.random() < 0.5:   # drawn last: the fields above keep their draws
+        kw["vocab_size"] = kw["vocab_size"] // 16 * 16
     return flint_jax.preset("tiny", **kw)
 
 

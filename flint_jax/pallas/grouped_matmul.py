@@ -417,7 +417,8 @@ def expert_weights(experts: dict):
 #: estimated) and runs the BF16 kernels on them; "auto" dequantizes once the experts average
 #: ``DEQUANT_MIN_ROWS`` rows. Measured at an 8K-token chunk (H200 run prefill-1, 192 rows per
 #: expert): the in-kernel decode made the kernels 2.38 ms against 1.12 ms in BF16, ~6.6 us per
-#: average row, so dequantizing pays from ~85 rows on (the estimate above; to be measured).
+#: average row, so dequantizing pays from ~85 rows on (the estimate above). End to end at 1 x 8K
+#: (192 rows; run 204, one H100): 180.2 ms dequantized against 202.0 ms fused.
 NVFP4_MODES = ("auto", "fused", "dequant")
 DEQUANT_MIN_ROWS = 96
 

@@ -164,6 +164,8 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", mesh: jax.sharding.Mesh |
     path = os.fspath(path)
     dtype = parse_dtype(dtype)
     kernels = resolve_kernels(kernels)   # the choice; each path checks the model (its config)
+    if max_length is not None and max_length < 1:   # before any weight is read
+        raise ValueError(f"max_length must be positive, got {max_length}")
     mesh = auto_mesh(mesh)
     if path.endswith(".gguf") or (os.path.isfile(path) and is_gguf(path)):
         if hf_config is None:

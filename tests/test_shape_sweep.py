@@ -247,6 +247,8 @@ def test_load_refuses_before_reading_a_weight(fmt, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="kernels='pallas'.*dtype=float32") as e:
         flint_jax.load(path, dtype="float32", kernels="pallas", **kw)
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="max_length must be positive, got 0"):
+        flint_jax.load(path, max_length=0, **kw)
 
 
 def test_load_auto_falls_back_with_one_notice(monkeypatch):

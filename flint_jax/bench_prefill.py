@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flint_jax import decode, prefill
-from flint_jax.bench import build_state, rel_l2
+from flint_jax.bench import _value, build_state, rel_l2
 from flint_jax.config import FULL, SLIDING, FlintConfig, preset
 
 PEAK_FLOPS = 790e12   # bf16 dense, measured on the H200 (FLINT_SPEC section 9)
@@ -112,16 +112,9 @@ def parse_options(items) -> prefill.PrefillOptions:
         if key not in fields:
             raise ValueError(f"--option {key}: PrefillOptions has no field {key!r} "
                              f"(fields: {', '.join(sorted(fields))})")
-        if v.lower() == "none":
-            kw[key] = None
-        elif re.fullmatch(r"\d+(x\d+)+", v):
-            kw[key] = tuple(int(x) for x in v.split("x"))
-        elif v.isdigit():
-            kw[key] = int(v)
-        elif v.lower() in ("true", "false"):
-            kw[key] = v.lower() == "true"
-        else:
-            kw[key] = v
+        # A tuple field as "128x64"; anything else as the decode bench reads its values.
+        tup = re.fullmatch(r"\d+(x\d+)+", v)
+        kw[key] = tuple(int(x) for x in v.split("x")) if tup else _value(v)
     return prefill.PrefillOptions(**kw)
 
 
